@@ -1,0 +1,176 @@
+"""Offload configuration: the frozen :class:`OffloadConfig` and the validators.
+
+Every check here raises at the API boundary, before any hook is installed, with
+a message that names the bad value and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "IO_METHODS",
+    "TARGETS",
+    "OffloadConfig",
+    "validate_offload_config",
+]
+
+TARGETS: tuple[str | None, ...] = (None, "cpu", "disk")
+IO_METHODS: tuple[str, ...] = ("auto", "direct", "buffered", "mmap")
+DEFAULT_CHUNK_BYTES = 8 << 20
+_ALIGN = 4096
+
+IOMethod = Literal["auto", "direct", "buffered", "mmap"]
+
+
+def _check_int(name: str, value: object, minimum: int, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"prefetch_offload: {name} must be an int, got {type(value).__name__} "
+            f"({value!r}). {hint}"
+        )
+    if value < minimum:
+        raise ValueError(f"prefetch_offload: {name} must be >= {minimum}, got {value}. {hint}")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """How an offload context behaves. Build it with keyword arguments.
+
+    Example:
+        >>> OffloadConfig(target="disk", save_dir="/tmp", prefetch_depth=2).io_workers
+        2
+    """
+
+    # Where saved tensors go: None (off), "cpu" (host RAM) or "disk" (slab files).
+    target: str | None = "disk"
+    # Folder for the slab files (target "disk" only). Created if missing.
+    save_dir: str | None = None
+    # How many saved tensors backward reads ahead of the one it needs; 0 reads synchronously.
+    prefetch_depth: int = 4
+    # Background IO threads that write and prefetch.
+    io_workers: int = 2
+    # Saved tensors smaller than this many bytes stay in memory.
+    min_offload_bytes: int = 1 << 16
+    # Cap on bytes queued for writing; pack waits when it is reached. Trades memory for speed.
+    max_pending_write_bytes: int = 64 << 20
+    # Largest single read or write request, in bytes (multiple of 4096).
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    # Size of each preallocated slab file, in bytes (multiple of 4096).
+    slab_bytes: int = 256 << 20
+    # How bytes move into the slabs: "direct" (O_DIRECT pread/pwrite), "buffered"
+    # (pread/pwrite through the page cache), "mmap" (memcpy into a mapping, the
+    # simple reference path), or "auto" (direct where the filesystem allows it).
+    io_method: IOMethod = "auto"
+    # Cap on slab bytes on disk; past it tensors stay in memory (None: no cap).
+    disk_bytes_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise ValueError(
+                f"Unknown activation_offloading target: {self.target!r}. "
+                "Expected None, 'cpu', or 'disk'."
+            )
+        if self.save_dir is not None and not isinstance(self.save_dir, str):
+            raise TypeError(
+                "prefetch_offload: save_dir must be a str path, got "
+                f"{type(self.save_dir).__name__}."
+            )
+        if self.target == "disk" and not self.save_dir:
+            raise ValueError(
+                "activation_offloading='disk' requires save_dir: pass a scratch folder, "
+                "e.g. offload_context('disk', save_dir='/scratch/offload')."
+            )
+        _check_int(
+            "prefetch_depth",
+            self.prefetch_depth,
+            0,
+            "Use 0 for synchronous reads or a small lookahead such as 4.",
+        )
+        _check_int("io_workers", self.io_workers, 1, "Use at least 1 IO thread, e.g. 2.")
+        _check_int(
+            "min_offload_bytes",
+            self.min_offload_bytes,
+            0,
+            "Use 0 to offload every eligible tensor.",
+        )
+        _check_int(
+            "max_pending_write_bytes",
+            self.max_pending_write_bytes,
+            1,
+            "Use a byte count such as 64 << 20.",
+        )
+        for name in ("chunk_bytes", "slab_bytes"):
+            value = getattr(self, name)
+            _check_int(name, value, _ALIGN, f"Use a multiple of {_ALIGN} bytes.")
+            if value % _ALIGN:
+                raise ValueError(
+                    f"prefetch_offload: {name} must be a multiple of {_ALIGN}, got {value}; "
+                    f"round it to {(value // _ALIGN + 1) * _ALIGN}."
+                )
+        if self.io_method not in IO_METHODS:
+            raise ValueError(
+                f"prefetch_offload: io_method must be one of {IO_METHODS}, got {self.io_method!r}."
+            )
+        if self.disk_bytes_limit is not None:
+            _check_int(
+                "disk_bytes_limit",
+                self.disk_bytes_limit,
+                0,
+                "Use None for no cap, or a byte count.",
+            )
+
+
+def validate_offload_config(
+    target: str | None,
+    backend: str,
+    device: str,
+    save_dir: str | os.PathLike[str] | None = None,
+) -> list[str]:
+    """Check an ``activation_offloading`` setting without raising.
+
+    Args:
+        target: None, "cpu" or "disk".
+        backend: "transformers", "unsloth" or "mlx".
+        device: "cuda" or "cpu" (CPU training offloads CPU tensors to disk).
+        save_dir: scratch folder; required when ``target == "disk"``.
+
+    Returns:
+        Error messages; empty when the setting is valid or disabled.
+
+    Example:
+        >>> validate_offload_config("disk", "transformers", "cpu")
+        ["activation_offloading='disk' requires a save_dir (scratch directory for offloaded activation tensors)."]
+    """  # noqa: E501
+    errors: list[str] = []
+    if target is None:
+        return errors
+    if target not in TARGETS:
+        errors.append(
+            f"Unknown activation_offloading target: {target!r}. Expected None, 'cpu', or 'disk'."
+        )
+        return errors
+    if backend == "unsloth":
+        errors.append(
+            "Activation offloading is not compatible with the unsloth backend. "
+            "Unsloth manages its own memory. Use backend: transformers."
+        )
+        return errors
+    if backend == "mlx":
+        errors.append(
+            "Activation offloading is not supported on the mlx backend. Use backend: transformers."
+        )
+        return errors
+    if device not in ("cuda", "cpu"):
+        errors.append(
+            f"Activation offloading requires CUDA or CPU training. Current device: {device}."
+        )
+    if target == "disk" and not save_dir:
+        errors.append(
+            "activation_offloading='disk' requires a save_dir "
+            "(scratch directory for offloaded activation tensors)."
+        )
+    return errors

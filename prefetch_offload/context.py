@@ -1,0 +1,111 @@
+"""``offload_context``: the one entry point users wrap around training."""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+import torch
+
+from .config import OffloadConfig
+from .engine import OffloadEngine, _NullEngine
+
+__all__ = ["OffloadContext", "offload_context"]
+
+
+class OffloadContext:
+    """Installs the offload hooks on enter and removes them on exit.
+
+    Hooks are thread-local (PyTorch keeps the saved-tensor hook stack per
+    thread): each thread that trains needs its own context. Not re-entrant.
+    """
+
+    def __init__(self, config: OffloadConfig) -> None:
+        self.config = config
+        self._engine: OffloadEngine | _NullEngine | None = None
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+
+    def __enter__(self) -> OffloadEngine | _NullEngine:
+        if self._engine is not None:
+            raise RuntimeError("prefetch_offload: an offload_context can be entered only once.")
+        if self.config.target is None:
+            self._engine = _NullEngine()
+            return self._engine
+        engine = OffloadEngine(self.config)
+        hooks = torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack)
+        try:
+            hooks.__enter__()
+        except BaseException:
+            engine.close(raise_errors=False)
+            raise
+        self._engine, self._hooks = engine, hooks
+        return engine
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        engine, hooks = self._engine, self._hooks
+        if hooks is not None:
+            hooks.__exit__(exc_type, exc, tb)
+            self._hooks = None
+        if isinstance(engine, OffloadEngine):
+            engine.close(raise_errors=exc_type is None)
+
+
+def offload_context(
+    target: str | None,
+    save_dir: str | None = None,
+    *,
+    prefetch_depth: int = 4,
+    io_workers: int = 2,
+    min_offload_bytes: int = 1 << 16,
+    max_pending_write_bytes: int = 64 << 20,
+    chunk_bytes: int = 8 << 20,
+    slab_bytes: int = 256 << 20,
+    io_method: str = "auto",
+    disk_bytes_limit: int | None = None,
+) -> OffloadContext:
+    """Offload the tensors autograd saves for backward while the block runs.
+
+    Args:
+        target: "disk" writes saved tensors to slab files in ``save_dir``;
+            "cpu" keeps them in host RAM (CPU tensors already are); None does nothing.
+        save_dir: scratch folder for "disk"; created (mode 0700) if missing.
+            Nothing in it is visible while running or left behind afterwards.
+        prefetch_depth: saved tensors read ahead of backward; 0 reads synchronously.
+        io_workers: background IO threads.
+        min_offload_bytes: smaller saved tensors stay in memory.
+        max_pending_write_bytes: cap on bytes queued for writing; pack waits at the cap.
+        chunk_bytes: largest single IO request (multiple of 4096).
+        slab_bytes: size of each preallocated slab file (multiple of 4096).
+        io_method: "auto", "direct" (O_DIRECT), "buffered" or "mmap".
+        disk_bytes_limit: cap on slab bytes; past it tensors stay in memory.
+
+    Returns:
+        A context manager whose ``__enter__`` yields the engine (``engine.stats()``).
+
+    Raises:
+        ValueError, TypeError: bad arguments or an unusable ``save_dir``, before
+            any hook is installed.
+
+    Example:
+        >>> with offload_context("disk", save_dir="/tmp/acts") as engine:  # doctest: +SKIP
+        ...     loss = model(x).sum()
+        ...     loss.backward()
+        >>> engine.stats().bytes_offloaded  # doctest: +SKIP
+    """
+    config = OffloadConfig(
+        target=target,
+        save_dir=None if save_dir is None else str(save_dir),
+        prefetch_depth=prefetch_depth,
+        io_workers=io_workers,
+        min_offload_bytes=min_offload_bytes,
+        max_pending_write_bytes=max_pending_write_bytes,
+        chunk_bytes=chunk_bytes,
+        slab_bytes=slab_bytes,
+        io_method=io_method,  # type: ignore[arg-type]
+        disk_bytes_limit=disk_bytes_limit,
+    )
+    return OffloadContext(config)

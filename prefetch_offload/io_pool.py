@@ -1,0 +1,175 @@
+"""Background IO: futures and the pools that run read and write jobs.
+
+Two pools share one interface. :class:`InlineIOPool` runs each job in the
+calling thread when it is submitted: the simple reference that tests compare
+the fast path against. :class:`ThreadIOPool` runs jobs on ``workers`` daemon
+threads, reads before writes (backward waits on reads; forward does not wait
+on writes until the byte cap is hit).
+
+# NOTE [claiming jobs]
+# A job runs exactly once, in whichever thread claims it first: a worker that
+# pops it, or a hook thread that needs the result now and would rather do the
+# read itself than wait behind a queue of prefetches. ``IOFuture.claim`` is that
+# atomic PENDING -> RUNNING step; the loser of the race just waits on the result.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+__all__ = ["READ", "WRITE", "IOFuture", "IOPool", "InlineIOPool", "ThreadIOPool"]
+
+T = TypeVar("T")
+
+READ = 0  # priority: reads first
+WRITE = 1
+
+_PENDING, _RUNNING, _DONE = 0, 1, 2
+
+
+class IOFuture(Generic[T]):
+    """The result of one IO job: ``done()``, ``result()``, and ``claim()``/``run()``.
+
+    A job's exception is stored and re-raised, with its traceback, by ``result()``.
+    """
+
+    __slots__ = ("_cond", "_exc", "_fn", "_result", "_state")
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self._fn: Callable[[], T] | None = fn
+        self._state = _PENDING
+        self._result: T | None = None
+        self._exc: BaseException | None = None
+        self._cond = threading.Condition(threading.Lock())
+
+    def claim(self) -> bool:
+        """Take the right to run the job (NOTE [claiming jobs]). True for exactly one caller."""
+        with self._cond:
+            if self._state != _PENDING:
+                return False
+            self._state = _RUNNING
+            return True
+
+    def cancel(self) -> bool:
+        """Drop the job if nobody has started it. Returns whether it was dropped."""
+        with self._cond:
+            if self._state != _PENDING:
+                return False
+            self._state = _DONE
+            self._fn = None
+            self._exc = CancelledIO()
+            self._cond.notify_all()
+            return True
+
+    def run(self) -> None:
+        """Run the claimed job and publish its result or exception."""
+        fn, self._fn = self._fn, None
+        result: T | None = None
+        exc: BaseException | None = None
+        try:
+            assert fn is not None, "IOFuture.run() without a successful claim()"
+            result = fn()
+        except BaseException as e:  # stored and re-raised by result()
+            exc = e
+        with self._cond:
+            self._result, self._exc, self._state = result, exc, _DONE
+            self._cond.notify_all()
+
+    def done(self) -> bool:
+        """Whether the job has finished (or was cancelled)."""
+        return self._state == _DONE
+
+    def wait(self) -> None:
+        """Block until the job has finished."""
+        with self._cond:
+            while self._state != _DONE:
+                self._cond.wait()
+
+    def result(self) -> T:
+        """Wait for the job and return its value, or raise its exception."""
+        self.wait()
+        if self._exc is not None:
+            raise self._exc
+        return self._result  # type: ignore[return-value]
+
+    def exception(self) -> BaseException | None:
+        """Wait for the job and return its exception, or None."""
+        self.wait()
+        return self._exc
+
+
+class CancelledIO(Exception):
+    """Stored in a future whose job was cancelled before it started."""
+
+
+class IOPool:
+    """Runs IO jobs. Subclasses decide where."""
+
+    def submit(self, fn: Callable[[], T], priority: int) -> IOFuture[T]:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Finish every queued job, then stop. Idempotent."""
+
+
+class InlineIOPool(IOPool):
+    """Runs every job at once in the submitting thread (the reference path)."""
+
+    def submit(self, fn: Callable[[], T], priority: int) -> IOFuture[T]:
+        fut: IOFuture[T] = IOFuture(fn)
+        fut.claim()
+        fut.run()
+        return fut
+
+
+class ThreadIOPool(IOPool):
+    """``workers`` daemon threads pulling jobs from one priority queue."""
+
+    def __init__(self, workers: int, name: str = "prefetch_offload-io") -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._heap: list[tuple[int, int, IOFuture[object]]] = []
+        self._seq = itertools.count()
+        self._stopping = False
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[[], T], priority: int) -> IOFuture[T]:
+        fut: IOFuture[T] = IOFuture(fn)
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("ThreadIOPool.submit after shutdown")
+            heapq.heappush(self._heap, (priority, next(self._seq), fut))  # type: ignore[arg-type]
+            self._cond.notify()
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap and not self._stopping:
+                    self._cond.wait()
+                if not self._heap:
+                    return
+                _, _, fut = heapq.heappop(self._heap)
+            if fut.claim():
+                fut.run()
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join()
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """The worker threads (for tests and diagnostics)."""
+        return list(self._threads)

@@ -1,0 +1,335 @@
+"""The slab store: preallocated, unlinked scratch files and the allocator over them.
+
+# NOTE [scratch files]
+# Slab files never have a name anyone else can see. They are opened with
+# O_TMPFILE (an unnamed inode in ``save_dir``), so a killed process leaves
+# nothing behind and the space returns when the last descriptor closes. Where
+# O_TMPFILE is unsupported, the file is created with O_CREAT|O_EXCL|O_NOFOLLOW
+# and mode 0600 under a random name and unlinked at once. Either way nothing is
+# opened through a symlink and no two processes or contexts can collide.
+#
+# NOTE [slab allocation]
+# Each slab is one file of ``slab_bytes`` reserved up front with
+# posix_fallocate, so a full disk shows up as a failed reservation (the tensor
+# stays in memory) rather than as an IO error in the middle of a write. Space is
+# handed out in whole pages, first fit, and coalesced on free, so the same
+# activations reuse the same space step after step. A tensor larger than a slab
+# gets a dedicated slab of its own size, kept for reuse by the next step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import mmap
+import os
+import secrets
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .packed import ALIGN
+
+__all__ = [
+    "Extent",
+    "SlabStore",
+    "direct_io_supported",
+    "open_scratch_file",
+    "prepare_save_dir",
+]
+
+_O_TMPFILE = getattr(os, "O_TMPFILE", 0)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def open_scratch_file(directory: str, *, direct: bool) -> int:
+    """Open a new unnamed read-write file in ``directory`` (NOTE [scratch files]).
+
+    Raises:
+        OSError: the folder does not allow it (``EINVAL`` when ``direct`` is
+            unsupported by the filesystem).
+    """
+    flags = os.O_RDWR | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
+    if _O_TMPFILE:
+        try:
+            return os.open(directory, flags | _O_TMPFILE, 0o600)
+        except OSError as exc:
+            # EOPNOTSUPP: the filesystem has no O_TMPFILE; EISDIR: the kernel predates it.
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR):
+                raise
+    path = os.path.join(directory, f".prefetch_offload-{secrets.token_hex(8)}.slab")
+    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.unlink(path)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def direct_io_supported(directory: str) -> bool:
+    """Whether files in ``directory`` accept O_DIRECT requests of 4096-byte pages."""
+    if not _O_DIRECT:
+        return False
+    try:
+        fd = open_scratch_file(directory, direct=True)
+    except OSError:
+        return False
+    try:
+        os.posix_fallocate(fd, 0, ALIGN)
+        page = mmap.mmap(-1, ALIGN)
+        try:
+            return os.pwrite(fd, page, 0) == ALIGN
+        finally:
+            page.close()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def prepare_save_dir(save_dir: str) -> Path:
+    """Create ``save_dir`` if needed (mode 0700) and prove that files can be made in it.
+
+    Raises:
+        ValueError: the path is a file, a dangling symlink, not writable, or on a
+            read-only filesystem; the message says what to change.
+    """
+    path = Path(save_dir)
+    if path.is_symlink() and not path.exists():
+        raise ValueError(
+            f"prefetch_offload: save_dir {save_dir!r} is a dangling symlink; "
+            "point it at an existing folder or pass a real folder path."
+        )
+    if path.exists() and not path.is_dir():
+        raise ValueError(
+            f"prefetch_offload: save_dir {save_dir!r} exists and is not a folder; "
+            "pass a folder path for the offload scratch files."
+        )
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"prefetch_offload: cannot create save_dir {save_dir!r} ({exc.strerror}); "
+            "pass a folder you can write to."
+        ) from exc
+    # A real probe: access() says yes to root and can be wrong on network filesystems.
+    try:
+        os.close(open_scratch_file(str(path), direct=False))
+    except OSError as exc:
+        reason = "read-only filesystem" if exc.errno == errno.EROFS else exc.strerror
+        raise ValueError(
+            f"prefetch_offload: save_dir {save_dir!r} is not writable ({reason}); "
+            "pass a folder on a writable filesystem that this user can write to."
+        ) from exc
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """A page-aligned run of bytes inside one slab."""
+
+    slab: int
+    offset: int
+    length: int
+
+
+class _Slab:
+    __slots__ = ("fd", "free", "mm", "size", "used")
+
+    def __init__(self, fd: int, size: int, mm: mmap.mmap | None) -> None:
+        self.fd = fd
+        self.size = size
+        self.mm = mm
+        # Free runs as parallel sorted lists would be faster to search; a short
+        # list of [offset, length] pairs is plenty for activations.
+        self.free: list[list[int]] = [[0, size]]
+        self.used = 0
+
+    def take(self, length: int) -> int | None:
+        for i, (off, n) in enumerate(self.free):
+            if n >= length:
+                if n == length:
+                    del self.free[i]
+                else:
+                    self.free[i] = [off + length, n - length]
+                self.used += length
+                return off
+        return None
+
+    def give(self, offset: int, length: int) -> None:
+        self.used -= length
+        i = bisect.bisect_left(self.free, [offset, 0])
+        self.free.insert(i, [offset, length])
+        # Coalesce with the next run, then with the previous one.
+        if i + 1 < len(self.free) and offset + length == self.free[i + 1][0]:
+            self.free[i][1] += self.free.pop(i + 1)[1]
+        if i > 0 and self.free[i - 1][0] + self.free[i - 1][1] == offset:
+            self.free[i - 1][1] += self.free.pop(i)[1]
+
+
+class SlabStore:
+    """Slab files in one folder, an allocator over them, and the byte movers.
+
+    ``allocate``/``free`` are thread-safe. ``write``/``read`` may run
+    concurrently from many threads on disjoint extents. ``close`` must only be
+    called once no request is in flight.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        slab_bytes: int,
+        io_method: str = "auto",
+        disk_bytes_limit: int | None = None,
+    ) -> None:
+        if io_method == "auto":
+            io_method = "direct" if direct_io_supported(directory) else "buffered"
+        elif io_method == "direct" and not direct_io_supported(directory):
+            raise ValueError(
+                f"prefetch_offload: io_method='direct' but {directory!r} does not support "
+                "O_DIRECT (tmpfs, some network filesystems); use io_method='auto'."
+            )
+        self.directory = directory
+        self.io_method = io_method
+        self.slab_bytes = slab_bytes
+        self.disk_bytes_limit = disk_bytes_limit
+        self._lock = threading.Lock()
+        self._slabs: dict[int, _Slab] = {}
+        self._next_id = 0
+        self.reserved_bytes = 0
+        self.used_bytes = 0
+        self.peak_reserved_bytes = 0
+        self.peak_used_bytes = 0
+        self.closed = False
+
+    # -- allocation -----------------------------------------------------------------
+
+    def allocate(self, length: int) -> Extent | None:
+        """Reserve ``length`` bytes (a multiple of 4096).
+
+        Returns:
+            The extent, or None when the disk is full or ``disk_bytes_limit`` is
+            reached (the caller keeps the tensor in memory).
+
+        Raises:
+            OSError: creating a slab failed for a reason other than space.
+        """
+        with self._lock:
+            for sid, slab in self._slabs.items():
+                off = slab.take(length)
+                if off is not None:
+                    self._count_use(length)
+                    return Extent(sid, off, length)
+            size = max(self.slab_bytes, length)
+            if (
+                self.disk_bytes_limit is not None
+                and self.reserved_bytes + size > self.disk_bytes_limit
+            ):
+                return None
+            slab = self._new_slab(size)
+            if slab is None:
+                return None
+            sid = self._next_id
+            self._next_id += 1
+            self._slabs[sid] = slab
+            self.reserved_bytes += size
+            self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+            off = slab.take(length)
+            assert off == 0
+            self._count_use(length)
+            return Extent(sid, 0, length)
+
+    def _count_use(self, length: int) -> None:
+        self.used_bytes += length
+        self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
+
+    def _new_slab(self, size: int) -> _Slab | None:
+        fd = open_scratch_file(self.directory, direct=self.io_method == "direct")
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    os.close(fd)
+                    return None
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size) if self.io_method == "mmap" else None
+        except BaseException:
+            os.close(fd)
+            raise
+        return _Slab(fd, size, mm)
+
+    def free(self, extent: Extent) -> None:
+        """Return an extent's space to the allocator."""
+        with self._lock:
+            slab = self._slabs.get(extent.slab)
+            if slab is None:  # store already closed
+                return
+            slab.give(extent.offset, extent.length)
+            self.used_bytes -= extent.length
+
+    def trim(self) -> None:
+        """Close slabs that hold no live extent, returning their disk space."""
+        with self._lock:
+            for sid in [sid for sid, s in self._slabs.items() if s.used == 0]:
+                slab = self._slabs.pop(sid)
+                self.reserved_bytes -= slab.size
+                _close_slab(slab)
+
+    def close(self) -> None:
+        """Close every slab. Idempotent."""
+        with self._lock:
+            slabs, self._slabs = self._slabs, {}
+            self.reserved_bytes = 0
+            self.used_bytes = 0
+            self.closed = True
+        for slab in slabs.values():
+            _close_slab(slab)
+
+    # -- byte movers ------------------------------------------------------------------
+
+    def write(self, extent: Extent, offset: int, data: memoryview) -> None:
+        """Write ``data`` at ``offset`` bytes into ``extent`` (page-aligned for "direct")."""
+        slab = self._slabs[extent.slab]
+        pos = extent.offset + offset
+        if slab.mm is not None:
+            dst = np.frombuffer(slab.mm, dtype=np.uint8, count=len(data), offset=pos)
+            np.copyto(dst, np.frombuffer(data, dtype=np.uint8))
+            return
+        view = data
+        while view:
+            n = os.pwrite(slab.fd, view, pos)
+            view = view[n:]
+            pos += n
+
+    def read(self, extent: Extent, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from ``offset`` bytes into ``extent``."""
+        slab = self._slabs[extent.slab]
+        pos = extent.offset + offset
+        if slab.mm is not None:
+            src = np.frombuffer(slab.mm, dtype=np.uint8, count=len(out), offset=pos)
+            np.copyto(np.frombuffer(out, dtype=np.uint8), src)
+            return
+        view = out
+        while view:
+            n = os.preadv(slab.fd, [view], pos)
+            if n == 0:
+                raise OSError(errno.EIO, f"short read at offset {pos} of a slab file")
+            view = view[n:]
+            pos += n
+
+
+def _close_slab(slab: _Slab) -> None:
+    if slab.mm is not None:
+        try:
+            slab.mm.close()
+        except BufferError:
+            # A numpy view still exports the mapping; it is unmapped when that view dies.
+            pass
+    os.close(slab.fd)

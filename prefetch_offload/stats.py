@@ -1,0 +1,85 @@
+"""Counters the engine keeps, and the frozen snapshot users read.
+
+The engine updates one :class:`StatsCounter` under its own lock from the hook
+threads and the IO workers; :meth:`StatsCounter.snapshot` copies it into an
+immutable :class:`OffloadStats`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+
+__all__ = ["OffloadStats", "StatsCounter"]
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """A snapshot of what an offload context did. All counts are cumulative."""
+
+    # Saved tensors whose bytes were written to the target and released from memory.
+    tensors_offloaded: int = 0
+    # Bytes actually written to the target (storage spans, before alignment padding).
+    bytes_offloaded: int = 0
+    # Bytes read back from the target (prefetches and synchronous reads).
+    bytes_read: int = 0
+    # Saved tensors kept in memory because they were not eligible (parameters,
+    # small, non-strided, other devices, ...).
+    tensors_kept: int = 0
+    # Pack calls answered by an already-offloaded tensor (same storage, view and version).
+    dedup_hits: int = 0
+    # Unpacks served without waiting for IO (prefetched, or still in memory).
+    prefetch_hits: int = 0
+    # Unpacks that had to wait for a read (an in-flight prefetch or a synchronous read).
+    prefetch_misses: int = 0
+    # Seconds unpack calls spent waiting for reads.
+    stall_seconds: float = 0.0
+    # Seconds pack calls spent waiting because the write queue was at its byte cap.
+    pack_wait_seconds: float = 0.0
+    # Tensors that could not be written (full disk, disk cap, IO error) and stayed in memory.
+    fallbacks: int = 0
+    # Largest number of bytes that were queued for writing at once.
+    peak_pending_write_bytes: int = 0
+    # Disk bytes reserved in slab files right now, and the most ever reserved.
+    disk_bytes_reserved: int = 0
+    peak_disk_bytes_reserved: int = 0
+    # Bytes of slab space holding live tensors right now, and the most ever.
+    disk_bytes_in_use: int = 0
+    peak_disk_bytes_in_use: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of unpacks served without waiting (0.0 when nothing was unpacked)."""
+        total = self.prefetch_hits + self.prefetch_misses
+        return self.prefetch_hits / total if total else 0.0
+
+
+class StatsCounter:
+    """Mutable, lock-protected counters behind :class:`OffloadStats`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = {f.name: f.default for f in dataclasses.fields(OffloadStats)}
+
+    def add(self, **deltas: float) -> None:
+        """Add each keyword's value to the counter of that name."""
+        with self._lock:
+            for name, delta in deltas.items():
+                self._values[name] += delta
+
+    def set_max(self, name: str, value: int) -> None:
+        """Raise counter ``name`` to ``value`` if it is lower."""
+        with self._lock:
+            if value > self._values[name]:
+                self._values[name] = value
+
+    def set(self, **values: float) -> None:
+        """Overwrite counters with absolute values."""
+        with self._lock:
+            self._values.update(values)
+
+    def snapshot(self) -> OffloadStats:
+        """Return an immutable copy of the current counts."""
+        with self._lock:
+            return OffloadStats(**self._values)  # type: ignore[arg-type]
