@@ -11,7 +11,7 @@ from .context import OffloadContext, offload_context
 from .engine import OffloadEngine
 
 # Errors
-from .errors import OffloadError, OffloadIOError
+from .errors import OffloadError, OffloadFallbackWarning, OffloadIOError
 
 # Statistics
 from .stats import OffloadStats
@@ -25,6 +25,7 @@ __all__ = [
     "OffloadEngine",
     # errors
     "OffloadError",
+    "OffloadFallbackWarning",
     "OffloadIOError",
     "OffloadStats",
     "offload_context",

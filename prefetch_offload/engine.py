@@ -59,7 +59,7 @@ import torch
 
 from .config import OffloadConfig
 from .device import DeviceLayer, HostDevice
-from .errors import OffloadError, OffloadIOError
+from .errors import OffloadError, OffloadFallbackWarning, OffloadIOError
 from .io_pool import READ, WRITE, InlineIOPool, IOFuture, IOPool, ThreadIOPool
 from .packed import PackedLayout, describe, new_read_buffer, source_buffer
 from .scheduler import PrefetchScheduler
@@ -194,6 +194,8 @@ class OffloadEngine:
         self._lock = threading.Lock()
         self._writes_idle = threading.Condition(self._lock)
         self._pending_write_bytes = 0
+        # Write jobs in submission order (NOTE [record lifetime]: flush waits on them).
+        self._write_futs: collections.deque[IOFuture[None]] = collections.deque()
         self._stats = StatsCounter()
         self._scheduler = PrefetchScheduler(config.prefetch_depth)
         self._dedup: dict[tuple[Any, ...], tuple[Any, int, weakref.ref[_Record]]] = {}
@@ -223,6 +225,23 @@ class OffloadEngine:
             peak_disk_bytes_in_use=store.peak_used_bytes,
         )
         return self._stats.snapshot()
+
+    def flush(self) -> None:
+        """Block until every queued write has finished; raise a stored worker error."""
+        self._wait_writes()
+        self._raise_pending()
+
+    def _wait_writes(self) -> None:
+        """Wait until every write job has finished and dropped its record."""
+        futs = self._write_futs
+        while True:
+            with self._lock:
+                while futs and futs[0].done():
+                    futs.popleft()
+                if not futs:
+                    return
+                fut = futs[0]
+            fut.wait()
 
     # -- pack -----------------------------------------------------------------------------
 
@@ -304,10 +323,17 @@ class OffloadEngine:
             self._stats.set_max("peak_pending_write_bytes", self._pending_write_bytes)
             rec.writes_left = -(-nbytes // chunk)
         src = source_buffer(host, layout)
-        for off in range(0, nbytes, chunk):
-            view = src[off : off + chunk]
-            job = functools.partial(self._write, rec, off, view)
-            self._pool.submit(job, WRITE)
+        submitted = [
+            self._pool.submit(
+                functools.partial(self._write, rec, off, src[off : off + chunk]), WRITE
+            )
+            for off in range(0, nbytes, chunk)
+        ]
+        with self._lock:
+            futs = self._write_futs
+            while futs and futs[0].done():
+                futs.popleft()
+            futs.extend(submitted)
 
     def _write(self, rec: _Record, off: int, view: memoryview) -> None:
         """IO job: write one chunk; the last chunk of a record publishes the outcome."""
@@ -365,7 +391,7 @@ class OffloadEngine:
             f"prefetch_offload: no space left for activations in {self.config.save_dir!r}"
             f"{cap} ({what}); tensors that do not fit stay in memory. Free disk space, "
             "raise disk_bytes_limit, or pick another save_dir.",
-            ResourceWarning,
+            OffloadFallbackWarning,
             stacklevel=3,
         )
 
@@ -381,7 +407,9 @@ class OffloadEngine:
         if src is not None:
             self._stats.add(prefetch_hits=1)
             self._prefetch_after(rec)
-            return self._device.to_device(src, rec.device)
+            out = self._device.to_device(src, rec.device)
+            rec.restored = weakref.ref(out)
+            return out
         prior = rec.restored() if rec.restored is not None else None
         if prior is not None:
             self._stats.add(prefetch_hits=1)
@@ -445,7 +473,7 @@ class OffloadEngine:
             for cand in self._scheduler.window(rec):
                 assert isinstance(cand, _Record)
                 cand.prefetch = self._pool.submit(self._read_job(cand), READ)
-                self._scheduler.issued(cand)
+                self._scheduler.issued(cand, rec)
 
     # -- lifetime -------------------------------------------------------------------------
 
@@ -483,9 +511,8 @@ class OffloadEngine:
         """
         if self._closed:
             return
+        self._wait_writes()
         with self._lock:
-            while self._pending_write_bytes:
-                self._writes_idle.wait()
             self._closed = True
             self._scheduler.clear()
         self._pool.shutdown()

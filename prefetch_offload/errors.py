@@ -7,7 +7,7 @@ corrupted read, use after shutdown) raises a subclass of :class:`OffloadError`.
 
 from __future__ import annotations
 
-__all__ = ["OffloadError", "OffloadIOError"]
+__all__ = ["OffloadError", "OffloadFallbackWarning", "OffloadIOError"]
 
 
 class OffloadError(RuntimeError):
@@ -19,4 +19,11 @@ class OffloadIOError(OffloadError):
 
     Raised at the hook call (pack or unpack) that follows the failure, or at
     context exit, with the original ``OSError`` chained as ``__cause__``.
+    """
+
+
+class OffloadFallbackWarning(UserWarning):
+    """Some saved tensors stayed in memory because the disk (or the disk cap) is full.
+
+    Issued once per context; ``OffloadStats.fallbacks`` counts every such tensor.
     """

@@ -75,6 +75,8 @@ class IOFuture(Generic[T]):
             result = fn()
         except BaseException as e:  # stored and re-raised by result()
             exc = e
+        # Drop the job (and whatever it references) before anyone can see it done.
+        del fn
         with self._cond:
             self._result, self._exc, self._state = result, exc, _DONE
             self._cond.notify_all()

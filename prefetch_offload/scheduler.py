@@ -5,11 +5,15 @@
 # packed them. The scheduler keeps every live record in pack order (weakly:
 # it never keeps a record alive). When backward unpacks the record at position
 # p, the next ``depth`` live records below p form the window; each one that
-# needs a read and has none in flight gets a prefetch. At most ``depth``
-# prefetches are outstanding at once: when a misprediction would exceed that,
-# the oldest unconsumed prefetch is dropped (cancelled if not started, and its
-# buffer freed when the read finishes). So prefetch memory is bounded by the
-# ``depth`` largest tensors, whatever order backward really takes.
+# needs a read and has none in flight gets a prefetch.
+#
+# Real backward order is only roughly reversed: one node unpacks its own saved
+# tensors in the order they were saved (a matmul unpacks ``a`` then ``b``), and
+# branches interleave. So up to ``2 * depth`` prefetches may be outstanding, and
+# when a new one would exceed that, the one farthest from p (the most
+# speculative, or one that backward passed over) is dropped: cancelled if not
+# started, its buffer freed when the read finishes. Prefetch memory is thus
+# bounded by the ``2 * depth`` largest tensors, whatever order backward takes.
 #
 # The scheduler has no lock of its own; the engine calls it under its lock.
 """
@@ -17,7 +21,6 @@
 from __future__ import annotations
 
 import weakref
-from collections import deque
 from typing import Protocol
 
 __all__ = ["PrefetchScheduler", "Schedulable"]
@@ -46,7 +49,8 @@ class PrefetchScheduler:
         self._scan_limit = scan_limit + 8 * depth
         self._order: list[weakref.ref[Schedulable]] = []
         self._live = 0
-        self._outstanding: deque[weakref.ref[Schedulable]] = deque()
+        # Records with an unconsumed prefetch, by identity.
+        self._outstanding: dict[int, weakref.ref[Schedulable]] = {}
 
     def register(self, rec: Schedulable) -> None:
         """Append a newly packed record; sets ``rec.pos``."""
@@ -92,24 +96,36 @@ class PrefetchScheduler:
                 picked.append(cand)
         return picked
 
-    def issued(self, rec: Schedulable) -> None:
-        """Record that ``rec`` got a prefetch; evicts the oldest beyond ``depth``."""
-        self._outstanding.append(weakref.ref(rec))
-        while len(self._outstanding) > self.depth:
-            old = self._outstanding.popleft()()
-            if old is not None:
-                old.drop_prefetch()
+    def issued(self, rec: Schedulable, anchor: Schedulable) -> None:
+        """Record that ``rec`` got a prefetch while ``anchor`` was being unpacked.
+
+        Drops the outstanding prefetch farthest from ``anchor`` while more than
+        ``2 * depth`` are outstanding (NOTE [lookahead]).
+        """
+        out = self._outstanding
+        out[id(rec)] = weakref.ref(rec)
+        if len(out) <= 2 * self.depth:
+            return
+        live: list[tuple[int, int, Schedulable]] = []
+        for key, ref in list(out.items()):
+            r = ref()
+            if r is None:
+                del out[key]
+            else:
+                live.append((abs(r.pos - anchor.pos), key, r))
+        live.sort(key=lambda item: item[0])
+        for _, key, r in live[2 * self.depth :]:
+            del out[key]
+            r.drop_prefetch()
 
     def consumed(self, rec: Schedulable) -> None:
         """Record that ``rec``'s prefetch was taken by an unpack."""
-        for i, ref in enumerate(self._outstanding):
-            if ref() is rec:
-                del self._outstanding[i]
-                return
+        self._outstanding.pop(id(rec), None)
 
     def clear(self) -> None:
         """Drop every outstanding prefetch."""
-        while self._outstanding:
-            old = self._outstanding.popleft()()
-            if old is not None:
-                old.drop_prefetch()
+        out, self._outstanding = self._outstanding, {}
+        for ref in out.values():
+            r = ref()
+            if r is not None:
+                r.drop_prefetch()

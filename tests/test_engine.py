@@ -1,0 +1,553 @@
+"""The engine end to end: exact gradients in every mode, lifetime, dedup, stats, errors."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import errno
+import gc
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from prefetch_offload import (
+    OffloadConfig,
+    OffloadEngine,
+    OffloadFallbackWarning,
+    OffloadIOError,
+    offload_context,
+)
+from prefetch_offload.io_pool import InlineIOPool
+from prefetch_offload.testing import TinyTransformer, make_batch
+
+Grads = list[torch.Tensor]
+
+
+def _model(dtype: torch.dtype = torch.float32, *, seed: int = 0) -> TinyTransformer:
+    torch.manual_seed(seed)
+    return TinyTransformer(vocab=64, width=32, depth=2, heads=2).to(dtype)
+
+
+def _grads(model: torch.nn.Module) -> Grads:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _assert_same(a: Grads, b: Grads) -> None:
+    assert len(a) == len(b) and a
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y), (x - y).abs().max()
+
+
+def _reference(model: torch.nn.Module, fn: Callable[[torch.nn.Module], None]) -> Grads:
+    ref = copy.deepcopy(model)
+    fn(ref)
+    return _grads(ref)
+
+
+@contextlib.contextmanager
+def _engine(save_dir: Path, *, inline: bool = False, **kw: Any) -> Iterator[OffloadEngine]:
+    """An engine with its hooks installed, built directly (lets tests pick the pool)."""
+    kw.setdefault("min_offload_bytes", 0)
+    cfg = OffloadConfig(target="disk", save_dir=str(save_dir), **kw)
+    engine = OffloadEngine(cfg, pool=InlineIOPool() if inline else None)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+            yield engine
+    finally:
+        engine.close(raise_errors=False)
+
+
+def _fd_targets(save_dir: Path) -> list[str]:
+    """Open file descriptors of this process that point into ``save_dir``."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(str(save_dir)):
+                out.append(target)
+    return out
+
+
+# -- exact gradients --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("depth", [0, 1, 4])
+@pytest.mark.parametrize("flush", [False, True], ids=["overlapped", "read-from-disk"])
+def test_transformer_grads_bit_identical(
+    save_dir: Path, dtype: torch.dtype, depth: int, flush: bool
+) -> None:
+    model = _model(dtype)
+    tokens, targets = make_batch(4, 32, vocab=64)
+
+    def step(m: torch.nn.Module) -> None:
+        m(tokens, targets).backward()
+
+    ref = _reference(model, step)
+    with offload_context("disk", save_dir, prefetch_depth=depth, min_offload_bytes=0) as engine:
+        loss = model(tokens, targets)
+        if flush:
+            engine.flush()  # every saved tensor is on disk; backward must read it all back
+        loss.backward()
+    _assert_same(_grads(model), ref)
+    stats = engine.stats()
+    assert stats.tensors_offloaded > 10
+    assert stats.bytes_offloaded > 0
+    if flush:
+        assert stats.bytes_read >= stats.bytes_offloaded
+        assert stats.prefetch_hits + stats.prefetch_misses >= stats.tensors_offloaded
+
+
+@pytest.mark.parametrize("io_method", ["direct", "buffered", "mmap"])
+@pytest.mark.parametrize("inline", [True, False], ids=["inline-pool", "thread-pool"])
+def test_io_methods_and_pools_agree(save_dir: Path, io_method: str, inline: bool) -> None:
+    from prefetch_offload.slab import direct_io_supported
+
+    if io_method == "direct" and not direct_io_supported(str(save_dir)):
+        pytest.skip("filesystem without O_DIRECT")
+    model = _model()
+    tokens, targets = make_batch(4, 32, vocab=64)
+    ref = _reference(model, lambda m: m(tokens, targets).backward())
+    with _engine(save_dir, inline=inline, io_method=io_method, chunk_bytes=8192) as engine:
+        loss = model(tokens, targets)
+        engine.flush()
+        loss.backward()
+    assert engine.io_method == io_method
+    _assert_same(_grads(model), ref)
+    assert engine.stats().bytes_read > 0
+
+
+def test_checkpoint_non_reentrant(save_dir: Path) -> None:
+    model = _model()
+    tokens, targets = make_batch(4, 32, vocab=64)
+
+    def step(m: TinyTransformer) -> None:
+        x = m.embed(tokens)
+        for block in m.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        logits = m.head(m.norm(x))
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+
+    ref = _reference(model, step)
+    with offload_context("disk", save_dir, min_offload_bytes=0) as engine:
+        step(model)
+    _assert_same(_grads(model), ref)
+    assert engine.stats().tensors_offloaded > 0
+
+
+def test_retain_graph_backward_twice(save_dir: Path) -> None:
+    model = _model()
+    tokens, targets = make_batch(4, 32, vocab=64)
+
+    def step(m: torch.nn.Module) -> None:
+        loss = m(tokens, targets)
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    ref = _reference(model, step)
+    with _engine(save_dir) as engine:
+        loss = model(tokens, targets)
+        engine.flush()
+        loss.backward(retain_graph=True)
+        gc.collect()
+        loss.backward()
+    _assert_same(_grads(model), ref)
+    stats = engine.stats()
+    assert stats.bytes_read >= 2 * stats.bytes_offloaded
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_two_micro_batches_either_order(save_dir: Path, order: tuple[int, int]) -> None:
+    model = _model()
+    batches = [make_batch(4, 32, vocab=64, seed=s) for s in (1, 2)]
+
+    def step(m: torch.nn.Module) -> None:
+        losses = [m(x, y) for x, y in batches]
+        for i in order:
+            losses[i].backward()
+
+    ref = _reference(model, step)
+    with offload_context("disk", save_dir, min_offload_bytes=0):
+        step(model)
+    _assert_same(_grads(model), ref)
+
+
+def test_backward_after_context_exit(save_dir: Path) -> None:
+    model = _model()
+    tokens, targets = make_batch(4, 32, vocab=64)
+    ref = _reference(model, lambda m: m(tokens, targets).backward())
+    with offload_context("disk", save_dir, min_offload_bytes=0) as engine:
+        loss = model(tokens, targets)
+    assert engine.closed
+    assert not [t for t in threading.enumerate() if t.name.startswith("prefetch_offload")]
+    assert os.listdir(save_dir) == []
+    loss.backward()
+    _assert_same(_grads(model), ref)
+    assert engine.stats().bytes_read > 0
+
+
+def test_two_threads_each_with_own_context(save_dir: Path) -> None:
+    models = [_model(seed=s) for s in (0, 1)]
+    batches = [make_batch(4, 32, vocab=64, seed=s) for s in (3, 4)]
+    refs = [
+        _reference(m, lambda m, b=b: m(*b).backward()) for m, b in zip(models, batches, strict=True)
+    ]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def train(i: int) -> None:
+        try:
+            with offload_context("disk", save_dir, min_offload_bytes=0) as engine:
+                barrier.wait()
+                for _ in range(3):
+                    loss = models[i](*batches[i])
+                    barrier.wait()  # both threads are mid-step at the same time
+                    loss.backward()
+            assert engine.stats().tensors_offloaded > 0
+        except BaseException as exc:
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for m, ref in zip(models, refs, strict=True):
+        _assert_same(_grads(m), [3 * g for g in ref])
+
+
+# -- lifetime and space -------------------------------------------------------------------
+
+
+def test_saved_activation_released_once_on_disk(save_dir: Path) -> None:
+    a = torch.randn(1 << 16, requires_grad=True)
+    with _engine(save_dir) as engine:
+        b = a * 2
+        c = b.sin()  # saves b
+        ref = weakref.ref(b)
+        del b
+        engine.flush()
+        gc.collect()
+        assert ref() is None, "the saved activation is still held after its write finished"
+        c.sum().backward()
+    assert torch.equal(a.grad, 2 * (a.detach() * 2).cos())
+
+
+def test_space_is_reused_across_steps(save_dir: Path) -> None:
+    model = _model()
+    tokens, targets = make_batch(4, 32, vocab=64)
+    with offload_context("disk", save_dir, min_offload_bytes=0, slab_bytes=1 << 20) as engine:
+        model(tokens, targets).backward()
+        engine.flush()  # a write may still be running for a tensor backward took from memory
+        gc.collect()
+        first = engine.stats()
+        assert first.disk_bytes_in_use == 0
+        for _ in range(15):
+            model(tokens, targets).backward()
+            engine.flush()
+            gc.collect()
+            stats = engine.stats()
+            assert stats.disk_bytes_in_use == 0
+            assert stats.disk_bytes_reserved == first.disk_bytes_reserved
+    assert stats.peak_disk_bytes_reserved == first.peak_disk_bytes_reserved
+    assert stats.tensors_offloaded == 16 * first.tensors_offloaded
+
+
+def test_nothing_left_behind_after_exit_or_exception(save_dir: Path) -> None:
+    model = _model()
+    tokens, targets = make_batch(4, 32, vocab=64)
+    with offload_context("disk", save_dir, min_offload_bytes=0) as engine:
+        loss = model(tokens, targets)
+        assert os.listdir(save_dir) == []  # slab files are never visible
+        assert _fd_targets(save_dir)
+        loss.backward()
+    assert os.listdir(save_dir) == []
+    del loss, engine
+    gc.collect()
+    assert _fd_targets(save_dir) == []  # every slab file closed: disk space is back
+
+    with pytest.raises(ZeroDivisionError), offload_context("disk", save_dir, min_offload_bytes=0):
+        loss = model(tokens, targets)
+        raise ZeroDivisionError
+    del loss
+    gc.collect()
+    assert os.listdir(save_dir) == []
+    assert _fd_targets(save_dir) == []
+
+
+def test_unpacked_tensors_are_never_recycled(save_dir: Path) -> None:
+    """Memory handed to autograd must not be reused while a tensor still uses it."""
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    class Stash(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            ctx.save_for_backward(x)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            (saved,) = ctx.saved_tensors
+            kept.append((saved, saved.clone()))  # hold the unpacked tensor past backward
+            return g
+
+    w = torch.ones(1, requires_grad=True)
+    with _engine(save_dir, prefetch_depth=4) as engine:
+        for step in range(6):
+            outs = [Stash.apply(torch.full((4096,), float(step * 10 + i)) * w) for i in range(8)]
+            engine.flush()
+            sum(o.sum() for o in outs).backward()
+    assert len(kept) == 48
+    for held, copy_at_backward in kept:
+        assert torch.equal(held, copy_at_backward)
+
+
+# -- dedup ---------------------------------------------------------------------------------
+
+
+def test_same_tensor_saved_three_times_is_written_once(save_dir: Path) -> None:
+    v = torch.randn(256, requires_grad=True)
+    w = torch.randn(256, requires_grad=True)
+    x0 = torch.randn(64, 256)
+
+    def step(v: torch.Tensor, w: torch.Tensor) -> None:
+        x = x0 * v  # sin, cos and mul each save x
+        (x.sin() + x.cos() + x * w).sum().backward()
+
+    v_ref, w_ref = (t.detach().clone().requires_grad_() for t in (v, w))
+    step(v_ref, w_ref)
+    with _engine(save_dir) as engine:
+        step(v, w)
+    assert torch.equal(v.grad, v_ref.grad) and torch.equal(w.grad, w_ref.grad)
+    stats = engine.stats()
+    assert stats.tensors_offloaded == 2  # x0 (saved by x0 * v) and x
+    assert stats.dedup_hits == 2
+    assert stats.bytes_offloaded == 2 * 64 * 256 * 4
+
+
+def test_dedup_not_fooled_by_address_reuse(save_dir: Path) -> None:
+    """A new storage at a freed tensor's address, same shape and version, is a new tensor."""
+    mem = bytearray(4 * 4096)
+    with _engine(save_dir) as engine:
+        a = torch.frombuffer(mem, dtype=torch.float32)
+        a.fill_(1.0)
+        addr, version = a.data_ptr(), a._version
+        h1 = engine.pack(a)
+        engine.flush()
+        del a
+        gc.collect()
+        b = torch.frombuffer(mem, dtype=torch.float32)
+        assert b.data_ptr() == addr
+        b.fill_(2.0)  # bumps b's own counter; make it match a's so only identity differs
+        assert b._version >= version
+        h2 = engine.pack(b)
+        engine.flush()
+        assert engine.stats().dedup_hits == 0
+        assert torch.equal(engine.unpack(h1), torch.ones(4096))
+        assert torch.equal(engine.unpack(h2), torch.full((4096,), 2.0))
+
+
+def test_dedup_sees_in_place_updates(save_dir: Path) -> None:
+    with _engine(save_dir) as engine:
+        buf = torch.zeros(4096)
+        h1 = engine.pack(buf)
+        engine.flush()
+        buf.add_(1)
+        h2 = engine.pack(buf)
+        engine.flush()
+        assert engine.stats().dedup_hits == 0
+        assert torch.equal(engine.unpack(h1), torch.zeros(4096))
+        assert torch.equal(engine.unpack(h2), torch.ones(4096))
+
+
+# -- what is and is not offloaded ---------------------------------------------------------
+
+
+def test_parameters_small_and_leaf_tensors_stay_in_memory(save_dir: Path) -> None:
+    lin = torch.nn.Linear(256, 256)
+    x = torch.randn(64, 256, requires_grad=True)  # a leaf input: held by the user anyway
+    with _engine(save_dir, min_offload_bytes=1 << 20) as engine:
+        big = (x * 3).relu()  # relu saves its 64 KiB result: under the threshold
+        lin(big).sum().backward()
+    stats = engine.stats()
+    assert stats.tensors_offloaded == 0
+    assert stats.tensors_kept >= 2  # the weight view (weight.t()) and small tensors
+    with _engine(save_dir) as engine:
+        lin(x).sum().backward()  # saves x (leaf) and weight.t() (a Parameter's view)
+    assert engine.stats().tensors_offloaded == 0
+
+
+def test_no_bytes_under_no_grad(save_dir: Path) -> None:
+    model = _model()
+    tokens, targets = make_batch(4, 32, vocab=64)
+    with offload_context("disk", save_dir, min_offload_bytes=0) as engine, torch.no_grad():
+        model(tokens, targets)
+    stats = engine.stats()
+    assert stats.tensors_offloaded == stats.bytes_offloaded == stats.tensors_kept == 0
+
+
+def test_stats_exact_for_a_chain(save_dir: Path) -> None:
+    """Inline pool, depth 1: the first unpack reads synchronously, each one prefetches the next."""
+    n = 6
+    x = torch.randn(4096, requires_grad=True)
+    with _engine(save_dir, inline=True, prefetch_depth=1) as engine:
+        y = x * 1.0
+        for _ in range(n):
+            y = y.sin()  # each sin saves its input: n distinct 16 KiB tensors
+        y.sum().backward()
+    stats = engine.stats()
+    assert stats.tensors_offloaded == n
+    assert stats.bytes_offloaded == n * 4096 * 4
+    assert stats.bytes_read == n * 4096 * 4
+    assert (stats.prefetch_misses, stats.prefetch_hits) == (1, n - 1)
+    assert stats.hit_rate == pytest.approx((n - 1) / n)
+
+
+def test_depth_zero_reads_synchronously(save_dir: Path) -> None:
+    x = torch.randn(4096, requires_grad=True)
+    with _engine(save_dir, prefetch_depth=0) as engine:
+        y = x * 1.0
+        for _ in range(5):
+            y = y.sin()
+        engine.flush()
+        y.sum().backward()
+    stats = engine.stats()
+    assert (stats.prefetch_hits, stats.prefetch_misses) == (0, 5)
+    assert stats.stall_seconds > 0
+
+
+# -- IO under pressure and failure ------------------------------------------------------
+
+
+def test_slow_writes_are_served_from_memory_and_capped(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _model()
+    tokens, targets = make_batch(4, 32, vocab=64)
+    ref = _reference(model, lambda m: m(tokens, targets).backward())
+    cap = 128 << 10  # above the largest saved tensor, so the cap is never exceeded
+    with _engine(save_dir, max_pending_write_bytes=cap) as engine:
+        real_write = engine._store.write
+
+        def slow_write(*args: Any) -> None:
+            time.sleep(0.002)
+            real_write(*args)
+
+        monkeypatch.setattr(engine._store, "write", slow_write)
+        model(tokens, targets).backward()
+    _assert_same(_grads(model), ref)
+    stats = engine.stats()
+    assert stats.peak_pending_write_bytes <= cap
+    assert stats.pack_wait_seconds > 0
+
+
+def test_slow_reads_stall_but_stay_exact(save_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model()
+    tokens, targets = make_batch(4, 32, vocab=64)
+    ref = _reference(model, lambda m: m(tokens, targets).backward())
+    with _engine(save_dir, prefetch_depth=2) as engine:
+        real_read = engine._store.read
+
+        def slow_read(*args: Any) -> None:
+            time.sleep(0.003)
+            real_read(*args)
+
+        monkeypatch.setattr(engine._store, "read", slow_read)
+        loss = model(tokens, targets)
+        engine.flush()
+        loss.backward()
+    _assert_same(_grads(model), ref)
+    assert engine.stats().stall_seconds > 0
+
+
+def test_engine_keeps_working_after_a_write_error(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _model()
+    tokens, targets = make_batch(4, 32, vocab=64)
+    ref = _reference(model, lambda m: m(tokens, targets).backward())
+    with _engine(save_dir) as engine:
+        real_write = engine._store.write
+
+        def failing_write(*args: Any) -> None:
+            raise OSError(errno.EIO, "injected write failure")
+
+        monkeypatch.setattr(engine._store, "write", failing_write)
+        with pytest.raises(OffloadIOError, match="injected write failure") as info:
+            model(tokens, targets)  # raised by the first pack after a failed write
+            engine.flush()
+        assert isinstance(info.value.__cause__, OSError)
+        assert engine.stats().fallbacks > 0
+        monkeypatch.setattr(engine._store, "write", real_write)
+        model.zero_grad()
+        model(tokens, targets).backward()
+    _assert_same(_grads(model), ref)
+
+
+def _fail_writes(engine: OffloadEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing_write(*args: Any) -> None:
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(engine._store, "write", failing_write)
+
+
+def test_write_error_raised_at_next_pack(save_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(4096, requires_grad=True)
+    with _engine(save_dir, inline=True) as engine:
+        _fail_writes(engine, monkeypatch)
+        y = (x * 2).sin()  # the inline write fails here and is recorded ...
+        with pytest.raises(OffloadIOError, match="injected"):
+            y.cos()  # ... and raised at the next pack
+        y.sum().backward()  # the tensor stayed in memory
+    assert torch.equal(x.grad, 2 * (x.detach() * 2).cos())
+
+
+def test_write_error_raised_at_exit(save_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(4096, requires_grad=True)
+    with pytest.raises(OffloadIOError, match="injected"):
+        with offload_context("disk", save_dir, min_offload_bytes=0) as engine:
+            _fail_writes(engine, monkeypatch)
+            (x * 2).sin()
+
+
+def test_read_error_raises_at_the_unpack_that_needed_it(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = torch.randn(4096, requires_grad=True)
+    with _engine(save_dir, prefetch_depth=0) as engine:
+        y = (x * 2).sin()
+        engine.flush()
+        monkeypatch.setattr(
+            engine._store, "read", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "bad read"))
+        )
+        with pytest.raises(OffloadIOError, match=r"saved tensor #\d+ \(shape \[4096\]") as info:
+            y.sum().backward()
+    assert isinstance(info.value.__cause__, OSError)
+
+
+def test_disk_cap_falls_back_to_memory_with_one_warning(save_dir: Path) -> None:
+    model = _model()
+    tokens, targets = make_batch(4, 32, vocab=64)
+    ref = _reference(model, lambda m: m(tokens, targets).backward())
+    with (
+        pytest.warns(OffloadFallbackWarning, match="disk_bytes_limit") as record,
+        offload_context(
+            "disk", save_dir, min_offload_bytes=0, slab_bytes=1 << 16, disk_bytes_limit=1 << 17
+        ) as engine,
+    ):
+        model(tokens, targets).backward()
+    _assert_same(_grads(model), ref)
+    stats = engine.stats()
+    assert stats.fallbacks > 0 and stats.tensors_offloaded > 0
+    assert stats.peak_disk_bytes_reserved <= 1 << 17
+    assert len([w for w in record if w.category is OffloadFallbackWarning]) == 1
