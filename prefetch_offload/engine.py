@@ -35,6 +35,12 @@ tensor equal in value, shape, strides, dtype and device.
 # match a new storage. The version counter catches in-place updates between
 # two saves.
 #
+# NOTE [targets]
+# Target "disk" writes each record's host bytes to a slab and lets go of them.
+# Target "cpu" stops after the device layer: the record keeps the host copy (for
+# CUDA tensors, a pinned CPU copy; CPU tensors are not taken at all, they are
+# host memory already). Both share the record, dedup and lifetime machinery.
+#
 # NOTE [errors from workers]
 # A write that fails leaves the record's source tensor in memory, so nothing is
 # lost. A full disk (ENOSPC/EDQUOT, or ``disk_bytes_limit``) is expected
@@ -58,7 +64,7 @@ from typing import Any
 import torch
 
 from .config import OffloadConfig
-from .device import DeviceLayer, HostDevice
+from .device import DeviceLayer, default_device_layer
 from .errors import OffloadError, OffloadFallbackWarning, OffloadIOError
 from .io_pool import READ, WRITE, InlineIOPool, IOFuture, IOPool, ThreadIOPool
 from .packed import PackedLayout, describe, new_read_buffer, source_buffer
@@ -106,7 +112,7 @@ class _Record:
         self,
         engine: OffloadEngine,
         layout: PackedLayout,
-        extent: Extent,
+        extent: Extent | None,
         source: torch.Tensor,
         device: torch.device,
         seq: int,
@@ -176,21 +182,26 @@ class OffloadEngine:
         device: DeviceLayer | None = None,
         pool: IOPool | None = None,
     ) -> None:
-        if config.target != "disk":
+        if config.target not in ("cpu", "disk"):
             raise ValueError(
-                f"prefetch_offload: OffloadEngine handles target 'disk', got {config.target!r}."
+                "prefetch_offload: OffloadEngine needs target 'cpu' or 'disk', "
+                f"got {config.target!r}; use offload_context(None) to disable offloading."
             )
-        assert config.save_dir is not None  # checked by OffloadConfig
         self.config = config
-        prepare_save_dir(config.save_dir)
-        self._store = SlabStore(
-            config.save_dir,
-            slab_bytes=config.slab_bytes,
-            io_method=config.io_method,
-            disk_bytes_limit=config.disk_bytes_limit,
-        )
-        self._finalizer = weakref.finalize(self, self._store.close)
-        self._device = device or HostDevice()
+        # NOTE [targets]: "cpu" keeps host copies in records; "disk" writes them to slabs.
+        self._store: SlabStore | None = None
+        if config.target == "disk":
+            assert config.save_dir is not None  # checked by OffloadConfig
+            prepare_save_dir(config.save_dir)
+            self._store = SlabStore(
+                config.save_dir,
+                slab_bytes=config.slab_bytes,
+                io_method=config.io_method,
+                disk_bytes_limit=config.disk_bytes_limit,
+            )
+        if self._store is not None:
+            self._finalizer = weakref.finalize(self, self._store.close)
+        self._device = device or default_device_layer(config.target)
         self._lock = threading.Lock()
         self._writes_idle = threading.Condition(self._lock)
         self._pending_write_bytes = 0
@@ -205,25 +216,28 @@ class OffloadEngine:
         self._seq = 0
         self._closed = False
         # ``pool`` lets tests run the inline reference pool instead of threads.
-        self._pool: IOPool = pool if pool is not None else ThreadIOPool(config.io_workers)
+        if pool is None:
+            pool = ThreadIOPool(config.io_workers) if self._store is not None else InlineIOPool()
+        self._pool: IOPool = pool
 
     # -- public ---------------------------------------------------------------------------
 
     @property
     def io_method(self) -> str:
-        """The byte mover in use: "direct", "buffered" or "mmap"."""
-        return self._store.io_method
+        """The byte mover in use: "direct", "buffered", "mmap", or "none" (target "cpu")."""
+        return self._store.io_method if self._store is not None else "none"
 
     def stats(self) -> OffloadStats:
         """A snapshot of the counters (see :class:`OffloadStats`)."""
         self._drain_dead(blocking=True)
         store = self._store
-        self._stats.set(
-            disk_bytes_reserved=store.reserved_bytes,
-            disk_bytes_in_use=store.used_bytes,
-            peak_disk_bytes_reserved=store.peak_reserved_bytes,
-            peak_disk_bytes_in_use=store.peak_used_bytes,
-        )
+        if store is not None:
+            self._stats.set(
+                disk_bytes_reserved=store.reserved_bytes,
+                disk_bytes_in_use=store.used_bytes,
+                peak_disk_bytes_reserved=store.peak_reserved_bytes,
+                peak_disk_bytes_in_use=store.peak_used_bytes,
+            )
         return self._stats.snapshot()
 
     def flush(self) -> None:
@@ -270,22 +284,28 @@ class OffloadEngine:
                     return _Handle(rec)
         host = self._device.to_host(t)
         layout = describe(host)
-        try:
-            extent = self._store.allocate(layout.extent_bytes)
-        except OSError as exc:
-            raise OffloadIOError(
-                f"prefetch_offload: could not create a slab file in {self.config.save_dir!r}: "
-                f"{exc}. Check the folder's permissions and free space."
-            ) from exc
-        if extent is None:
-            self._note_no_space("the slab reservation failed")
-            return t
+        store = self._store
+        extent = None
+        if store is not None:
+            try:
+                extent = store.allocate(layout.extent_bytes)
+            except OSError as exc:
+                raise OffloadIOError(
+                    f"prefetch_offload: could not create a slab file in "
+                    f"{self.config.save_dir!r}: {exc}. Check the folder's permissions and space."
+                ) from exc
+            if extent is None:
+                self._note_no_space("the slab reservation failed")
+                return t
         with self._lock:
             rec = _Record(self, layout, extent, host, t.device, self._seq)
             self._seq += 1
             self._scheduler.register(rec)
             self._dedup[key] = (weakref.ref(storage), version, weakref.ref(rec))
-        self._queue_write(rec, host)
+        if store is None:  # NOTE [targets]: the host copy is the offloaded tensor
+            self._stats.add(tensors_offloaded=1, bytes_offloaded=layout.span_bytes)
+        else:
+            self._queue_write(rec, host)
         return _Handle(rec)
 
     def _eligible(self, t: torch.Tensor) -> bool:
@@ -339,7 +359,7 @@ class OffloadEngine:
         """IO job: write one chunk; the last chunk of a record publishes the outcome."""
         exc: OSError | None = None
         try:
-            assert rec.extent is not None
+            assert rec.extent is not None and self._store is not None
             self._store.write(rec.extent, off, view)
         except OSError as e:
             exc = e
@@ -361,7 +381,7 @@ class OffloadEngine:
                 return
             extent, rec.extent = rec.extent, None
         if extent is not None:
-            self._store.free(extent)
+            self._store.free(extent)  # type: ignore[union-attr]
         self._write_failed(rec, failed)
 
     def _write_failed(self, rec: _Record, exc: OSError) -> None:
@@ -453,7 +473,7 @@ class OffloadEngine:
         # The job must not reference the record: the record holds the job's future.
         extent, layout = rec.extent, rec.layout
         store, chunk, stats = self._store, self.config.chunk_bytes, self._stats
-        assert extent is not None
+        assert extent is not None and store is not None
 
         def job() -> torch.Tensor:
             out, region = new_read_buffer(layout)
@@ -467,7 +487,7 @@ class OffloadEngine:
 
     def _prefetch_after(self, rec: _Record) -> None:
         """Issue reads for the lookahead window below ``rec`` (NOTE [lookahead])."""
-        if self._closed or self.config.prefetch_depth == 0:
+        if self._closed or self.config.prefetch_depth == 0 or self._store is None:
             return
         with self._lock:
             for cand in self._scheduler.window(rec):
@@ -488,7 +508,7 @@ class OffloadEngine:
             while dead:
                 extent = dead.popleft()
                 self._scheduler.forget()
-                if extent is not None:
+                if extent is not None and self._store is not None:
                     self._store.free(extent)
             stale = [k for k, (_, _, rref) in self._dedup.items() if rref() is None]
             for k in stale:
@@ -518,7 +538,8 @@ class OffloadEngine:
         self._pool.shutdown()
         self._pool = InlineIOPool()
         self._drain_dead(blocking=True)
-        self._store.trim()
+        if self._store is not None:
+            self._store.trim()
         err, self._error = self._error, None
         if err is not None:
             if raise_errors:

@@ -1,0 +1,92 @@
+"""offload_context: errors before any hook is installed, the None target, hook removal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefetch_offload import OffloadStats, offload_context
+
+
+def test_none_target_is_a_no_op(save_dir: Path) -> None:
+    with offload_context(None) as engine:
+        x = torch.randn(1 << 16, requires_grad=True)
+        (x * 2).sin().sum().backward()
+    assert engine.stats() == OffloadStats()
+    assert list(save_dir.iterdir()) == []
+
+
+def test_cpu_target_on_cpu_training_keeps_tensors_in_ram() -> None:
+    with offload_context("cpu") as engine:
+        x = torch.randn(1 << 16, requires_grad=True)
+        (x * 2).sin().sum().backward()
+    assert engine.stats().tensors_offloaded == 0
+
+
+@pytest.mark.parametrize(
+    ("target", "save_dir", "kw", "exc", "match"),
+    [
+        ("ram", None, {}, ValueError, "Unknown activation_offloading target"),
+        ("disk", None, {}, ValueError, "requires save_dir"),
+        ("disk", "SAVE", {"prefetch_depth": -1}, ValueError, "prefetch_depth"),
+        ("disk", "SAVE", {"io_workers": 0}, ValueError, "io_workers"),
+        ("disk", "FILE", {}, ValueError, "not a folder"),
+    ],
+)
+def test_bad_input_raises_before_hooks(
+    tmp_path: Path, target: str, save_dir: str | None, kw: dict, exc: type, match: str
+) -> None:
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    path = {"SAVE": str(tmp_path), "FILE": str(a_file), None: None}[save_dir]
+    with pytest.raises(exc, match=match):
+        with offload_context(target, path, **kw):
+            pytest.fail("the body must not run")
+
+
+def test_hooks_are_removed_on_exit(save_dir: Path) -> None:
+    w = torch.randn(1 << 15, requires_grad=True)
+    with offload_context("disk", save_dir, min_offload_bytes=0) as engine:
+        (w * 2).sin()
+    before = engine.stats()
+    assert before.tensors_offloaded == 1
+    (w * 2).sin()
+    assert engine.stats() == before
+
+
+def test_cpu_target_twin_keeps_host_copies(save_dir: Path) -> None:
+    """The "cpu" target's span-copy path, run on the CPU through the CUDA path's twin."""
+    from prefetch_offload import OffloadConfig, OffloadEngine
+    from prefetch_offload.device import SpanCopyDevice
+
+    engine = OffloadEngine(
+        OffloadConfig(target="cpu", min_offload_bytes=0), device=SpanCopyDevice("cpu")
+    )
+    x = torch.randn(64, 256, requires_grad=True)
+    w = torch.randn(300, 300, requires_grad=True)
+
+    def run() -> torch.Tensor:
+        view = (w * 1)[5:69, 10:266].t()  # a strided view into a bigger storage
+        return ((x * 2).t() * view).sum()  # mul saves both operands
+
+    run().backward()
+    ref = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+        loss = run()
+    engine.close()
+    loss.backward()
+    assert torch.equal(x.grad, ref[0]) and torch.equal(w.grad, ref[1])
+    stats = engine.stats()
+    assert stats.tensors_offloaded == 2
+    assert stats.bytes_offloaded == 64 * 256 * 4 + (1 + 255 + 63 * 300) * 4
+
+
+def test_context_cannot_be_entered_twice(save_dir: Path) -> None:
+    ctx = offload_context("disk", save_dir)
+    with ctx:
+        pass
+    with pytest.raises(RuntimeError, match="only once"), ctx:
+        pass

@@ -1,0 +1,104 @@
+"""Futures and pools: exactly-once jobs, errors with tracebacks, priorities, real overlap."""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+
+import pytest
+
+from prefetch_offload.io_pool import READ, WRITE, InlineIOPool, IOFuture, ThreadIOPool
+
+
+def test_future_runs_once_for_the_claimer() -> None:
+    calls: list[int] = []
+    fut: IOFuture[int] = IOFuture(lambda: calls.append(1) or 7)
+    assert fut.claim()
+    assert not fut.claim()
+    fut.run()
+    assert fut.done() and fut.result() == 7 and calls == [1]
+    assert not fut.cancel()
+
+
+def test_error_is_re_raised_with_its_traceback() -> None:
+    def job() -> None:
+        raise OSError(5, "disk said no")
+
+    fut: IOFuture[None] = IOFuture(job)
+    fut.claim()
+    fut.run()
+    with pytest.raises(OSError, match="disk said no") as info:
+        fut.result()
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "job" in frames
+
+
+def test_cancel_before_start() -> None:
+    fut: IOFuture[int] = IOFuture(lambda: 1)
+    assert fut.cancel()
+    assert not fut.claim()
+    assert fut.done()
+
+
+def test_inline_pool_runs_at_submit() -> None:
+    fut = InlineIOPool().submit(lambda: 3, READ)
+    assert fut.done() and fut.result() == 3
+
+
+def test_thread_pool_overlaps_jobs() -> None:
+    """Two jobs really run at once: each waits at a barrier only the other can release."""
+    pool = ThreadIOPool(2)
+    barrier = threading.Barrier(2, timeout=5)
+    stamps: list[tuple[float, float]] = []
+
+    def job() -> None:
+        start = time.perf_counter()
+        barrier.wait()
+        stamps.append((start, time.perf_counter()))
+
+    futs = [pool.submit(job, WRITE) for _ in range(2)]
+    for f in futs:
+        f.result()
+    pool.shutdown()
+    assert max(s for s, _ in stamps) < min(e for _, e in stamps)
+
+
+def test_reads_jump_the_write_queue() -> None:
+    pool = ThreadIOPool(1)
+    gate = threading.Event()
+    order: list[str] = []
+    blocker = pool.submit(gate.wait, WRITE)  # occupies the only worker
+    time.sleep(0.05)
+    writes = [pool.submit(lambda i=i: order.append(f"w{i}"), WRITE) for i in range(3)]
+    read = pool.submit(lambda: order.append("r"), READ)
+    gate.set()
+    for f in [blocker, *writes, read]:
+        f.result()
+    pool.shutdown()
+    assert order[0] == "r"
+
+
+def test_a_claimed_job_is_skipped_by_workers() -> None:
+    pool = ThreadIOPool(1)
+    gate = threading.Event()
+    pool.submit(gate.wait, WRITE)
+    ran_in: list[str] = []
+    fut = pool.submit(lambda: ran_in.append(threading.current_thread().name), READ)
+    assert fut.claim()  # a hook thread takes the job before a worker does
+    fut.run()
+    gate.set()
+    pool.shutdown()
+    assert ran_in == [threading.current_thread().name]
+
+
+def test_shutdown_finishes_queued_jobs_and_stops_threads() -> None:
+    pool = ThreadIOPool(2)
+    done: list[int] = []
+    for i in range(20):
+        pool.submit(lambda i=i: (time.sleep(0.001), done.append(i)), WRITE)
+    pool.shutdown()
+    assert sorted(done) == list(range(20))
+    assert not any(t.is_alive() for t in pool.threads)
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit(lambda: None, READ)
