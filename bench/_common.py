@@ -1,0 +1,387 @@
+"""Shared pieces of the benchmarks: the result row, RSS sampling, and the seed baseline.
+
+Nothing here is part of ``prefetch_offload``; the seed's per-tensor disk hooks
+live here (not in the package) only so the benchmark can compare against them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import statistics
+import tempfile
+import threading
+from dataclasses import asdict, dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+
+__all__ = [
+    "MB",
+    "RssSampler",
+    "SeedDiskHooks",
+    "StepResult",
+    "filesystem_type",
+    "heap_in_use_bytes",
+    "malloc_trim",
+    "read_rss_bytes",
+]
+
+MB = float(1 << 20)
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+# -- resident memory ---------------------------------------------------------------------
+
+
+class _Statm:
+    """An open ``/proc/self/statm``, read with one ``pread`` per sample."""
+
+    def __init__(self) -> None:
+        self._fd = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+
+    def rss_bytes(self) -> int:
+        """Resident set size: field 2 of statm, in pages, times the page size."""
+        return int(os.pread(self._fd, 256, 0).split()[1]) * _PAGE_SIZE
+
+
+_STATM = _Statm()
+
+
+def read_rss_bytes() -> int:
+    """This process's resident memory in bytes (``/proc/self/statm`` field 2)."""
+    return _STATM.rss_bytes()
+
+
+def _load_malloc_trim() -> Any:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        fn = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _load_mallinfo2() -> Any:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        fn = ctypes.CDLL(name).mallinfo2  # glibc >= 2.33
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = []
+    fn.restype = _Mallinfo2
+    return fn
+
+
+_MALLINFO2 = _load_mallinfo2()
+
+
+def heap_in_use_bytes() -> int | None:
+    """Bytes malloc has handed out and not had back (all arenas, mmapped blocks included).
+
+    Unlike RSS this does not count freed memory that glibc keeps for reuse, so it
+    shows what is live. None where glibc's ``mallinfo2`` is unavailable.
+    """
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return int(info.uordblks + info.hblkhd)
+
+
+def malloc_trim() -> bool:
+    """Return glibc's free heap pages to the OS (all arenas). False where unavailable.
+
+    glibc keeps freed memory resident and reuses it, so without this an RSS
+    delta measured around a forward pass shows only what did not fit into
+    memory freed by earlier steps (often 0), not what the forward pass holds.
+    """
+    if _MALLOC_TRIM is None:
+        return False
+    _MALLOC_TRIM(0)
+    return True
+
+
+class RssSampler:
+    """Samples RSS every ``interval`` seconds on a background thread; keeps the maximum.
+
+    Use as a context manager around the region to watch; ``peak_bytes`` holds
+    the largest sample, including one taken at exit (none at entry, so that the
+    caller can read its own starting value after the thread exists).
+    """
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval = interval
+        self.peak_bytes = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        rss = read_rss_bytes()
+        self.samples += 1
+        if rss > self.peak_bytes:
+            self.peak_bytes = rss
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> RssSampler:
+        self._thread = threading.Thread(target=self._run, name="bench-rss-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem holding ``path`` (e.g. "ext4", "tmpfs"), or "unknown"."""
+    real = os.path.realpath(path)
+    best, fstype = "", "unknown"
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount = fields[1].replace("\\040", " ")
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, fstype = mount, fields[2]
+    except OSError:
+        pass
+    return fstype
+
+
+# -- the seed baseline -------------------------------------------------------------------
+
+
+class SeedDiskHooks:
+    """The seed's per-tensor disk hooks, applied to CPU tensors.
+
+    Mirrors ``_make_disk_hooks`` in the seed's ``activation_offload.py``: pack
+    creates one ``mkstemp`` file per saved tensor and ``torch.save``s it; unpack
+    ``torch.load``s it and unlinks the file. The seed only took CUDA tensors; here
+    every CPU tensor of at least ``min_bytes`` bytes goes to disk (parameters
+    too: the seed had no parameter check). Like the seed, ``torch.save`` of a
+    view writes its whole storage. Files left at exit are removed.
+    Hooks are thread-local: enter it in the thread that runs forward.
+    """
+
+    def __init__(self, save_dir: str, min_bytes: int) -> None:
+        os.makedirs(save_dir, exist_ok=True)
+        self.save_dir = save_dir
+        self.min_bytes = min_bytes
+        self.files_written = 0
+        self.bytes_written = 0
+        self._lock = threading.Lock()
+        self._created: set[str] = set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, tensor: torch.Tensor) -> tuple[str, Any]:
+        """Write ``tensor`` to its own file; small and non-CPU tensors stay in memory."""
+        if tensor.device.type != "cpu" or tensor.numel() * tensor.element_size() < self.min_bytes:
+            return ("keep", tensor)
+        fd, path = tempfile.mkstemp(dir=self.save_dir, suffix=".pt")
+        with self._lock:
+            self._created.add(path)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(tensor.detach().cpu(), f)
+                f.flush()
+                size = os.fstat(f.fileno()).st_size
+        except Exception:
+            self._remove(path)
+            return ("keep", tensor)
+        with self._lock:
+            self.files_written += 1
+            self.bytes_written += size
+        return ("disk", path)
+
+    def unpack(self, packed: tuple[str, Any]) -> torch.Tensor:
+        """Load the tensor back and delete its file."""
+        kind, payload = packed
+        if kind != "disk":
+            return payload
+        try:
+            return torch.load(payload, map_location="cpu", weights_only=True)
+        finally:
+            self._remove(payload)
+
+    def _remove(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        with self._lock:
+            self._created.discard(path)
+
+    def __enter__(self) -> SeedDiskHooks:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._hooks.__exit__(exc_type, exc, tb)
+        with self._lock:
+            left = list(self._created)
+        for path in left:
+            self._remove(path)
+
+
+# -- the result row ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One mode's measurements over the timed rounds (and the memory rounds).
+
+    Raw per-step samples and cumulative counter deltas are stored; everything
+    shown in the table is a property computed from them. ``baseline_*`` are the
+    ``none`` mode's medians (None when ``none`` did not run).
+    """
+
+    mode: str
+    label: str
+    # Wall seconds of forward + backward + optimizer step, one per timed round.
+    step_seconds: tuple[float, ...]
+    # Activation memory held during forward (RSS peak - RSS at forward start), per memory round.
+    forward_mem_bytes: tuple[int, ...]
+    # Live malloc bytes added by forward (at its end), per memory round; empty if unavailable.
+    forward_heap_bytes: tuple[int, ...] = ()
+    # Engine counter deltas over the timed rounds (``disk`` only).
+    bytes_offloaded: int | None = None
+    prefetch_hits: int | None = None
+    prefetch_misses: int | None = None
+    stall_seconds: float | None = None
+    baseline_step_s: float | None = None
+    baseline_mem_bytes: float | None = None
+
+    @property
+    def steps(self) -> int:
+        """Number of timed steps."""
+        return len(self.step_seconds)
+
+    @property
+    def median_step_s(self) -> float:
+        """Median step time in seconds."""
+        return statistics.median(self.step_seconds)
+
+    @property
+    def min_step_s(self) -> float:
+        """Fastest step in seconds."""
+        return min(self.step_seconds)
+
+    @property
+    def ratio(self) -> float | None:
+        """Median step time over the ``none`` median (None without a baseline)."""
+        if not self.baseline_step_s:
+            return None
+        return self.median_step_s / self.baseline_step_s
+
+    @property
+    def forward_mem(self) -> float | None:
+        """Median activation memory held during forward, in bytes (None if not measured)."""
+        if not self.forward_mem_bytes:
+            return None
+        return float(statistics.median(self.forward_mem_bytes))
+
+    @property
+    def forward_heap(self) -> float | None:
+        """Median live malloc bytes added by forward (None if not measured)."""
+        if not self.forward_heap_bytes:
+            return None
+        return float(statistics.median(self.forward_heap_bytes))
+
+    @property
+    def mem_cut(self) -> float | None:
+        """Fraction of the ``none`` activation memory this mode saved (0.25 = 25% less)."""
+        mem = self.forward_mem
+        if mem is None or not self.baseline_mem_bytes:
+            return None
+        return 1.0 - mem / self.baseline_mem_bytes
+
+    @property
+    def offloaded_per_step(self) -> float | None:
+        """Bytes the engine wrote per timed step."""
+        if self.bytes_offloaded is None or not self.steps:
+            return None
+        return self.bytes_offloaded / self.steps
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Unpacks served without waiting, as a fraction (None if nothing was unpacked)."""
+        if self.prefetch_hits is None or self.prefetch_misses is None:
+            return None
+        total = self.prefetch_hits + self.prefetch_misses
+        return self.prefetch_hits / total if total else None
+
+    @property
+    def stall_per_step(self) -> float | None:
+        """Seconds backward waited for reads, per timed step."""
+        if self.stall_seconds is None or not self.steps:
+            return None
+        return self.stall_seconds / self.steps
+
+    def to_json(self) -> dict[str, Any]:
+        """Raw fields plus the computed properties, JSON-ready."""
+        out = asdict(self)
+        out["step_seconds"] = list(self.step_seconds)
+        out["forward_mem_bytes"] = list(self.forward_mem_bytes)
+        out["forward_heap_bytes"] = list(self.forward_heap_bytes)
+        for name in (
+            "steps",
+            "median_step_s",
+            "min_step_s",
+            "ratio",
+            "forward_mem",
+            "forward_heap",
+            "mem_cut",
+            "offloaded_per_step",
+            "hit_rate",
+            "stall_per_step",
+        ):
+            out[name] = getattr(self, name)
+        return out

@@ -1,0 +1,209 @@
+"""Slab-store and engine IO throughput against the raw device bandwidth, in one run.
+
+For each request size and worker count, on the same folder and in the same run:
+
+- ``raw``: O_DIRECT pwrite/pread of page-aligned, reused buffers into one
+  preallocated unlinked file, ``workers`` threads each owning a stripe: the
+  best the device does with plain syscalls from Python.
+- ``engine``: the real path. ``pack`` of N fresh CPU tensors (zero-copy
+  O_DIRECT from their own pages through the IO pool), ``flush``; then
+  ``unpack`` in reverse order with lookahead prefetch into fresh buffers.
+
+Rows are interleaved (raw, engine, raw, engine, ...) and repeated; the table
+shows medians and the engine/raw ratio. Example::
+
+    python bench/io.py --total-mib 512 --tensor-mib 4 --requests 1,8 --workers 1,2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from prefetch_offload import OffloadConfig, OffloadEngine
+from prefetch_offload.slab import direct_io_supported, open_scratch_file
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class IORow:
+    """Median throughput of one (kind, request size, workers) cell."""
+
+    kind: str
+    request_mib: int
+    workers: int
+    write_gbps: float
+    read_gbps: float
+    raw_write_gbps: float
+    raw_read_gbps: float
+
+    @property
+    def write_ratio(self) -> float:
+        """Throughput as a fraction of the raw device's in the same cell."""
+        return self.write_gbps / self.raw_write_gbps
+
+    @property
+    def read_ratio(self) -> float:
+        return self.read_gbps / self.raw_read_gbps
+
+
+def _striped(workers: int, total: int, request: int, fn) -> float:  # type: ignore[no-untyped-def]
+    """Run ``fn(worker, offset)`` over ``total`` bytes in ``request`` steps; seconds taken."""
+
+    def work(i: int) -> None:
+        for off in range(i * request, total, workers * request):
+            fn(i, off)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(workers)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start
+
+
+def raw_bandwidth(folder: str, total: int, request: int, workers: int) -> tuple[float, float]:
+    """GB/s written and read with O_DIRECT, aligned reused buffers (buffered if no O_DIRECT)."""
+    fd = open_scratch_file(folder, direct=direct_io_supported(folder))
+    try:
+        os.posix_fallocate(fd, 0, total)
+        bufs = [mmap.mmap(-1, request) for _ in range(workers)]
+        for b in bufs:
+            b.write(os.urandom(64) * (request // 64))
+        wt = _striped(workers, total, request, lambda i, off: os.pwrite(fd, bufs[i], off))
+        rt = _striped(workers, total, request, lambda i, off: os.preadv(fd, [bufs[i]], off))
+        for b in bufs:
+            b.close()
+    finally:
+        os.close(fd)
+    return total / wt / 1e9, total / rt / 1e9
+
+
+def engine_bandwidth(
+    folder: str, total: int, request: int, workers: int, tensor_bytes: int, depth: int
+) -> tuple[float, float]:
+    """GB/s through pack+flush and through unpack (reverse order, prefetching)."""
+    cfg = OffloadConfig(
+        target="disk",
+        save_dir=folder,
+        io_workers=workers,
+        chunk_bytes=request,
+        prefetch_depth=depth,
+        min_offload_bytes=0,
+        max_pending_write_bytes=max(total, request),
+        slab_bytes=max(256 * MiB, tensor_bytes),
+    )
+    engine = OffloadEngine(cfg)
+    try:
+        n = max(1, total // tensor_bytes)
+        tensors = [torch.randn(tensor_bytes // 4) for _ in range(n)]
+        start = time.perf_counter()
+        handles = [engine.pack(t) for t in tensors]
+        engine.flush()
+        wt = time.perf_counter() - start
+        del tensors
+        start = time.perf_counter()
+        for h in reversed(handles):
+            engine.unpack(h)
+        rt = time.perf_counter() - start
+        del handles
+    finally:
+        engine.close()
+    nbytes = n * tensor_bytes
+    return nbytes / wt / 1e9, nbytes / rt / 1e9
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--save-dir", help="folder to test (default: a temp folder under .scratch/)")
+    p.add_argument("--total-mib", type=int, default=512, help="bytes moved per measurement")
+    p.add_argument("--tensor-mib", type=int, default=4, help="size of each packed tensor")
+    p.add_argument("--requests", default="1,8", help="request sizes in MiB, comma separated")
+    p.add_argument("--workers", default="1,2,4", help="IO worker counts, comma separated")
+    p.add_argument("--prefetch-depth", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", help="write the rows to this file")
+    args = p.parse_args(argv)
+
+    own_dir = args.save_dir is None
+    if own_dir:
+        Path(".scratch").mkdir(exist_ok=True)
+        folder = tempfile.mkdtemp(dir=".scratch")
+    else:
+        folder = args.save_dir
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    total = args.total_mib * MiB
+    requests = [int(x) * MiB for x in args.requests.split(",")]
+    worker_counts = [int(x) for x in args.workers.split(",")]
+    rows: list[IORow] = []
+    try:
+        for request in requests:
+            for workers in worker_counts:
+                raw: list[tuple[float, float]] = []
+                eng: list[tuple[float, float]] = []
+                for _ in range(args.repeats):
+                    raw.append(raw_bandwidth(folder, total, request, workers))
+                    eng.append(
+                        engine_bandwidth(
+                            folder, total, request, workers, args.tensor_mib * MiB,
+                            args.prefetch_depth,
+                        )
+                    )
+                rw = statistics.median(w for w, _ in raw)
+                rr = statistics.median(r for _, r in raw)
+                for kind, samples in (("raw", raw), ("engine", eng)):
+                    rows.append(
+                        IORow(
+                            kind=kind,
+                            request_mib=request // MiB,
+                            workers=workers,
+                            write_gbps=statistics.median(w for w, _ in samples),
+                            read_gbps=statistics.median(r for _, r in samples),
+                            raw_write_gbps=rw,
+                            raw_read_gbps=rr,
+                        )
+                    )
+    finally:
+        if own_dir:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    print(
+        f"# {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"folder {'O_DIRECT' if direct_io_supported(os.getcwd()) else 'buffered'}, "
+        f"{args.total_mib} MiB per measurement, {args.tensor_mib} MiB tensors, "
+        f"median of {args.repeats}"
+    )
+    header = f"{'kind':<7} {'req MiB':>7} {'workers':>7} {'write GB/s':>10} {'read GB/s':>9} "
+    print(header + f"{'write/raw':>9} {'read/raw':>8}")
+    for r in rows:
+        print(
+            f"{r.kind:<7} {r.request_mib:>7} {r.workers:>7} {r.write_gbps:>10.2f} "
+            f"{r.read_gbps:>9.2f} {r.write_ratio:>9.2f} {r.read_ratio:>8.2f}"
+        )
+    if args.json:
+        out = [asdict(r) | {"write_ratio": r.write_ratio, "read_ratio": r.read_ratio} for r in rows]
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    bad = [r for r in rows if not (r.write_gbps > 0 and r.read_gbps > 0)]
+    if bad:
+        print(f"error: non-positive throughput in {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
