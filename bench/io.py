@@ -160,7 +160,11 @@ def main(argv: list[str] | None = None) -> int:
                     raw.append(raw_bandwidth(folder, total, request, workers))
                     eng.append(
                         engine_bandwidth(
-                            folder, total, request, workers, args.tensor_mib * MiB,
+                            folder,
+                            total,
+                            request,
+                            workers,
+                            args.tensor_mib * MiB,
                             args.prefetch_depth,
                         )
                     )
