@@ -6,9 +6,10 @@ the tensor's bytes for writing; its ``unpack`` hook turns the handle back into a
 tensor equal in value, shape, strides, dtype and device.
 
 # NOTE [record lifetime]
-# Autograd owns the handles. Every handle of one saved tensor (see NOTE
-# [dedup]) points at one _Record, which lives while any handle, or a write job
-# still reading its source tensor, references it. The engine and the scheduler
+# Autograd owns the handles. A handle is one saved view (ViewMeta); it points at
+# the _Record holding its storage span, shared by every view of that span (NOTE
+# [dedup]). A record lives while any handle, or a write job still reading its
+# source, references it. The engine and the scheduler
 # hold records only weakly. When a record dies, its extent is queued for release
 # with a deque append (safe from any thread, including inside the garbage
 # collector) and returned to the allocator at the next hook call, ``stats()``
@@ -19,21 +20,32 @@ tensor equal in value, shape, strides, dtype and device.
 # and the last user reference to the engine are gone.
 #
 # NOTE [memory handed to autograd]
-# Unpack returns either the original tensor (its write had not finished, or it
-# was never written) or a fresh allocation that the read filled. The engine
-# never writes into memory it has handed out, and keeps only a weak reference to
-# it (so that a second handle of the same record gets the same tensor instead of
-# a second read). Buffers are never pooled on this path, so none can be reused
-# while autograd still holds a view of it.
+# Unpack returns a view either of the original storage (its write had not
+# finished, or it was never written) or of a fresh allocation that a read
+# filled. The engine never writes into memory it has handed out, and keeps only
+# a weak reference to the storage (so that the next view of the same record
+# shares it instead of reading again, exactly as the original views shared
+# theirs). Buffers are never pooled on this path, so none can be reused while
+# autograd still holds a view of it.
 #
 # NOTE [dedup]
-# The same tensor is often saved by several ops (a layer's input feeds q, k and
-# v projections). A pack whose (storage, data_ptr, shape, stride, dtype,
-# version) matches a live record shares it. Storage identity is checked with a
-# weak reference to the storage object, not by address: a freed tensor's
-# address is reused by the next allocation, and a dead weak reference can never
-# match a new storage. The version counter catches in-place updates between
-# two saves.
+# The same storage is often saved several times: one tensor by several ops (a
+# layer's input feeds q, k and v), or several views of it (softmax saves the
+# 4-D attention probabilities, the next matmul a 3-D view of them). A pack whose
+# span lies inside a live record's span of the same storage, at the same
+# version, shares that record: its bytes are written once and read once. The
+# storage is identified by a weak reference to the storage object, never by
+# address alone: a freed tensor's address is reused by the next allocation, and
+# a dead weak reference can never match a new storage. The version counter
+# (shared by all views of a tensor) catches in-place updates between two saves.
+#
+# NOTE [backward passes]
+# A record that backward has already consumed must not be prefetched again in
+# the same pass (a node unpacks its saved tensors in save order, so the window
+# below the second one would include the first). Each unpack stamps the record
+# with the current pass number; the window skips stamped records. A pass ends
+# when a handle is unpacked a second time (``backward(retain_graph=True)``
+# again): then every record is fair game once more.
 #
 # NOTE [targets]
 # Target "disk" writes each record's host bytes to a slab and lets go of them.
@@ -67,7 +79,7 @@ from .config import OffloadConfig
 from .device import DeviceLayer, default_device_layer
 from .errors import OffloadError, OffloadFallbackWarning, OffloadIOError
 from .io_pool import READ, WRITE, InlineIOPool, IOFuture, IOPool, ThreadIOPool
-from .packed import PackedLayout, describe, new_read_buffer, source_buffer
+from .packed import Span, ViewMeta, make_view, new_read_buffer, source_buffer, view_span
 from .scheduler import PrefetchScheduler
 from .slab import Extent, SlabStore, prepare_save_dir
 from .stats import OffloadStats, StatsCounter
@@ -76,34 +88,50 @@ __all__ = ["OffloadEngine"]
 
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
+# NOTE [recently restored]
+# Autograd frees a node's saved tensors as soon as the node has run, so when
+# two adjacent nodes saved the same span (nll_loss and log_softmax both save the
+# log-probabilities) the second would find the restored copy already gone and
+# read it again. The engine keeps the last few restored spans alive: a bounded
+# cost (this many spans, during backward only: the next pack lets them go) that
+# removes those repeated reads.
+_RECENT_SPANS = 3
+
+# A span in memory: bytes [base, base + nbytes) of an untyped storage.
+Resident = tuple[torch.UntypedStorage, int]
+
 
 class _Handle:
-    """What autograd stores for an offloaded tensor. Holds its record alive."""
+    """What autograd stores for an offloaded tensor: a view of a record's span."""
 
-    __slots__ = ("record",)
+    __slots__ = ("pass_no", "record", "view")
 
-    def __init__(self, record: _Record) -> None:
+    def __init__(self, record: _Record, view: ViewMeta) -> None:
         self.record = record
+        self.view = view
+        self.pass_no = -1  # NOTE [backward passes]
 
     def __repr__(self) -> str:
         return f"<prefetch_offload handle {self.record.describe()}>"
 
 
 class _Record:
-    """One offloaded tensor: its layout, where its bytes are, and what is in memory."""
+    """One offloaded storage span: where its bytes are, and what is in memory."""
 
     __slots__ = (
         "__weakref__",
         "device",
         "engine",
         "extent",
-        "layout",
         "on_disk",
+        "pass_no",
         "pos",
         "prefetch",
         "restored",
         "seq",
         "source",
+        "span",
+        "view0",
         "write_error",
         "writes_left",
     )
@@ -111,39 +139,51 @@ class _Record:
     def __init__(
         self,
         engine: OffloadEngine,
-        layout: PackedLayout,
+        span: Span,
         extent: Extent | None,
-        source: torch.Tensor,
+        source: Resident,
         device: torch.device,
         seq: int,
+        view0: ViewMeta,
     ) -> None:
         self.engine = engine
-        self.layout = layout
-        self.extent: Extent | None = extent
-        # The original tensor while its bytes are not safely on disk.
-        self.source: torch.Tensor | None = source
+        self.span = span
+        self.view0 = view0  # the first saved view, for messages
+        self.extent = extent
+        # The span in host memory while its bytes are not safely on disk.
+        self.source: Resident | None = source
         self.device = device
         self.seq = seq
         self.pos = -1
+        self.pass_no = -1  # NOTE [backward passes]
         self.on_disk = False
         self.writes_left = 0
         self.write_error: OSError | None = None
-        self.prefetch: IOFuture[torch.Tensor] | None = None
-        self.restored: weakref.ref[torch.Tensor] | None = None
+        self.prefetch: IOFuture[Resident] | None = None
+        # The span on its device, while any view handed to autograd keeps it alive.
+        self.restored: tuple[weakref.ref[torch.UntypedStorage], int] | None = None
 
     def describe(self) -> str:
-        lay = self.layout
+        v = self.view0
         return (
-            f"saved tensor #{self.seq} (shape {list(lay.shape)}, {lay.dtype}, "
-            f"{lay.span_bytes} bytes)"
+            f"saved tensor #{self.seq} (shape {list(v.shape)}, {v.dtype}, "
+            f"{self.span.nbytes} bytes on {self.device})"
         )
+
+    def resident(self) -> Resident | None:
+        """The span on its device if a view handed out earlier still holds it."""
+        restored = self.restored
+        if restored is None:
+            return None
+        storage = restored[0]()
+        return None if storage is None else (storage, restored[1])
 
     # Scheduler protocol -------------------------------------------------------------
 
     def needs_read(self) -> bool:
         if not self.on_disk or self.source is not None or self.prefetch is not None:
             return False
-        return self.restored is None or self.restored() is None
+        return self.pass_no != self.engine._pass_no and self.resident() is None
 
     def drop_prefetch(self) -> None:
         fut, self.prefetch = self.prefetch, None
@@ -168,11 +208,26 @@ class _NullEngine:
         return OffloadStats()
 
 
+class _DedupEntry:
+    """A live record's span within one storage (NOTE [dedup])."""
+
+    __slots__ = ("end", "record", "start", "storage", "version")
+
+    def __init__(
+        self, storage: torch.UntypedStorage, version: int, start: int, end: int, rec: _Record
+    ) -> None:
+        self.storage = weakref.ref(storage)
+        self.version = version
+        self.start = start
+        self.end = end
+        self.record = weakref.ref(rec)
+
+
 class OffloadEngine:
     """The state of one offload context; its ``pack``/``unpack`` are the hooks.
 
     Use it through :func:`prefetch_offload.offload_context`; the object yielded by
-    the ``with`` statement is this engine, for ``stats()``.
+    the ``with`` statement is this engine, for ``stats()`` and ``flush()``.
     """
 
     def __init__(
@@ -199,7 +254,6 @@ class OffloadEngine:
                 io_method=config.io_method,
                 disk_bytes_limit=config.disk_bytes_limit,
             )
-        if self._store is not None:
             self._finalizer = weakref.finalize(self, self._store.close)
         self._device = device or default_device_layer(config.target)
         self._lock = threading.Lock()
@@ -209,12 +263,17 @@ class OffloadEngine:
         self._write_futs: collections.deque[IOFuture[None]] = collections.deque()
         self._stats = StatsCounter()
         self._scheduler = PrefetchScheduler(config.prefetch_depth)
-        self._dedup: dict[tuple[Any, ...], tuple[Any, int, weakref.ref[_Record]]] = {}
+        # Storage address -> spans of live records in it (NOTE [dedup]).
+        self._dedup: dict[int, list[_DedupEntry]] = {}
         self._dead: collections.deque[Extent | None] = collections.deque()
         self._error: BaseException | None = None
         self._warned_full = False
         self._seq = 0
+        self._pass_no = 0
         self._closed = False
+        self._recent: collections.deque[torch.UntypedStorage] = collections.deque(
+            maxlen=_RECENT_SPANS
+        )
         # ``pool`` lets tests run the inline reference pool instead of threads.
         if pool is None:
             pool = ThreadIOPool(config.io_workers) if self._store is not None else InlineIOPool()
@@ -226,6 +285,11 @@ class OffloadEngine:
     def io_method(self) -> str:
         """The byte mover in use: "direct", "buffered", "mmap", or "none" (target "cpu")."""
         return self._store.io_method if self._store is not None else "none"
+
+    @property
+    def closed(self) -> bool:
+        """Whether the owning context has exited."""
+        return self._closed
 
     def stats(self) -> OffloadStats:
         """A snapshot of the counters (see :class:`OffloadStats`)."""
@@ -245,18 +309,6 @@ class OffloadEngine:
         self._wait_writes()
         self._raise_pending()
 
-    def _wait_writes(self) -> None:
-        """Wait until every write job has finished and dropped its record."""
-        futs = self._write_futs
-        while True:
-            with self._lock:
-                while futs and futs[0].done():
-                    futs.popleft()
-                if not futs:
-                    return
-                fut = futs[0]
-            fut.wait()
-
     # -- pack -----------------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -268,27 +320,36 @@ class OffloadEngine:
                 "prefetch_offload: pack hook called after its offload_context exited; "
                 "create a new context for new forward passes."
             )
+        if self._recent:
+            self._recent.clear()  # NOTE [recently restored]: forward again
         if not self._eligible(t):
             self._stats.add(tensors_kept=1)
             return t
         storage = t.untyped_storage()
-        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        start, nbytes = view_span(t)
         version = t._version
+        itemsize = t.element_size()
+        shape, stride = tuple(t.shape), t.stride()
         with self._lock:
-            entry = self._dedup.get(key)
-            if entry is not None:
-                sref, ver, rref = entry
-                rec = rref()
-                if rec is not None and ver == version and sref() is storage:
+            for entry in self._dedup.get(storage.data_ptr(), ()):
+                rec = entry.record()
+                if (
+                    rec is not None
+                    and entry.storage() is storage
+                    and entry.version == version
+                    and entry.start <= start
+                    and start + nbytes <= entry.end
+                    and (start - entry.start) % itemsize == 0
+                ):
                     self._stats.add(dedup_hits=1)
-                    return _Handle(rec)
-        host = self._device.to_host(t)
-        layout = describe(host)
+                    return _Handle(rec, ViewMeta(t.dtype, shape, stride, start - entry.start))
+        host, base = self._device.to_host(storage, start, nbytes)
+        span = Span(nbytes, (host.data_ptr() + base) % 4096)
         store = self._store
         extent = None
         if store is not None:
             try:
-                extent = store.allocate(layout.extent_bytes)
+                extent = store.allocate(span.extent_bytes)
             except OSError as exc:
                 raise OffloadIOError(
                     f"prefetch_offload: could not create a slab file in "
@@ -297,19 +358,21 @@ class OffloadEngine:
             if extent is None:
                 self._note_no_space("the slab reservation failed")
                 return t
+        view = ViewMeta(t.dtype, shape, stride, 0)
         with self._lock:
-            rec = _Record(self, layout, extent, host, t.device, self._seq)
+            rec = _Record(self, span, extent, (host, base), t.device, self._seq, view)
             self._seq += 1
             self._scheduler.register(rec)
-            self._dedup[key] = (weakref.ref(storage), version, weakref.ref(rec))
+            entry = _DedupEntry(storage, version, start, start + nbytes, rec)
+            self._dedup.setdefault(storage.data_ptr(), []).append(entry)
         if store is None:  # NOTE [targets]: the host copy is the offloaded tensor
-            self._stats.add(tensors_offloaded=1, bytes_offloaded=layout.span_bytes)
+            self._stats.add(tensors_offloaded=1, bytes_offloaded=nbytes)
         else:
-            self._queue_write(rec, host)
-        return _Handle(rec)
+            self._queue_write(rec, host, base)
+        return _Handle(rec, view)
 
     def _eligible(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` goes to disk. Everything else stays in memory, unchanged."""
+        """Whether ``t`` is offloaded. Everything else stays in memory, unchanged."""
         if type(t) is not torch.Tensor or t.layout is not torch.strided:
             return False  # subclasses (incl. Parameter), sparse, mkldnn
         if not self._device.accepts(t) or t.is_quantized or t.is_nested:
@@ -328,9 +391,8 @@ class OffloadEngine:
             return False
         return n * itemsize >= self.config.min_offload_bytes
 
-    def _queue_write(self, rec: _Record, host: torch.Tensor) -> None:
-        layout = rec.layout
-        nbytes = layout.extent_bytes
+    def _queue_write(self, rec: _Record, host: torch.UntypedStorage, base: int) -> None:
+        nbytes = rec.span.extent_bytes
         chunk = self.config.chunk_bytes
         cap = self.config.max_pending_write_bytes
         with self._lock:
@@ -342,11 +404,10 @@ class OffloadEngine:
             self._pending_write_bytes += nbytes
             self._stats.set_max("peak_pending_write_bytes", self._pending_write_bytes)
             rec.writes_left = -(-nbytes // chunk)
-        src = source_buffer(host, layout)
+        src = source_buffer(host, base, rec.span)
+        write = self._write
         submitted = [
-            self._pool.submit(
-                functools.partial(self._write, rec, off, src[off : off + chunk]), WRITE
-            )
+            self._pool.submit(functools.partial(write, rec, off, src[off : off + chunk]), WRITE)
             for off in range(0, nbytes, chunk)
         ]
         with self._lock:
@@ -371,18 +432,30 @@ class OffloadEngine:
                 rec.write_error = exc
             if rec.writes_left:
                 return
-            self._pending_write_bytes -= rec.layout.extent_bytes
+            self._pending_write_bytes -= rec.span.extent_bytes
             self._writes_idle.notify_all()
             failed = rec.write_error
             if failed is None:
                 rec.on_disk = True
                 rec.source = None  # NOTE [record lifetime]: the activation can go now
-                self._stats.add(tensors_offloaded=1, bytes_offloaded=rec.layout.span_bytes)
+                self._stats.add(tensors_offloaded=1, bytes_offloaded=rec.span.nbytes)
                 return
             extent, rec.extent = rec.extent, None
         if extent is not None:
             self._store.free(extent)  # type: ignore[union-attr]
         self._write_failed(rec, failed)
+
+    def _wait_writes(self) -> None:
+        """Wait until every write job has finished and dropped its record."""
+        futs = self._write_futs
+        while True:
+            with self._lock:
+                while futs and futs[0].done():
+                    futs.popleft()
+                if not futs:
+                    return
+                fut = futs[0]
+            fut.wait()
 
     def _write_failed(self, rec: _Record, exc: OSError) -> None:
         """NOTE [errors from workers]: the record keeps its source in memory."""
@@ -423,29 +496,34 @@ class OffloadEngine:
             return packed
         self._raise_pending()
         rec = packed.record
-        src = rec.source
-        if src is not None:
-            self._stats.add(prefetch_hits=1)
-            self._prefetch_after(rec)
-            out = self._device.to_device(src, rec.device)
-            rec.restored = weakref.ref(out)
-            return out
-        prior = rec.restored() if rec.restored is not None else None
-        if prior is not None:
-            self._stats.add(prefetch_hits=1)
-            self._prefetch_after(rec)
-            return prior
-        with self._lock:
-            fut, rec.prefetch = rec.prefetch, None
-            if fut is not None:
-                self._scheduler.consumed(rec)
+        if packed.pass_no == self._pass_no:  # NOTE [backward passes]: a new pass
+            self._pass_no += 1
+        packed.pass_no = rec.pass_no = self._pass_no
         self._prefetch_after(rec)
-        host = self._collect(rec, fut)
-        out = self._device.to_device(host, rec.device)
-        rec.restored = weakref.ref(out)
-        return out
+        storage, base = self._materialize(rec)
+        return make_view(storage, base, packed.view)
 
-    def _collect(self, rec: _Record, fut: IOFuture[torch.Tensor] | None) -> torch.Tensor:
+    def _materialize(self, rec: _Record) -> Resident:
+        """The record's span on its device: shared, in memory, prefetched, or read now."""
+        resident = rec.resident()
+        if resident is not None:
+            self._stats.add(prefetch_hits=1)
+            return resident
+        host = rec.source
+        if host is not None:
+            self._stats.add(prefetch_hits=1)
+        else:
+            with self._lock:
+                fut, rec.prefetch = rec.prefetch, None
+                if fut is not None:
+                    self._scheduler.consumed(rec)
+            host = self._collect(rec, fut)
+        storage, base = self._device.to_device(*host, rec.span.nbytes, rec.device)
+        rec.restored = (weakref.ref(storage), base)
+        self._recent.append(storage)  # NOTE [recently restored]
+        return storage, base
+
+    def _collect(self, rec: _Record, fut: IOFuture[Resident] | None) -> Resident:
         """The read's result, counting a hit if it was ready and stall time if not."""
         if fut is not None and fut.done():
             self._stats.add(prefetch_hits=1)
@@ -460,7 +538,7 @@ class OffloadEngine:
         finally:
             self._stats.add(prefetch_misses=1, stall_seconds=time.perf_counter() - start)
 
-    def _read_result(self, rec: _Record, fut: IOFuture[torch.Tensor]) -> torch.Tensor:
+    def _read_result(self, rec: _Record, fut: IOFuture[Resident]) -> Resident:
         try:
             return fut.result()
         except OSError as exc:
@@ -471,17 +549,17 @@ class OffloadEngine:
 
     def _read_job(self, rec: _Record) -> Any:
         # The job must not reference the record: the record holds the job's future.
-        extent, layout = rec.extent, rec.layout
+        extent, span = rec.extent, rec.span
         store, chunk, stats = self._store, self.config.chunk_bytes, self._stats
         assert extent is not None and store is not None
 
-        def job() -> torch.Tensor:
-            out, region = new_read_buffer(layout)
+        def job() -> Resident:
+            buf, base, region = new_read_buffer(span)
             with region:
-                for off in range(0, layout.extent_bytes, chunk):
+                for off in range(0, span.extent_bytes, chunk):
                     store.read(extent, off, region[off : off + chunk])
-            stats.add(bytes_read=layout.span_bytes)
-            return out
+            stats.add(bytes_read=span.nbytes)
+            return buf.untyped_storage(), base
 
         return job
 
@@ -510,9 +588,12 @@ class OffloadEngine:
                 self._scheduler.forget()
                 if extent is not None and self._store is not None:
                     self._store.free(extent)
-            stale = [k for k, (_, _, rref) in self._dedup.items() if rref() is None]
-            for k in stale:
-                del self._dedup[k]
+            for key in list(self._dedup):
+                live = [e for e in self._dedup[key] if e.record() is not None]
+                if live:
+                    self._dedup[key] = live
+                else:
+                    del self._dedup[key]
         finally:
             self._lock.release()
 
@@ -535,6 +616,7 @@ class OffloadEngine:
         with self._lock:
             self._closed = True
             self._scheduler.clear()
+            self._recent.clear()
         self._pool.shutdown()
         self._pool = InlineIOPool()
         self._drain_dead(blocking=True)
@@ -545,8 +627,3 @@ class OffloadEngine:
             if raise_errors:
                 raise err
             warnings.warn(f"{err} (raised while another exception was propagating)", stacklevel=2)
-
-    @property
-    def closed(self) -> bool:
-        """Whether the owning context has exited."""
-        return self._closed

@@ -1,25 +1,29 @@
-"""The packed-tensor format: which bytes of a tensor go to disk, and how it comes back.
+"""The packed-tensor format: which bytes of a tensor go to disk, and how views come back.
 
 # NOTE [packed layout]
-# A strided tensor is fully described by (dtype, shape, stride) plus the bytes
-# of the storage span it covers: from its first element to its last, i.e.
-# ``1 + sum((size_i - 1) * stride_i)`` elements (0 for an empty tensor). Only
-# that span is written, so a slice of a huge buffer costs its own bytes, and an
-# expanded stride-0 tensor costs its real (not logical) size. Restoring builds a
-# fresh storage holding the span and views it with the same shape and strides,
-# so values, shape, strides, dtype and device are equal; storage_offset may differ.
+# A strided tensor is a view: (dtype, shape, stride) over a byte range of its
+# storage, from its first element to its last, i.e. ``1 + sum((size_i - 1) *
+# stride_i)`` elements (0 for an empty tensor). Only that span is written, so a
+# slice of a huge buffer costs its own bytes, and an expanded stride-0 tensor
+# costs its real (not logical) size. What is offloaded is the span (a record);
+# each saved view keeps its own ViewMeta (dtype, shape, stride, byte offset into
+# the span), so several views of one storage share one record (NOTE [dedup] in
+# engine.py). Restoring builds a view with the same shape and strides over a
+# buffer holding the span: values, shape, strides, dtype and device are equal;
+# the storage offset may differ.
 #
 # NOTE [alignment]
 # O_DIRECT needs the memory address, the file offset and the length of every
 # request aligned to the device block size (4096 covers every common device).
-# Rather than copying each tensor into an aligned staging buffer, the extent on
-# disk mirrors the tensor's in-page position: the span lands at
-# ``extent.offset + pad`` where ``pad = data_ptr % 4096``, and the write covers
-# whole pages from ``data_ptr - pad``. Those pages are mapped (they hold the
-# tensor's own first and last bytes); the extra bytes around the span are
-# ignored. On read, the fresh buffer is placed so that its data also starts
-# ``pad`` bytes into a page, which keeps every element dtype-aligned
-# (itemsize divides 4096). Writes and reads are therefore zero-copy.
+# Rather than copying each span into an aligned staging buffer, the extent on
+# disk mirrors the span's in-page position: the span lands at
+# ``extent.offset + pad`` where ``pad = address % 4096``, and the write covers
+# whole pages from ``address - pad``. Those pages are mapped (they hold the
+# span's own first and last bytes); the extra bytes around the span are never
+# read back. On read, the fresh buffer is placed so that the span also starts
+# ``pad`` bytes into a page, so every view lands at the same address modulo
+# 4096 as the original, which keeps elements dtype-aligned (itemsize divides
+# 4096). Writes and reads are therefore zero-copy.
 """
 
 from __future__ import annotations
@@ -27,10 +31,18 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-__all__ = ["ALIGN", "PackedLayout", "describe", "new_read_buffer", "source_buffer", "span_bytes"]
+__all__ = [
+    "ALIGN",
+    "Span",
+    "ViewMeta",
+    "make_view",
+    "new_read_buffer",
+    "source_buffer",
+    "span_bytes",
+    "view_span",
+]
 
 ALIGN = 4096
 
@@ -46,59 +58,64 @@ def span_bytes(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -
     return (1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))) * itemsize
 
 
+def view_span(t: torch.Tensor) -> tuple[int, int]:
+    """``(start, nbytes)``: the byte range of ``t``'s storage that ``t`` covers."""
+    itemsize = t.element_size()
+    return t.storage_offset() * itemsize, span_bytes(tuple(t.shape), t.stride(), itemsize)
+
+
 @dataclass(frozen=True, slots=True)
-class PackedLayout:
-    """Everything needed to rebuild a tensor from its packed bytes."""
+class ViewMeta:
+    """How one saved tensor views its record's span."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
     stride: tuple[int, ...]
-    # Bytes of the storage span the tensor covers.
-    span_bytes: int
-    # Offset of the span inside its first 4096-byte page (NOTE [alignment]).
+    # Byte offset of the view's first element from the start of the span.
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """A record's bytes: their count and their position in the first page."""
+
+    nbytes: int
+    # ``address % 4096`` of the span's first byte (NOTE [alignment]).
     pad: int
 
     @property
     def extent_bytes(self) -> int:
-        """Bytes of slab space the packed tensor occupies (whole pages)."""
-        return _round_up(self.pad + self.span_bytes, ALIGN)
+        """Bytes of slab space the span occupies (whole pages)."""
+        return _round_up(self.pad + self.nbytes, ALIGN)
 
 
-def describe(t: torch.Tensor) -> PackedLayout:
-    """Describe a strided tensor for packing. The caller checks eligibility first."""
-    shape = tuple(t.shape)
-    stride = tuple(t.stride())
-    return PackedLayout(
-        dtype=t.dtype,
-        shape=shape,
-        stride=stride,
-        span_bytes=span_bytes(shape, stride, t.element_size()),
-        pad=t.data_ptr() % ALIGN,
-    )
+def source_buffer(storage: torch.UntypedStorage, base: int, span: Span) -> memoryview:
+    """A read-only byte view of the whole pages holding ``span`` (at ``base`` in ``storage``).
 
-
-def source_buffer(t: torch.Tensor, layout: PackedLayout) -> memoryview:
-    """A read-only byte view of the whole pages holding ``t``'s span.
-
-    The view aliases ``t``'s memory: the caller must keep ``t`` alive until every
-    request reading from the view has finished.
+    The view aliases the storage's memory: the caller keeps ``storage`` alive until
+    every request reading from the view has finished.
     """
-    start = t.data_ptr() - layout.pad
-    raw = (ctypes.c_char * layout.extent_bytes).from_address(start)
+    start = storage.data_ptr() + base - span.pad
+    raw = (ctypes.c_char * span.extent_bytes).from_address(start)
     return memoryview(raw).cast("B").toreadonly()
 
 
-def new_read_buffer(layout: PackedLayout) -> tuple[torch.Tensor, memoryview]:
-    """Allocate the tensor a read lands in, and the page-aligned region to read into.
+def new_read_buffer(span: Span) -> tuple[torch.Tensor, int, memoryview]:
+    """A fresh buffer for reading ``span`` back (NOTE [alignment]).
 
-    Returns ``(tensor, region)``: once ``region`` (``layout.extent_bytes`` bytes,
-    page-aligned) holds the extent's bytes, ``tensor`` equals the packed tensor.
+    Returns ``(buffer, base, region)``: once ``region`` (``span.extent_bytes``
+    page-aligned bytes) holds the extent, the span starts at byte ``base`` of
+    ``buffer``'s storage.
     """
-    n = layout.extent_bytes
+    n = span.extent_bytes
     raw = torch.empty(n + ALIGN, dtype=torch.uint8)
     lead = (-raw.data_ptr()) % ALIGN
-    region: np.ndarray = raw[lead : lead + n].numpy()
-    itemsize = layout.dtype.itemsize
-    out = torch.empty((0,), dtype=layout.dtype)
-    out.set_(raw.untyped_storage(), (lead + layout.pad) // itemsize, layout.shape, layout.stride)
-    return out, memoryview(region)
+    region = memoryview(raw[lead : lead + n].numpy())
+    return raw, lead + span.pad, region
+
+
+def make_view(storage: torch.UntypedStorage, base: int, meta: ViewMeta) -> torch.Tensor:
+    """The tensor ``meta`` describes, over the span that starts at byte ``base``."""
+    out = torch.empty((0,), dtype=meta.dtype, device=storage.device)
+    itemsize = meta.dtype.itemsize
+    return out.set_(storage, (base + meta.offset) // itemsize, meta.shape, meta.stride)

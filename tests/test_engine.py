@@ -370,6 +370,66 @@ def test_dedup_sees_in_place_updates(save_dir: Path) -> None:
         assert torch.equal(engine.unpack(h2), torch.ones(4096))
 
 
+def test_views_of_one_storage_share_one_record(save_dir: Path) -> None:
+    """softmax saves its 4-D output, bmm a 3-D view of it: one record, written once."""
+    x = torch.randn(2, 3, 16, 16, requires_grad=True)
+    v = torch.randn(6, 16, 8, requires_grad=True)
+
+    def step(x: torch.Tensor, v: torch.Tensor) -> None:
+        p = (x * 1).softmax(-1)
+        (p.view(6, 16, 16) @ v).sum().backward()
+
+    xr, vr = (t.detach().clone().requires_grad_() for t in (x, v))
+    step(xr, vr)
+    with _engine(save_dir, prefetch_depth=2) as engine:
+        p = (x * 1).softmax(-1)
+        out = (p.view(6, 16, 16) @ v).sum()
+        del p
+        engine.flush()
+        out.backward()
+    assert torch.equal(x.grad, xr.grad) and torch.equal(v.grad, vr.grad)
+    stats = engine.stats()
+    assert stats.dedup_hits >= 1
+    p_bytes = 2 * 3 * 16 * 16 * 4
+    # x * 1 is not saved (mul by a constant); softmax output once, v is a leaf (kept).
+    assert stats.bytes_offloaded == p_bytes
+    assert stats.bytes_read == p_bytes  # read once, shared by both views
+
+
+def test_views_outside_a_record_or_misaligned_get_their_own(save_dir: Path) -> None:
+    with _engine(save_dir, inline=True) as engine:
+        buf = torch.arange(4096, dtype=torch.float32)
+        h1 = engine.pack(buf[:1024])  # record A: bytes [0, 4096)
+        h2 = engine.pack(buf[512:2048])  # overlaps A but is not inside it: record B
+        h3 = engine.pack(buf.view(torch.uint8)[2:4000])  # inside A: shares it
+        other = torch.arange(4096, dtype=torch.float32) + 0.5
+        h4 = engine.pack(other.view(torch.uint8)[2:4000])  # record C: bytes [2, 4000)
+        h5 = engine.pack(other[1:999])  # inside C, but 2 bytes in: not float-aligned: D
+        engine.flush()
+        stats = engine.stats()
+        assert stats.tensors_offloaded == 4
+        assert stats.dedup_hits == 1
+        assert torch.equal(engine.unpack(h1), buf[:1024])
+        assert torch.equal(engine.unpack(h2), buf[512:2048])
+        assert torch.equal(engine.unpack(h3), buf.view(torch.uint8)[2:4000])
+        assert torch.equal(engine.unpack(h4), other.view(torch.uint8)[2:4000])
+        assert torch.equal(engine.unpack(h5), other[1:999])
+
+
+@pytest.mark.parametrize("depth", [0, 1, 4])
+def test_each_record_is_read_once_per_backward_pass(save_dir: Path, depth: int) -> None:
+    model = _model()
+    tokens, targets = make_batch(4, 32, vocab=64)
+    with _engine(save_dir, prefetch_depth=depth) as engine:
+        loss = model(tokens, targets)
+        engine.flush()
+        loss.backward(retain_graph=True)
+        once = engine.stats()
+        assert once.bytes_read == once.bytes_offloaded
+        loss.backward()
+    assert engine.stats().bytes_read == 2 * once.bytes_offloaded
+
+
 # -- what is and is not offloaded ---------------------------------------------------------
 
 
