@@ -39,6 +39,15 @@ tensor equal in value, shape, strides, dtype and device.
 # a dead weak reference can never match a new storage. The version counter
 # (shared by all views of a tensor) catches in-place updates between two saves.
 #
+# NOTE [version check]
+# Autograd normally refuses to backward through a saved tensor that was
+# modified in place after it was saved, but skips that check whenever
+# saved-tensor hooks are installed. An offloading engine makes the mistake
+# worse (the async write may capture either value), so every handle remembers
+# the version of the tensor that owns the saved view's version counter (its
+# base), weakly, and unpack raises the same error autograd would. If the owner
+# is gone, nothing can have modified it since.
+#
 # NOTE [backward passes]
 # A record that backward has already consumed must not be prefetched again in
 # the same pass (a node unpacks its saved tensors in save order, so the window
@@ -101,15 +110,49 @@ _RECENT_SPANS = 3
 Resident = tuple[torch.UntypedStorage, int]
 
 
+def _version_error(what: str, now: int, then: int) -> OffloadError:
+    return OffloadError(
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: {what} is at version {now}; expected version {then} instead. "
+        "PyTorch skips this check when saved-tensor hooks are installed; prefetch_offload "
+        "keeps it (NOTE [version check]). Do not modify a tensor in place after an op saved it."
+    )
+
+
+class _Kept:
+    """A saved tensor left in memory, with its version at save time."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+        self.version = -1 if torch.is_inference(t) else t._version
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if self.version >= 0 and t._version != self.version:
+            what = f"a saved tensor (shape {list(t.shape)}, {t.dtype})"
+            raise _version_error(what, t._version, self.version)
+        return t
+
+
 class _Handle:
     """What autograd stores for an offloaded tensor: a view of a record's span."""
 
-    __slots__ = ("pass_no", "record", "view")
+    __slots__ = ("owner", "pass_no", "record", "version", "view")
 
-    def __init__(self, record: _Record, view: ViewMeta) -> None:
+    def __init__(self, record: _Record, view: ViewMeta, t: torch.Tensor, version: int) -> None:
         self.record = record
         self.view = view
         self.pass_no = -1  # NOTE [backward passes]
+        # NOTE [version check]: the tensor that owns t's version counter, weakly.
+        self.owner = weakref.ref(t._base if t._base is not None else t)
+        self.version = version
+
+    def check_version(self) -> None:
+        owner = self.owner()
+        if owner is not None and owner._version != self.version:
+            raise _version_error(self.record.describe(), owner._version, self.version)
 
     def __repr__(self) -> str:
         return f"<prefetch_offload handle {self.record.describe()}>"
@@ -312,7 +355,7 @@ class OffloadEngine:
     # -- pack -----------------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> Any:
-        """Saved-tensor pack hook: a handle for an offloaded tensor, else ``t`` itself."""
+        """Saved-tensor pack hook: a handle for an offloaded tensor, or ``t`` kept as it is."""
         self._raise_pending()
         self._drain_dead(blocking=True)
         if self._closed:
@@ -324,7 +367,7 @@ class OffloadEngine:
             self._recent.clear()  # NOTE [recently restored]: forward again
         if not self._eligible(t):
             self._stats.add(tensors_kept=1)
-            return t
+            return _Kept(t)
         storage = t.untyped_storage()
         start, nbytes = view_span(t)
         version = t._version
@@ -342,7 +385,8 @@ class OffloadEngine:
                     and (start - entry.start) % itemsize == 0
                 ):
                     self._stats.add(dedup_hits=1)
-                    return _Handle(rec, ViewMeta(t.dtype, shape, stride, start - entry.start))
+                    view = ViewMeta(t.dtype, shape, stride, start - entry.start)
+                    return _Handle(rec, view, t, version)
         host, base = self._device.to_host(storage, start, nbytes)
         span = Span(nbytes, (host.data_ptr() + base) % 4096)
         store = self._store
@@ -357,7 +401,7 @@ class OffloadEngine:
                 ) from exc
             if extent is None:
                 self._note_no_space("the slab reservation failed")
-                return t
+                return _Kept(t)
         view = ViewMeta(t.dtype, shape, stride, 0)
         with self._lock:
             rec = _Record(self, span, extent, (host, base), t.device, self._seq, view)
@@ -369,7 +413,7 @@ class OffloadEngine:
             self._stats.add(tensors_offloaded=1, bytes_offloaded=nbytes)
         else:
             self._queue_write(rec, host, base)
-        return _Handle(rec, view)
+        return _Handle(rec, view, t, version)
 
     def _eligible(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is offloaded. Everything else stays in memory, unchanged."""
@@ -492,9 +536,10 @@ class OffloadEngine:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Saved-tensor unpack hook: the tensor that ``pack`` was given, restored."""
-        if not isinstance(packed, _Handle):
-            return packed
+        if isinstance(packed, _Kept):
+            return packed.unpack()
         self._raise_pending()
+        packed.check_version()
         rec = packed.record
         if packed.pass_no == self._pass_no:  # NOTE [backward passes]: a new pass
             self._pass_no += 1

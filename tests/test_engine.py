@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from prefetch_offload import (
     OffloadConfig,
     OffloadEngine,
+    OffloadError,
     OffloadFallbackWarning,
     OffloadIOError,
     offload_context,
@@ -365,9 +366,23 @@ def test_dedup_sees_in_place_updates(save_dir: Path) -> None:
         buf.add_(1)
         h2 = engine.pack(buf)
         engine.flush()
-        assert engine.stats().dedup_hits == 0
-        assert torch.equal(engine.unpack(h1), torch.zeros(4096))
+        stats = engine.stats()
+        assert (stats.dedup_hits, stats.tensors_offloaded) == (0, 2)
         assert torch.equal(engine.unpack(h2), torch.ones(4096))
+        with pytest.raises(OffloadError, match="modified by an inplace operation"):
+            engine.unpack(h1)  # NOTE [version check]: as autograd would without hooks
+
+
+@pytest.mark.parametrize("size", [8, 1 << 15], ids=["kept", "offloaded"])
+def test_in_place_update_after_save_is_caught_like_autograd(save_dir: Path, size: int) -> None:
+    x = torch.randn(size, requires_grad=True)
+    with _engine(save_dir, min_offload_bytes=1024) as engine:
+        y = (x * 2).exp()  # exp saves its output
+        loss = y.sum()
+        engine.flush()
+        y.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
 
 
 def test_views_of_one_storage_share_one_record(save_dir: Path) -> None:
