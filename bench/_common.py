@@ -276,28 +276,35 @@ class SeedDiskHooks:
 
 @dataclass(frozen=True)
 class StepResult:
-    """One mode's measurements over the timed rounds (and the memory rounds).
+    """One mode's measurements: timed rounds, memory probe, default-allocator memory rounds.
 
     Raw per-step samples and cumulative counter deltas are stored; everything
     shown in the table is a property computed from them. ``baseline_*`` are the
-    ``none`` mode's medians (None when ``none`` did not run).
+    ``none`` mode's values (None when ``none`` did not run or was not measured).
     """
 
     mode: str
     label: str
     # Wall seconds of forward + backward + optimizer step, one per timed round.
     step_seconds: tuple[float, ...]
-    # Activation memory held during forward (RSS peak - RSS at forward start), per memory round.
-    forward_mem_bytes: tuple[int, ...]
-    # Live malloc bytes added by forward (at its end), per memory round; empty if unavailable.
-    forward_heap_bytes: tuple[int, ...] = ()
+    # Memory probe (a fresh process with MALLOC_MMAP_THRESHOLD_=65536, so freed large
+    # blocks leave RSS): peak RSS during forward minus RSS at forward start, per measured step.
+    act_mem_bytes: tuple[int, ...] = ()
+    # Memory probe: malloc bytes in use (mallinfo2) at the end of forward minus at its
+    # start, per measured step; empty where mallinfo2 is unavailable.
+    act_heap_bytes: tuple[int, ...] = ()
+    # Memory rounds in the benchmark process, glibc's default allocator after
+    # malloc_trim(0): peak RSS during forward minus RSS at forward start, per round.
+    rss_default_bytes: tuple[int, ...] = ()
     # Engine counter deltas over the timed rounds (``disk`` only).
     bytes_offloaded: int | None = None
     prefetch_hits: int | None = None
     prefetch_misses: int | None = None
     stall_seconds: float | None = None
+    pack_wait_seconds: float | None = None
     baseline_step_s: float | None = None
-    baseline_mem_bytes: float | None = None
+    baseline_act_bytes: float | None = None
+    baseline_rss_default_bytes: float | None = None
 
     @property
     def steps(self) -> int:
@@ -322,26 +329,35 @@ class StepResult:
         return self.median_step_s / self.baseline_step_s
 
     @property
-    def forward_mem(self) -> float | None:
-        """Median activation memory held during forward, in bytes (None if not measured)."""
-        if not self.forward_mem_bytes:
+    def act_mem(self) -> float | None:
+        """Activation memory held during forward: the probe's largest RSS delta, in bytes."""
+        if not self.act_mem_bytes:
             return None
-        return float(statistics.median(self.forward_mem_bytes))
+        return float(max(self.act_mem_bytes))
 
     @property
-    def forward_heap(self) -> float | None:
-        """Median live malloc bytes added by forward (None if not measured)."""
-        if not self.forward_heap_bytes:
-            return None
-        return float(statistics.median(self.forward_heap_bytes))
+    def act_cut(self) -> float | None:
+        """Fraction of the ``none`` activation memory this mode saved (0.8 = 80% less)."""
+        return _cut(self.act_mem, self.baseline_act_bytes)
 
     @property
-    def mem_cut(self) -> float | None:
-        """Fraction of the ``none`` activation memory this mode saved (0.25 = 25% less)."""
-        mem = self.forward_mem
-        if mem is None or not self.baseline_mem_bytes:
+    def act_heap(self) -> float | None:
+        """Probe: largest malloc-in-use growth from forward start to forward end, in bytes."""
+        if not self.act_heap_bytes:
             return None
-        return 1.0 - mem / self.baseline_mem_bytes
+        return float(max(self.act_heap_bytes))
+
+    @property
+    def rss_default(self) -> float | None:
+        """Default-allocator RSS added by forward (median of the memory rounds), in bytes."""
+        if not self.rss_default_bytes:
+            return None
+        return float(statistics.median(self.rss_default_bytes))
+
+    @property
+    def rss_default_cut(self) -> float | None:
+        """Like ``act_cut`` for the default-allocator number (glibc free lists included)."""
+        return _cut(self.rss_default, self.baseline_rss_default_bytes)
 
     @property
     def offloaded_per_step(self) -> float | None:
@@ -365,23 +381,38 @@ class StepResult:
             return None
         return self.stall_seconds / self.steps
 
+    @property
+    def pack_wait_per_step(self) -> float | None:
+        """Seconds forward waited at the pending-write cap, per timed step."""
+        if self.pack_wait_seconds is None or not self.steps:
+            return None
+        return self.pack_wait_seconds / self.steps
+
     def to_json(self) -> dict[str, Any]:
         """Raw fields plus the computed properties, JSON-ready."""
         out = asdict(self)
-        out["step_seconds"] = list(self.step_seconds)
-        out["forward_mem_bytes"] = list(self.forward_mem_bytes)
-        out["forward_heap_bytes"] = list(self.forward_heap_bytes)
+        for name in ("step_seconds", "act_mem_bytes", "act_heap_bytes", "rss_default_bytes"):
+            out[name] = list(getattr(self, name))
         for name in (
             "steps",
             "median_step_s",
             "min_step_s",
             "ratio",
-            "forward_mem",
-            "forward_heap",
-            "mem_cut",
+            "act_mem",
+            "act_cut",
+            "act_heap",
+            "rss_default",
+            "rss_default_cut",
             "offloaded_per_step",
             "hit_rate",
             "stall_per_step",
+            "pack_wait_per_step",
         ):
             out[name] = getattr(self, name)
         return out
+
+
+def _cut(value: float | None, baseline: float | None) -> float | None:
+    if value is None or not baseline:
+        return None
+    return 1.0 - value / baseline

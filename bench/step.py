@@ -9,16 +9,39 @@ wraps ``trainer.train()`` (saved-tensor hooks are thread-local, so the open
 contexts do not see each other's steps).
 
 Rounds come in three phases: ``--warmup`` rounds (not counted), ``--steps``
-timed rounds (step times and engine counters), then ``--mem-rounds`` memory
-rounds. A memory round returns freed heap pages to the OS (``malloc_trim``)
-before each step and measures the resident memory that forward adds: glibc
-otherwise reuses memory freed by the previous step without touching RSS, so an
-RSS delta would read near 0. Trimming makes the next step fault its pages in
-again, which would cost ``none`` more than the offloading modes, so timed
-rounds never trim.
+timed rounds (step times and engine counters), then ``--mem-rounds``
+default-allocator memory rounds (below). Timed rounds never touch the allocator.
+
+Activation memory (``act MB``, ``act cut``, ``heap MB``) is measured in a separate
+phase: one fresh process per mode (this script with the hidden ``--memory-probe
+MODE`` flag) builds the same model and batches, runs 1 warmup step and 2 measured
+steps, samples RSS every 2 ms during forward and once at its end, and reports the
+largest rise over RSS at forward start (what the model, optimizer and inputs hold
+is already in that baseline). The probe runs with ``MALLOC_MMAP_THRESHOLD_=65536``:
+glibc then serves every allocation of 64 KiB or more with its own ``mmap`` and
+``munmap``s it on free, so a tensor the engine has written to disk and released
+leaves RSS at once, and RSS tracks the memory actually held. That is what the
+product target ("activation memory held during forward cut by >= 80% against no
+offload") is judged on.
+
+Why not the plain RSS of this process: with glibc's default allocator (dynamic
+mmap threshold, up to 32 MiB on 64-bit, raised every time a mapped block is
+freed) freed tensors go back to malloc's free lists and stay resident, and the
+next allocation reuses them without changing RSS. The ``rss(default) MB``
+column keeps that number for comparison: in each memory round this process calls
+``malloc_trim(0)`` before forward and measures the RSS that forward adds. Memory
+that offload released mid-forward is still counted there as long as glibc keeps
+it, so it mostly measures glibc's free lists, not what is held. ``heap MB`` (from
+the probe) is malloc's bytes in use at the end of forward minus at its start:
+the activations still referenced when forward returns, with no transient peak.
 
 After the run the final parameters of every mode must be bit-identical to those
 of ``none``; if they are not, the script says which and exits with status 1.
+
+``--pending-sweep`` probes the ``disk`` mode's activation memory at other values
+of ``max_pending_write_bytes`` (the engine's cap on bytes queued for writing,
+which trades memory for speed: pack waits at the cap). ``bench/sweep.py``
+measures the speed side.
 
 Example:
     .venv/bin/python bench/step.py --modes none,disk --json bench/results/step.json
@@ -36,13 +59,15 @@ import os
 import platform
 import queue
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -75,6 +100,31 @@ else:  # run as a script: bench/ is not a package
         read_rss_bytes,
     )
 
+__all__ = [
+    "LABELS",
+    "MODES",
+    "Knobs",
+    "ModeFailed",
+    "ModeWorker",
+    "ProbeError",
+    "RoundLog",
+    "Shape",
+    "StepOut",
+    "add_shape_args",
+    "build",
+    "compare_params",
+    "fmt",
+    "format_table",
+    "machine_info",
+    "machine_line",
+    "main",
+    "make_context",
+    "parse_mib_list",
+    "probe_memory",
+    "run_rounds",
+    "timed_delta",
+]
+
 MODES: tuple[str, ...] = ("none", "disk", "seed", "save_on_cpu")
 LABELS: dict[str, str] = {
     "none": "no offload",
@@ -85,6 +135,11 @@ LABELS: dict[str, str] = {
 TORCH_THREADS = 2
 LEARNING_RATE = 1e-3
 SAMPLE_INTERVAL_S = 0.002
+# The memory probe's allocator setting: every malloc of >= 64 KiB gets its own mapping.
+MMAP_THRESHOLD = 65536
+PROBE_WARMUP_STEPS = 1
+PROBE_STEPS = 2
+STEP_SCRIPT = os.path.abspath(__file__)
 # Engine counters that are levels, not running totals: reported as-is, not as deltas.
 _GAUGES = frozenset(
     {
@@ -96,6 +151,94 @@ _GAUGES = frozenset(
     }
 )
 _CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
+_MiB = 1 << 20
+
+
+# -- what is measured: shape and knobs ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The TinyTransformer and batch size trained."""
+
+    depth: int = 6
+    width: int = 256
+    heads: int = 4
+    batch: int = 8
+    seq: int = 256
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Shape:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    def argv(self) -> list[str]:
+        """The command-line flags that select this shape."""
+        return [
+            x for f in dataclasses.fields(self) for x in (f"--{f.name}", str(getattr(self, f.name)))
+        ]
+
+    def __str__(self) -> str:
+        return ", ".join(f"{f.name} {getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The offload settings under test (``min_offload_bytes`` applies to ``seed`` too)."""
+
+    prefetch_depth: int = _CONFIG_DEFAULTS["prefetch_depth"]
+    io_workers: int = _CONFIG_DEFAULTS["io_workers"]
+    max_pending_write_bytes: int = _CONFIG_DEFAULTS["max_pending_write_bytes"]
+    min_offload_bytes: int = _CONFIG_DEFAULTS["min_offload_bytes"]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Knobs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    def argv(self) -> list[str]:
+        """The command-line flags that select these knobs."""
+        return [
+            x
+            for f in dataclasses.fields(self)
+            for x in ("--" + f.name.replace("_", "-"), str(getattr(self, f.name)))
+        ]
+
+    @property
+    def is_default(self) -> bool:
+        """Whether every knob has OffloadConfig's default value."""
+        return self == Knobs()
+
+    def __str__(self) -> str:
+        return ", ".join(f"{f.name} {getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+def build(
+    shape: Shape, rounds: int
+) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The model (seeded, so every process builds the same weights) and one batch per round."""
+    batches = [make_batch(shape.batch, shape.seq, seed=r) for r in range(rounds)]
+    torch.manual_seed(0)
+    model = TinyTransformer(width=shape.width, depth=shape.depth, heads=shape.heads)
+    return model, batches
+
+
+def make_context(mode: str, save_dir: Path, knobs: Knobs) -> AbstractContextManager[Any]:
+    """The context that turns ``mode`` on; ``disk`` and ``seed`` write under ``save_dir``."""
+    if mode == "none":
+        return contextlib.nullcontext()
+    if mode == "disk":
+        return offload_context(
+            "disk",
+            save_dir=str(save_dir / "disk"),
+            prefetch_depth=knobs.prefetch_depth,
+            io_workers=knobs.io_workers,
+            min_offload_bytes=knobs.min_offload_bytes,
+            max_pending_write_bytes=knobs.max_pending_write_bytes,
+        )
+    if mode == "seed":
+        return SeedDiskHooks(str(save_dir / "seed"), knobs.min_offload_bytes)
+    if mode == "save_on_cpu":
+        return torch.autograd.graph.save_on_cpu(pin_memory=False)
+    raise ValueError(mode)
 
 
 # -- arguments ---------------------------------------------------------------------------
@@ -117,6 +260,28 @@ def _parse_modes(text: str) -> list[str]:
     return modes
 
 
+def parse_mib_list(text: str) -> list[int]:
+    """``"16,64,256"`` -> byte counts; empty text -> []."""
+    out: list[int] = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number of MiB: {item!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"MiB values must be > 0, got {item!r}")
+        out.append(int(value * _MiB))
+    return out
+
+
+def add_shape_args(p: argparse.ArgumentParser, shape: Shape) -> None:
+    """``--depth``, ``--width``, ... with ``shape``'s values as defaults."""
+    for f in dataclasses.fields(shape):
+        p.add_argument(f"--{f.name}", type=int, default=getattr(shape, f.name))
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="bench/step.py",
@@ -131,13 +296,24 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--mem-rounds",
         type=int,
         default=2,
-        help="rounds after the timed ones that measure activation memory (default 2; 0: skip)",
+        help="rounds after the timed ones that measure the default-allocator RSS column "
+        "(default 2; 0: skip)",
     )
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument(
+        "--no-mem-probe",
+        dest="mem_probe",
+        action="store_false",
+        help="skip the per-mode memory probe processes (act MB, act cut, heap MB)",
+    )
+    p.add_argument(
+        "--pending-sweep",
+        type=parse_mib_list,
+        default=parse_mib_list("16,64,256"),
+        metavar="MIB,...",
+        help="also probe disk's activation memory at these max_pending_write_bytes values, "
+        "in MiB (default 16,64,256; empty: skip)",
+    )
+    add_shape_args(p, Shape())
     p.add_argument(
         "--save-dir",
         default=None,
@@ -158,6 +334,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="smallest saved tensor sent to disk, for both disk and seed",
     )
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write JSON here")
+    # Internal: run one mode's memory probe in this process and print its JSON.
+    p.add_argument("--memory-probe", choices=MODES, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
@@ -169,11 +347,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 # -- one mode's thread -------------------------------------------------------------------
 
 
-class _StepOut(NamedTuple):
+class StepOut(NamedTuple):
+    """What one training step reports."""
+
     seconds: float
     loss: float
-    forward_mem: int | None
-    forward_heap: int | None
+    # RSS added by forward in a "memory" phase step (default allocator), else None.
+    rss_default: int | None
 
 
 # What a worker's thread reports besides step results and exceptions.
@@ -181,12 +361,14 @@ _READY = "context entered"
 _EXITED = "context exited"
 
 
-class _ModeWorker:
+class ModeWorker:
     """One mode: a thread holding its context open, its model copy and its optimizer.
 
     ``step`` hands the thread one step and waits for it, so the caller decides
     which mode runs when. Counters (engine stats, seed file counts) are
     snapshotted at the first step of each phase and after the context exits.
+    A step in phase ``"memory"`` trims the heap first and measures the RSS that
+    forward adds; other phases only time the step.
     """
 
     def __init__(
@@ -205,7 +387,7 @@ class _ModeWorker:
         self.snapshots: dict[str, dict[str, float]] = {}
         self._phase = ""
         self._cmd: queue.Queue[tuple[int, str] | None] = queue.Queue()
-        self._out: queue.Queue[_StepOut | str | BaseException] = queue.Queue()
+        self._out: queue.Queue[StepOut | str | BaseException] = queue.Queue()
         self._alive = False
         self._thread = threading.Thread(target=self._main, name=f"bench-{mode}", daemon=True)
 
@@ -219,7 +401,7 @@ class _ModeWorker:
             self._thread.join()
             raise got
 
-    def step(self, round_index: int, phase: str) -> _StepOut:
+    def step(self, round_index: int, phase: str) -> StepOut:
         """Run one training step on the thread; re-raises the step's exception."""
         self._cmd.put((round_index, phase))
         got = self._out.get()
@@ -227,7 +409,7 @@ class _ModeWorker:
             self._alive = False
             self._thread.join()
             raise got
-        assert isinstance(got, _StepOut)
+        assert isinstance(got, StepOut)
         return got
 
     def finish(self) -> None:
@@ -243,12 +425,7 @@ class _ModeWorker:
 
     def counters(self) -> dict[str, float]:
         """The mode's cumulative counters now (empty for modes without any)."""
-        h = self.handle
-        if isinstance(h, SeedDiskHooks):
-            return {"files_written": h.files_written, "bytes_written": h.bytes_written}
-        if h is not None and hasattr(h, "stats"):
-            return dict(dataclasses.asdict(h.stats()))
-        return {}
+        return _counters(self.handle)
 
     def _main(self) -> None:
         try:
@@ -262,24 +439,21 @@ class _ModeWorker:
         except BaseException as exc:
             self._out.put(exc)
 
-    def _step(self, round_index: int, phase: str) -> _StepOut:
+    def _step(self, round_index: int, phase: str) -> StepOut:
         if phase != self._phase:
             self.snapshots[phase] = self.counters()
             self._phase = phase
         tokens, targets = self.batches[round_index]
         gc.collect()
-        forward_mem: int | None = None
-        forward_heap: int | None = None
+        rss_default: int | None = None
         if phase == "memory":
             malloc_trim()
             t0 = time.perf_counter()
             with RssSampler(SAMPLE_INTERVAL_S) as sampler:
-                rss_start, heap_start = read_rss_bytes(), heap_in_use_bytes()
+                rss_start = read_rss_bytes()
                 loss = self.model(tokens, targets)
-                rss_end, heap_end = read_rss_bytes(), heap_in_use_bytes()
-            forward_mem = max(rss_end, sampler.peak_bytes) - rss_start
-            if heap_start is not None and heap_end is not None:
-                forward_heap = heap_end - heap_start
+                rss_end = read_rss_bytes()
+            rss_default = max(rss_end, sampler.peak_bytes) - rss_start
         else:
             t0 = time.perf_counter()
             loss = self.model(tokens, targets)
@@ -287,68 +461,96 @@ class _ModeWorker:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
-        return _StepOut(
-            seconds=seconds, loss=loss.item(), forward_mem=forward_mem, forward_heap=forward_heap
-        )
+        return StepOut(seconds=seconds, loss=loss.item(), rss_default=rss_default)
 
 
-# -- helpers -----------------------------------------------------------------------------
+def _counters(handle: Any) -> dict[str, float]:
+    if isinstance(handle, SeedDiskHooks):
+        return {"files_written": handle.files_written, "bytes_written": handle.bytes_written}
+    if handle is not None and hasattr(handle, "stats"):
+        return dict(dataclasses.asdict(handle.stats()))
+    return {}
 
 
-def _make_context(
-    mode: str, run_dir: Path, args: argparse.Namespace
-) -> AbstractContextManager[Any]:
-    if mode == "none":
-        return contextlib.nullcontext()
-    if mode == "disk":
-        return offload_context(
-            "disk",
-            save_dir=str(run_dir / "disk"),
-            prefetch_depth=args.prefetch_depth,
-            io_workers=args.io_workers,
-            min_offload_bytes=args.min_offload_bytes,
-            max_pending_write_bytes=args.max_pending_write_bytes,
-        )
-    if mode == "seed":
-        return SeedDiskHooks(str(run_dir / "seed"), args.min_offload_bytes)
-    if mode == "save_on_cpu":
-        return torch.autograd.graph.save_on_cpu(pin_memory=False)
-    raise ValueError(mode)
+class ModeFailed(Exception):
+    """A mode raised; the original exception is the ``__cause__``. ``where`` says when."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(where)
+        self.where = where
 
 
-def _saved_activation_bytes(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> int:
-    """Bytes of the distinct storages one forward saves for backward, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
+@dataclass
+class RoundLog:
+    """Per-mode results of :func:`run_rounds`, in round order."""
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(*batch)
-    del loss
-    return sum(storages.values())
+    times: dict[str, list[float]]  # timed rounds only
+    rss_default: dict[str, list[int]]  # memory rounds only
+    losses: dict[str, list[float]]  # every round
 
 
-def _phase_of(round_index: int, args: argparse.Namespace) -> str:
-    if round_index < args.warmup:
-        return "warmup"
-    if round_index < args.warmup + args.steps:
-        return "timed"
-    return "memory"
+def run_rounds(
+    workers: dict[str, ModeWorker],
+    phases: Sequence[str],
+    log: Callable[[str], None] | None = None,
+) -> RoundLog:
+    """Start the workers, run round ``r`` in phase ``phases[r]`` for every mode, finish them.
+
+    Modes run one at a time, in the order of ``workers`` rotated by the round
+    index. On any error every worker is finished and :class:`ModeFailed` is
+    raised from the original exception.
+    """
+    modes = list(workers)
+    out = RoundLog(
+        times={m: [] for m in modes},
+        rss_default={m: [] for m in modes},
+        losses={m: [] for m in modes},
+    )
+    where = "starting a mode"
+    try:
+        for mode in modes:
+            where = f"mode {mode!r} entering its context"
+            workers[mode].start()
+        for r, phase in enumerate(phases):
+            k = r % len(modes)
+            order = modes[k:] + modes[:k]
+            for mode in order:
+                where = f"mode {mode!r} in round {r + 1} ({phase})"
+                step = workers[mode].step(r, phase)
+                out.losses[mode].append(step.loss)
+                if phase == "timed":
+                    out.times[mode].append(step.seconds)
+                if step.rss_default is not None:
+                    out.rss_default[mode].append(step.rss_default)
+            if log is not None:
+                done = "  ".join(f"{m} {out.times[m][-1]:.3f}s" for m in order if phase == "timed")
+                log(f"round {r + 1}/{len(phases)} ({phase}) {done}".rstrip())
+    except Exception as exc:
+        for w in workers.values():
+            with contextlib.suppress(Exception):
+                w.finish()
+        raise ModeFailed(where) from exc
+    first: ModeFailed | None = None
+    for mode in modes:
+        try:
+            workers[mode].finish()
+        except Exception as exc:
+            if first is None:
+                first = ModeFailed(f"mode {mode!r} when its context exited")
+                first.__cause__ = exc
+    if first is not None:
+        raise first
+    return out
 
 
-def _timed_delta(worker: _ModeWorker) -> dict[str, float]:
+def timed_delta(worker: ModeWorker) -> dict[str, float]:
     """Counter changes over the timed phase (gauges: their level at its end)."""
     start = worker.snapshots.get("timed", {})
     end = worker.snapshots.get("memory") or worker.snapshots.get("end", {})
     return {k: (v if k in _GAUGES else v - start.get(k, 0)) for k, v in end.items()}
 
 
-def _compare_params(
+def compare_params(
     ref: torch.nn.Module, other: torch.nn.Module, ref_name: str, name: str
 ) -> str | None:
     """A message naming the parameters that differ, or None if all are bit-identical."""
@@ -368,6 +570,133 @@ def _compare_params(
     )
 
 
+# -- the memory probe --------------------------------------------------------------------
+
+
+class ProbeError(RuntimeError):
+    """A memory probe process failed; the message holds the end of its stderr."""
+
+
+def probe_memory(
+    mode: str, shape: Shape, knobs: Knobs, save_dir: Path, *, timeout_s: float = 900.0
+) -> dict[str, Any]:
+    """Run ``mode``'s memory probe in a fresh process (mmap-threshold allocator); its JSON.
+
+    The environment variable must be set before the process starts (glibc reads
+    it at startup), hence the subprocess. ``save_dir`` must exist; the probe
+    makes and removes its own folder in it.
+    """
+    cmd = [
+        sys.executable,
+        STEP_SCRIPT,
+        "--memory-probe",
+        mode,
+        *shape.argv(),
+        *knobs.argv(),
+        "--save-dir",
+        str(save_dir),
+    ]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, timeout=timeout_s, check=False
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise ProbeError(
+            f"memory probe for mode {mode!r} exited with status {proc.returncode}:\n"
+            f"$ {' '.join(cmd)}\n{proc.stderr.strip()[-8000:]}"
+        )
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def _sgd_step(params: Sequence[torch.nn.Parameter]) -> None:
+    """Plain SGD, then drop the gradients: what ``torch.optim.SGD`` + ``zero_grad`` do.
+
+    The probe avoids ``torch.optim`` only because constructing an optimizer
+    imports ``torch._dynamo``, which costs the short-lived probe process ~1.5 s.
+    """
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-LEARNING_RATE)
+                p.grad = None
+
+
+def _memory_probe(args: argparse.Namespace) -> int:
+    """The probe process: print one JSON line with the activation memory of one mode."""
+    mode: str = args.memory_probe
+    torch.set_num_threads(TORCH_THREADS)
+    base = Path(args.save_dir) if args.save_dir is not None else Path.cwd() / ".scratch"
+    base.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-probe-{mode}-", dir=base))
+    try:
+        model, batches = build(Shape.from_args(args), PROBE_WARMUP_STEPS + PROBE_STEPS)
+        params = list(model.parameters())
+        mem: list[int] = []
+        heap: list[int] = []
+        rss_start: list[int] = []
+        samples: list[int] = []
+        with make_context(mode, run_dir, Knobs.from_args(args)) as handle:
+            for i, (tokens, targets) in enumerate(batches):
+                gc.collect()
+                with RssSampler(SAMPLE_INTERVAL_S) as sampler:
+                    r0, h0 = read_rss_bytes(), heap_in_use_bytes()
+                    loss = model(tokens, targets)
+                    r1, h1 = read_rss_bytes(), heap_in_use_bytes()
+                loss.backward()
+                _sgd_step(params)
+                del loss
+                if i < PROBE_WARMUP_STEPS:
+                    continue
+                mem.append(max(r1, sampler.peak_bytes) - r0)
+                rss_start.append(r0)
+                samples.append(sampler.samples)
+                if h0 is not None and h1 is not None:
+                    heap.append(h1 - h0)
+        stats = _counters(handle)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    doc = {
+        "mode": mode,
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "shape": dataclasses.asdict(Shape.from_args(args)),
+        "knobs": dataclasses.asdict(Knobs.from_args(args)),
+        "warmup_steps": PROBE_WARMUP_STEPS,
+        "act_mem_bytes": mem,
+        "act_heap_bytes": heap,
+        "rss_start_bytes": rss_start,
+        "rss_samples": samples,
+        "counters": stats,
+    }
+    print(json.dumps(doc), flush=True)
+    return 0
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def _saved_activation_bytes(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> int:
+    """Bytes of the distinct storages one forward saves for backward, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(*batch)
+    del loss
+    return sum(storages.values())
+
+
+def _phases(args: argparse.Namespace) -> list[str]:
+    return ["warmup"] * args.warmup + ["timed"] * args.steps + ["memory"] * args.mem_rounds
+
+
 def _first_loss_divergence(ref: list[float], other: list[float]) -> int | None:
     for i, (a, b) in enumerate(zip(ref, other, strict=True)):
         if a != b:
@@ -375,8 +704,25 @@ def _first_loss_divergence(ref: list[float], other: list[float]) -> int | None:
     return None
 
 
-def _fmt(value: float | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+def fmt(value: float | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    """``value * scale`` formatted with ``spec`` plus ``suffix``; "n/a" for None."""
     return "n/a" if value is None else format(value * scale, spec) + suffix
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
+    """Aligned text columns; the first ``left`` columns are left-aligned, the rest right."""
+    lines = [tuple(header), *(tuple(r) for r in rows)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = []
+    for n, line in enumerate(lines):
+        cells = [
+            cell.ljust(w) if i < left else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+        ]
+        out.append("  ".join(cells).rstrip())
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
 
 
 def _table(rows: Sequence[StepResult]) -> str:
@@ -389,37 +735,51 @@ def _table(rows: Sequence[StepResult]) -> str:
         "act MB",
         "act cut",
         "heap MB",
+        "rss(default) MB",
         "offl MB/step",
         "hit rate",
         "stall s/step",
     )
-    lines: list[tuple[str, ...]] = [header]
-    for r in rows:
-        lines.append(
-            (
-                r.mode,
-                r.label,
-                _fmt(r.median_step_s, ".3f"),
-                _fmt(r.ratio, ".2f", suffix="x"),
-                _fmt(r.forward_mem, ".1f", 1 / MB),
-                _fmt(r.mem_cut, ".0f", 100, "%"),
-                _fmt(r.forward_heap, ".1f", 1 / MB),
-                _fmt(r.offloaded_per_step, ".1f", 1 / MB),
-                _fmt(r.hit_rate, ".1f", 100, "%"),
-                _fmt(r.stall_per_step, ".4f"),
-            )
+    body = [
+        (
+            r.mode,
+            r.label,
+            fmt(r.median_step_s, ".3f"),
+            fmt(r.ratio, ".2f", suffix="x"),
+            fmt(r.act_mem, ".1f", 1 / MB),
+            fmt(r.act_cut, ".0f", 100, "%"),
+            fmt(r.act_heap, ".1f", 1 / MB),
+            fmt(r.rss_default, ".1f", 1 / MB),
+            fmt(r.offloaded_per_step, ".1f", 1 / MB),
+            fmt(r.hit_rate, ".1f", 100, "%"),
+            fmt(r.stall_per_step, ".4f"),
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = []
-    for n, line in enumerate(lines):
-        cells = [
-            cell.ljust(w) if i < 2 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(line, widths, strict=True))
-        ]
-        out.append("  ".join(cells).rstrip())
-        if n == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
+        for r in rows
+    ]
+    return format_table(header, body, left=2)
+
+
+def machine_info() -> dict[str, Any]:
+    """Host, core counts and versions, for the report."""
+    cores = os.cpu_count()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    return {
+        "host": platform.node(),
+        "cores": cores,
+        "usable_cores": usable,
+        "torch": torch.__version__,
+        "torch_threads": TORCH_THREADS,
+        "python": platform.python_version(),
+    }
+
+
+def machine_line(prog: str, machine: dict[str, Any]) -> str:
+    """The report's first line."""
+    return (
+        f"{prog} on {machine['host']}: {machine['cores']} cores ({machine['usable_cores']} "
+        f"usable), torch {machine['torch']} ({machine['torch_threads']} threads), "
+        f"python {machine['python']}"
+    )
 
 
 def _log(msg: str) -> None:
@@ -432,6 +792,8 @@ def _log(msg: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns 0, 1 (results differ between modes) or 2 (a mode failed)."""
     args = _parse_args(argv)
+    if args.memory_probe is not None:
+        return _memory_probe(args)
     modes: list[str] = args.modes
     torch.set_num_threads(TORCH_THREADS)
 
@@ -451,91 +813,79 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str) -> int:
-    rounds = args.warmup + args.steps + args.mem_rounds
-    batches = [make_batch(args.batch, args.seq, seed=r) for r in range(rounds)]
-    torch.manual_seed(0)
-    model = TinyTransformer(width=args.width, depth=args.depth, heads=args.heads)
-    copies = {mode: copy.deepcopy(model) for mode in modes}
+    shape, knobs = Shape.from_args(args), Knobs.from_args(args)
+    phases = _phases(args)
+    model, batches = build(shape, len(phases))
     saved_bytes = _saved_activation_bytes(model, batches[0])
-    del model
-
     workers = {
-        m: _ModeWorker(m, copies[m], batches, _make_context(m, run_dir, args)) for m in modes
+        m: ModeWorker(m, copy.deepcopy(model), batches, make_context(m, run_dir, knobs))
+        for m in modes
     }
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    mems: dict[str, list[int]] = {m: [] for m in modes}
-    heaps: dict[str, list[int]] = {m: [] for m in modes}
-    losses: dict[str, list[float]] = {m: [] for m in modes}
-    failed: list[str] = []  # "mode 'x' in round n"
+    del model
     try:
-        for mode in modes:
-            workers[mode].start()
-        for r in range(rounds):
-            phase = _phase_of(r, args)
-            k = r % len(modes)
-            order = modes[k:] + modes[:k]
-            for mode in order:
-                try:
-                    out = workers[mode].step(r, phase)
-                except Exception:
-                    failed.append(f"mode {mode!r} in round {r + 1} ({phase})")
-                    raise
-                losses[mode].append(out.loss)
-                if phase == "timed":
-                    times[mode].append(out.seconds)
-                if out.forward_mem is not None:
-                    mems[mode].append(out.forward_mem)
-                if out.forward_heap is not None:
-                    heaps[mode].append(out.forward_heap)
-            done = "  ".join(
-                f"{m} {(times[m] or [0.0])[-1]:.3f}s" for m in order if phase == "timed"
-            )
-            _log(f"round {r + 1}/{rounds} ({phase}) {done}".rstrip())
-    except Exception:
-        _log(f"error: {failed[-1] if failed else 'starting a mode'} failed:")
-        traceback.print_exc()
-        for w in workers.values():
-            with contextlib.suppress(Exception):
-                w.finish()
+        log = run_rounds(workers, phases, _log)
+    except ModeFailed as exc:
+        _log(f"error: {exc.where} failed:")
+        traceback.print_exception(exc.__cause__ or exc)
         return 2
-    for mode in modes:
+
+    probes: dict[str, dict[str, Any]] = {}
+    pending: list[dict[str, Any]] = []
+    if args.mem_probe:
         try:
-            workers[mode].finish()
-        except Exception:
-            _log(f"error: mode {mode!r} failed when its context exited:")
-            traceback.print_exc()
+            for mode in modes:
+                _log(f"memory probe: {mode}")
+                probes[mode] = probe_memory(mode, shape, knobs, run_dir)
+            if "disk" in modes:
+                pending = _pending_sweep(args.pending_sweep, shape, knobs, run_dir, probes)
+        except (ProbeError, subprocess.TimeoutExpired) as exc:
+            _log(f"error: {exc}")
             return 2
 
-    rows = _results(modes, workers, times, mems, heaps)
+    rows = _results(modes, workers, log, probes)
     disk_handle = workers["disk"].handle if "disk" in workers else None
     io_method = getattr(disk_handle, "io_method", None)
-    cores = os.cpu_count()
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    machine = machine_info()
+    print(machine_line("bench/step.py", machine))
     print(
-        f"bench/step.py on {platform.node()}: {cores} cores ({affinity} usable), "
-        f"torch {torch.__version__} ({TORCH_THREADS} threads), python {platform.python_version()}"
-    )
-    print(
-        f"shape: depth {args.depth}, width {args.width}, heads {args.heads}, batch {args.batch}, "
-        f"seq {args.seq}; saved activations {saved_bytes / MB:.1f} MB/step "
+        f"shape: {shape}; saved activations {saved_bytes / MB:.1f} MB/step "
         "(distinct storages, parameters excluded)"
     )
     print(
-        f"rounds: {args.warmup} warmup, {args.steps} timed, {args.mem_rounds} memory; "
-        f"scratch on {fstype}"
+        f"rounds: {args.warmup} warmup, {args.steps} timed, {args.mem_rounds} default-allocator "
+        f"memory; scratch on {fstype}"
         + (f", disk io_method {io_method}" if io_method else "")
-        + f"; knobs: prefetch_depth {args.prefetch_depth}, io_workers {args.io_workers}, "
-        f"max_pending_write_bytes {args.max_pending_write_bytes}, "
-        f"min_offload_bytes {args.min_offload_bytes}"
+        + f"; knobs: {knobs}"
     )
     print("step s: median of forward + backward + SGD step over the timed rounds")
-    print("act MB: peak RSS added by forward (median of memory rounds); act cut: vs none")
-    print("heap MB: live malloc bytes added by forward, at its end (RSS also counts freed")
-    print("  memory that glibc keeps mapped for reuse, so it overstates what offload holds)")
+    if args.mem_probe:
+        print(
+            f"act MB: peak RSS added by forward in a fresh process per mode with "
+            f"MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}"
+        )
+        print(
+            f"  (freed blocks leave RSS: held memory; max of {PROBE_STEPS} steps after "
+            f"{PROBE_WARMUP_STEPS} warmup); act cut: vs none; the target is judged on these"
+        )
+        print("heap MB: malloc bytes in use added by forward, at its end (same probe)")
+    print("rss(default) MB: peak RSS added by forward in this process, glibc's default")
+    print("  allocator after malloc_trim(0): also counts freed memory glibc keeps resident")
     print()
     print(_table(rows))
 
-    problems = _check(modes, workers, losses)
+    target = _target(rows, knobs)
+    if pending:
+        print()
+        print(
+            "disk activation memory by max_pending_write_bytes (memory probe; other knobs "
+            "as above):"
+        )
+        print(_pending_table(pending, probes.get("none")))
+    if target is not None:
+        print()
+        print(target["line"])
+
+    problems = _check(modes, workers, log.losses)
     print()
     if problems:
         for msg in problems:
@@ -546,22 +896,19 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
 
     if args.json is not None:
         doc = {
-            "machine": {
-                "host": platform.node(),
-                "cores": cores,
-                "usable_cores": affinity,
-                "torch": torch.__version__,
-                "torch_threads": TORCH_THREADS,
-                "python": platform.python_version(),
-            },
-            "shape": {k: getattr(args, k) for k in ("depth", "width", "heads", "batch", "seq")},
+            "machine": machine,
+            "shape": dataclasses.asdict(shape),
+            "knobs": dataclasses.asdict(knobs),
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "saved_activation_bytes": saved_bytes,
             "scratch_fs": fstype,
             "disk_io_method": io_method,
             "rows": [row.to_json() for row in rows],
-            "timed_counter_deltas": {m: _timed_delta(workers[m]) for m in modes},
-            "losses": losses,
+            "timed_counter_deltas": {m: timed_delta(workers[m]) for m in modes},
+            "memory_probes": probes,
+            "pending_sweep": pending,
+            "target": target,
+            "losses": log.losses,
             "check": {"ok": not problems, "problems": problems},
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -569,34 +916,107 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
     return 1 if problems else 0
 
 
+def _pending_sweep(
+    values: Sequence[int],
+    shape: Shape,
+    knobs: Knobs,
+    run_dir: Path,
+    probes: dict[str, dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Probe disk at each max_pending_write_bytes value (reusing the main disk probe)."""
+    out: list[dict[str, Any]] = []
+    for value in values:
+        if value == knobs.max_pending_write_bytes:
+            probe = probes["disk"]
+        else:
+            _log(f"memory probe: disk, max_pending_write_bytes {value}")
+            probe = probe_memory(
+                "disk", shape, dataclasses.replace(knobs, max_pending_write_bytes=value), run_dir
+            )
+        out.append({"max_pending_write_bytes": value, "probe": probe})
+    return out
+
+
+def _probe_max(probe: dict[str, Any] | None, key: str) -> float | None:
+    if probe is None or not probe.get(key):
+        return None
+    return float(max(probe[key]))
+
+
+def _pending_table(pending: Sequence[dict[str, Any]], none_probe: dict[str, Any] | None) -> str:
+    base = _probe_max(none_probe, "act_mem_bytes")
+    body = []
+    for item in pending:
+        probe = item["probe"]
+        mem = _probe_max(probe, "act_mem_bytes")
+        counters = probe.get("counters", {})
+        steps = PROBE_WARMUP_STEPS + PROBE_STEPS
+        wait = counters.get("pack_wait_seconds")
+        body.append(
+            (
+                fmt(item["max_pending_write_bytes"], ".0f", 1 / _MiB),
+                fmt(mem, ".1f", 1 / MB),
+                fmt(None if mem is None or not base else 1 - mem / base, ".0f", 100, "%"),
+                fmt(_probe_max(probe, "act_heap_bytes"), ".1f", 1 / MB),
+                fmt(counters.get("peak_pending_write_bytes"), ".1f", 1 / MB),
+                fmt(None if wait is None else wait / steps, ".4f"),
+            )
+        )
+    header = ("pending MiB", "act MB", "act cut", "heap MB", "peak pending MB", "pack wait s/step")
+    return format_table(header, body, left=0)
+
+
+TARGET_CUT = 0.80
+
+
+def _target(rows: Sequence[StepResult], knobs: Knobs) -> dict[str, Any] | None:
+    """Issue 3's memory target for the disk mode, or None if it was not measured."""
+    disk = next((r for r in rows if r.mode == "disk"), None)
+    if disk is None or disk.act_cut is None:
+        return None
+    met = disk.act_cut >= TARGET_CUT
+    which = "default knobs" if knobs.is_default else f"knobs {knobs}"
+    line = (
+        f"target: disk act cut {disk.act_cut * 100:.0f}% vs none at {which} "
+        f"(max_pending_write_bytes {knobs.max_pending_write_bytes / _MiB:g} MiB); "
+        f"needs >= {TARGET_CUT * 100:.0f}%: {'met' if met else 'NOT met'}"
+    )
+    return {"act_cut": disk.act_cut, "needed": TARGET_CUT, "met": met, "line": line}
+
+
 def _results(
     modes: list[str],
-    workers: dict[str, _ModeWorker],
-    times: dict[str, list[float]],
-    mems: dict[str, list[int]],
-    heaps: dict[str, list[int]],
+    workers: dict[str, ModeWorker],
+    log: RoundLog,
+    probes: dict[str, dict[str, Any]],
 ) -> list[StepResult]:
     rows: list[StepResult] = []
     for mode in modes:
-        delta = _timed_delta(workers[mode]) if mode == "disk" else {}
+        delta = timed_delta(workers[mode]) if mode == "disk" else {}
+        probe = probes.get(mode, {})
         rows.append(
             StepResult(
                 mode=mode,
                 label=LABELS[mode],
-                step_seconds=tuple(times[mode]),
-                forward_mem_bytes=tuple(mems[mode]),
-                forward_heap_bytes=tuple(heaps[mode]),
+                step_seconds=tuple(log.times[mode]),
+                act_mem_bytes=tuple(probe.get("act_mem_bytes", ())),
+                act_heap_bytes=tuple(probe.get("act_heap_bytes", ())),
+                rss_default_bytes=tuple(log.rss_default[mode]),
                 bytes_offloaded=_int_or_none(delta.get("bytes_offloaded")),
                 prefetch_hits=_int_or_none(delta.get("prefetch_hits")),
                 prefetch_misses=_int_or_none(delta.get("prefetch_misses")),
                 stall_seconds=delta.get("stall_seconds"),
+                pack_wait_seconds=delta.get("pack_wait_seconds"),
             )
         )
     if "none" in modes:
         ref = rows[modes.index("none")]
         rows = [
             dataclasses.replace(
-                r, baseline_step_s=ref.median_step_s, baseline_mem_bytes=ref.forward_mem
+                r,
+                baseline_step_s=ref.median_step_s,
+                baseline_act_bytes=ref.act_mem,
+                baseline_rss_default_bytes=ref.rss_default,
             )
             for r in rows
         ]
@@ -608,7 +1028,7 @@ def _int_or_none(value: float | None) -> int | None:
 
 
 def _check(
-    modes: list[str], workers: dict[str, _ModeWorker], losses: dict[str, list[float]]
+    modes: list[str], workers: dict[str, ModeWorker], losses: dict[str, list[float]]
 ) -> list[str]:
     """Messages for every mode whose final parameters differ from the reference mode's."""
     ref = "none" if "none" in modes else modes[0]
@@ -616,7 +1036,7 @@ def _check(
     for mode in modes:
         if mode == ref:
             continue
-        msg = _compare_params(workers[ref].model, workers[mode].model, ref, mode)
+        msg = compare_params(workers[ref].model, workers[mode].model, ref, mode)
         if msg is not None:
             first = _first_loss_divergence(losses[ref], losses[mode])
             if first is not None:
