@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         folder = args.save_dir
         Path(folder).mkdir(parents=True, exist_ok=True)
+    direct = direct_io_supported(folder)
     total = args.total_mib * MiB
     requests = [int(x) * MiB for x in args.requests.split(",")]
     worker_counts = [int(x) for x in args.workers.split(",")]
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"# {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"folder {'O_DIRECT' if direct_io_supported(os.getcwd()) else 'buffered'}, "
+        f"folder {'O_DIRECT' if direct else 'buffered'}, "
         f"{args.total_mib} MiB per measurement, {args.tensor_mib} MiB tensors, "
         f"median of {args.repeats}"
     )
