@@ -84,6 +84,7 @@ from typing import Any
 
 import torch
 
+from .buffers import ReadBufferPool
 from .config import OffloadConfig
 from .device import DeviceLayer, default_device_layer
 from .errors import OffloadError, OffloadFallbackWarning, OffloadIOError
@@ -105,6 +106,8 @@ _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # cost (this many spans, during backward only: the next pack lets them go) that
 # removes those repeated reads.
 _RECENT_SPANS = 3
+# Cap on idle read buffers kept for reuse during backward (NOTE [read buffer pool]).
+_POOL_IDLE_BYTES = 256 << 20
 
 # A span in memory: bytes [base, base + nbytes) of an untyped storage.
 Resident = tuple[torch.UntypedStorage, int]
@@ -317,6 +320,8 @@ class OffloadEngine:
         self._recent: collections.deque[torch.UntypedStorage] = collections.deque(
             maxlen=_RECENT_SPANS
         )
+        self._in_backward = False
+        self._read_pool = ReadBufferPool(_POOL_IDLE_BYTES)
         # ``pool`` lets tests run the inline reference pool instead of threads.
         if pool is None:
             pool = ThreadIOPool(config.io_workers) if self._store is not None else InlineIOPool()
@@ -363,8 +368,10 @@ class OffloadEngine:
                 "prefetch_offload: pack hook called after its offload_context exited; "
                 "create a new context for new forward passes."
             )
-        if self._recent:
-            self._recent.clear()  # NOTE [recently restored]: forward again
+        if self._in_backward:  # forward again
+            self._in_backward = False
+            self._recent.clear()  # NOTE [recently restored]
+            self._read_pool.trim()  # NOTE [read buffer pool]
         if not self._eligible(t):
             self._stats.add(tensors_kept=1)
             return _Kept(t)
@@ -538,6 +545,7 @@ class OffloadEngine:
         """Saved-tensor unpack hook: the tensor that ``pack`` was given, restored."""
         if isinstance(packed, _Kept):
             return packed.unpack()
+        self._in_backward = True
         self._raise_pending()
         packed.check_version()
         rec = packed.record
@@ -596,10 +604,11 @@ class OffloadEngine:
         # The job must not reference the record: the record holds the job's future.
         extent, span = rec.extent, rec.span
         store, chunk, stats = self._store, self.config.chunk_bytes, self._stats
+        lease = self._read_pool.lease
         assert extent is not None and store is not None
 
         def job() -> Resident:
-            buf, base, region = new_read_buffer(span)
+            buf, base, region = new_read_buffer(span, lease)
             with region:
                 for off in range(0, span.extent_bytes, chunk):
                     store.read(extent, off, region[off : off + chunk])
@@ -662,6 +671,7 @@ class OffloadEngine:
             self._closed = True
             self._scheduler.clear()
             self._recent.clear()
+        self._read_pool.trim()
         self._pool.shutdown()
         self._pool = InlineIOPool()
         self._drain_dead(blocking=True)

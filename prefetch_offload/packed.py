@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -100,16 +101,29 @@ def source_buffer(storage: torch.UntypedStorage, base: int, span: Span) -> memor
     return memoryview(raw).cast("B").toreadonly()
 
 
-def new_read_buffer(span: Span) -> tuple[torch.Tensor, int, memoryview]:
-    """A fresh buffer for reading ``span`` back (NOTE [alignment]).
+def new_read_buffer(
+    span: Span, lease: Callable[[int], torch.Tensor] | None = None
+) -> tuple[torch.Tensor, int, memoryview]:
+    """A buffer for reading ``span`` back (NOTE [alignment]).
 
-    Returns ``(buffer, base, region)``: once ``region`` (``span.extent_bytes``
-    page-aligned bytes) holds the extent, the span starts at byte ``base`` of
-    ``buffer``'s storage.
+    Args:
+        span: the span to read.
+        lease: returns a page-aligned uint8 tensor of at least the given size
+            (the read buffer pool); None allocates a fresh buffer.
+
+    Returns:
+        ``(buffer, base, region)``: once ``region`` (``span.extent_bytes``
+        page-aligned bytes) holds the extent, the span starts at byte ``base``
+        of ``buffer``'s storage.
     """
     n = span.extent_bytes
-    raw = torch.empty(n + ALIGN, dtype=torch.uint8)
-    lead = (-raw.data_ptr()) % ALIGN
+    if lease is not None:
+        raw = lease(n)
+        lead = 0
+        assert raw.data_ptr() % ALIGN == 0, "leased read buffers must be page-aligned"
+    else:
+        raw = torch.empty(n + ALIGN, dtype=torch.uint8)
+        lead = (-raw.data_ptr()) % ALIGN
     region = memoryview(raw[lead : lead + n].numpy())
     return raw, lead + span.pad, region
 
