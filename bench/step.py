@@ -50,6 +50,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -120,6 +121,7 @@ __all__ = [
     "main",
     "make_context",
     "parse_mib_list",
+    "probe_many",
     "probe_memory",
     "run_rounds",
     "timed_delta",
@@ -313,6 +315,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="also probe disk's activation memory at these max_pending_write_bytes values, "
         "in MiB (default 16,64,256; empty: skip)",
     )
+    p.add_argument(
+        "--probe-jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="memory probes run at once (default 1; more is faster, but they compete "
+        "for cores, which can change disk's number)",
+    )
     add_shape_args(p, Shape())
     p.add_argument(
         "--save-dir",
@@ -341,6 +351,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--steps must be >= 1")
     if args.warmup < 0 or args.mem_rounds < 0:
         p.error("--warmup and --mem-rounds must be >= 0")
+    if args.probe_jobs < 1:
+        p.error("--probe-jobs must be >= 1")
     return args
 
 
@@ -623,6 +635,27 @@ def _sgd_step(params: Sequence[torch.nn.Parameter]) -> None:
                 p.grad = None
 
 
+def probe_many(
+    requests: Sequence[tuple[str, Knobs]], shape: Shape, save_dir: Path, *, jobs: int = 1
+) -> list[dict[str, Any]]:
+    """:func:`probe_memory` for each ``(mode, knobs)``, ``jobs`` processes at a time.
+
+    Each probe measures its own process's RSS, so running several at once does
+    not mix their numbers, but they compete for cores, which can let disk's
+    write queue (and so its memory) grow: keep ``jobs`` at 1 for numbers to report.
+    """
+
+    def one(request: tuple[str, Knobs]) -> dict[str, Any]:
+        mode, knobs = request
+        _log(f"memory probe: {mode}, max_pending_write_bytes {knobs.max_pending_write_bytes}")
+        return probe_memory(mode, shape, knobs, save_dir)
+
+    if jobs <= 1:
+        return [one(r) for r in requests]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(one, requests))
+
+
 def _memory_probe(args: argparse.Namespace) -> int:
     """The probe process: print one JSON line with the activation memory of one mode."""
     mode: str = args.memory_probe
@@ -832,15 +865,29 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
     probes: dict[str, dict[str, Any]] = {}
     pending: list[dict[str, Any]] = []
     if args.mem_probe:
+        requests = [(mode, knobs) for mode in modes]
+        if "disk" in modes:
+            requests += [
+                ("disk", dataclasses.replace(knobs, max_pending_write_bytes=value))
+                for value in dict.fromkeys(args.pending_sweep)
+                if value != knobs.max_pending_write_bytes
+            ]
         try:
-            for mode in modes:
-                _log(f"memory probe: {mode}")
-                probes[mode] = probe_memory(mode, shape, knobs, run_dir)
-            if "disk" in modes:
-                pending = _pending_sweep(args.pending_sweep, shape, knobs, run_dir, probes)
+            results = probe_many(requests, shape, run_dir, jobs=args.probe_jobs)
         except (ProbeError, subprocess.TimeoutExpired) as exc:
             _log(f"error: {exc}")
             return 2
+        probes = {mode: results[i] for i, mode in enumerate(modes)}
+        by_cap = {
+            k.max_pending_write_bytes: r
+            for (m, k), r in zip(requests, results, strict=True)
+            if m == "disk"
+        }
+        if "disk" in modes:
+            pending = [
+                {"max_pending_write_bytes": value, "probe": by_cap[value]}
+                for value in args.pending_sweep
+            ]
 
     rows = _results(modes, workers, log, probes)
     disk_handle = workers["disk"].handle if "disk" in workers else None
@@ -914,27 +961,6 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     return 1 if problems else 0
-
-
-def _pending_sweep(
-    values: Sequence[int],
-    shape: Shape,
-    knobs: Knobs,
-    run_dir: Path,
-    probes: dict[str, dict[str, Any]],
-) -> list[dict[str, Any]]:
-    """Probe disk at each max_pending_write_bytes value (reusing the main disk probe)."""
-    out: list[dict[str, Any]] = []
-    for value in values:
-        if value == knobs.max_pending_write_bytes:
-            probe = probes["disk"]
-        else:
-            _log(f"memory probe: disk, max_pending_write_bytes {value}")
-            probe = probe_memory(
-                "disk", shape, dataclasses.replace(knobs, max_pending_write_bytes=value), run_dir
-            )
-        out.append({"max_pending_write_bytes": value, "probe": probe})
-    return out
 
 
 def _probe_max(probe: dict[str, Any] | None, key: str) -> float | None:

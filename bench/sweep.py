@@ -193,6 +193,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="skip the activation-memory probes of the --pending-mib cells",
     )
     p.add_argument(
+        "--probe-jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="memory probes run at once (default 1; see bench/step.py --probe-jobs)",
+    )
+    p.add_argument(
         "--save-dir",
         default=None,
         help="folder to create the run's scratch folder in (default: ./.scratch); removed at end",
@@ -202,8 +209,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--plot", type=Path, default=None, metavar="PATH", help="write a PNG (needs matplotlib)"
     )
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.probe_jobs < 1:
+        p.error("--steps and --probe-jobs must be >= 1, --warmup >= 0")
     if any(d < 0 for d in args.prefetch_depths) or any(w < 1 for w in args.io_workers):
         p.error("prefetch depths must be >= 0 and io worker counts >= 1")
     return args
@@ -279,19 +286,21 @@ def _probe(
 ) -> tuple[list[Cell], dict[str, Any]]:
     """Add probed activation memory to the pending cells; also return the raw probes."""
     base = step.Knobs(min_offload_bytes=args.min_offload_bytes)
-    _log("memory probe: none")
-    none = step.probe_memory("none", shape, base, run_dir)
+    requests = [("none", base)] + [
+        ("disk", dataclasses.replace(base, max_pending_write_bytes=c.max_pending_write_bytes))
+        for c in pending
+    ]
+    none, *disk = step.probe_many(requests, shape, run_dir, jobs=args.probe_jobs)
     baseline = max(none["act_mem_bytes"]) if none["act_mem_bytes"] else None
-    raw: dict[str, Any] = {"none": none, "disk": []}
-    out = []
-    for cell in pending:
-        _log(f"memory probe: disk, max_pending_write_bytes {cell.max_pending_write_bytes}")
-        knobs = dataclasses.replace(base, max_pending_write_bytes=cell.max_pending_write_bytes)
-        probe = step.probe_memory("disk", shape, knobs, run_dir)
-        raw["disk"].append(probe)
-        mem = max(probe["act_mem_bytes"]) if probe["act_mem_bytes"] else None
-        out.append(dataclasses.replace(cell, act_mem_bytes=mem, baseline_act_bytes=baseline))
-    return out, raw
+    out = [
+        dataclasses.replace(
+            cell,
+            act_mem_bytes=max(probe["act_mem_bytes"]) if probe["act_mem_bytes"] else None,
+            baseline_act_bytes=baseline,
+        )
+        for cell, probe in zip(pending, disk, strict=True)
+    ]
+    return out, {"none": none, "disk": disk}
 
 
 # -- output ------------------------------------------------------------------------------
