@@ -1,0 +1,210 @@
+"""Smoke tests for bench/: each script's ``main`` runs at a tiny size and writes sane JSON.
+
+bench/ is not a package, so its modules are loaded by file path. Every run gets
+``--save-dir`` under ``tmp_path`` and runs from an empty working directory that
+must still be empty afterwards, so nothing lands in the repository.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+TINY_SHAPE = ["--width", "32", "--depth", "2", "--heads", "2", "--batch", "2", "--seq", "16"]
+TINY = [*TINY_SHAPE, "--min-offload-bytes", "0", "--steps", "2", "--warmup", "0"]
+MiB = 1 << 20
+
+
+def _load(name: str) -> ModuleType:
+    """bench/<name>.py as module ``_bench_<name>``, leaving ``sys.path`` as it was."""
+    key = f"_bench_{name}"
+    if key in sys.modules:
+        return sys.modules[key]
+    spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    saved = list(sys.path)
+    sys.modules[key] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[key]
+        raise
+    finally:
+        sys.path[:] = saved
+    return module
+
+
+@pytest.fixture
+def cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty working directory; the benches must not write to it (their default scratch)."""
+    d = tmp_path / "cwd"
+    d.mkdir()
+    monkeypatch.chdir(d)
+    yield d
+    assert not list(d.iterdir()), f"bench left files in the working directory: {list(d.iterdir())}"
+
+
+def _empty(folder: Path) -> bool:
+    return not folder.exists() or not list(folder.iterdir())
+
+
+# -- bench/step.py -----------------------------------------------------------------------
+
+
+def test_step_main_every_mode_is_exact(
+    tmp_path: Path, cwd: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    step = _load("step")
+    scratch, out = tmp_path / "scratch", tmp_path / "step.json"
+    argv = [*TINY, "--no-mem-probe", "--save-dir", str(scratch), "--json", str(out)]
+    assert step.main(argv) == 0
+    assert _empty(scratch), list(scratch.iterdir())
+    text = capsys.readouterr().out
+    for column in ("act MB", "act cut", "heap MB", "rss(default) MB", "stall s/step"):
+        assert column in text
+    assert "bit-identical" in text
+
+    doc = json.loads(out.read_text())
+    assert doc["check"] == {"ok": True, "problems": []}
+    rows = {r["mode"]: r for r in doc["rows"]}
+    assert list(rows) == list(step.MODES)
+    for mode, row in rows.items():
+        assert row["steps"] == 2 and len(row["step_seconds"]) == 2, mode
+        assert all(s > 0 for s in row["step_seconds"]), mode
+        assert row["ratio"] > 0, mode
+        assert len(row["rss_default_bytes"]) == 2, mode  # --mem-rounds default
+        assert all(abs(b) < 1 << 30 for b in row["rss_default_bytes"]), mode
+        assert row["act_mem"] is None and row["act_cut"] is None, mode  # no probe
+    assert rows["none"]["ratio"] == 1.0
+    disk = rows["disk"]
+    assert disk["bytes_offloaded"] > 0
+    assert disk["offloaded_per_step"] > 0
+    assert 0.0 <= disk["hit_rate"] <= 1.0
+    assert disk["stall_seconds"] >= 0.0
+    assert rows["seed"]["bytes_offloaded"] is None  # engine counters are disk's only
+    assert doc["memory_probes"] == {} and doc["target"] is None
+
+
+def test_step_main_memory_probes(tmp_path: Path, cwd: Path) -> None:
+    step = _load("step")
+    scratch, out = tmp_path / "scratch", tmp_path / "step.json"
+    argv = [*TINY, "--modes", "none,disk", "--mem-rounds", "0", "--pending-sweep", "1,64"]
+    argv += ["--probe-jobs", "3", "--save-dir", str(scratch), "--json", str(out)]
+    assert step.main(argv) == 0
+    assert _empty(scratch), list(scratch.iterdir())
+    doc = json.loads(out.read_text())
+    assert doc["check"]["ok"]
+    for row in doc["rows"]:
+        mode = row["mode"]
+        assert len(row["act_mem_bytes"]) == step.PROBE_STEPS, mode
+        assert len(row["act_heap_bytes"]) in (0, step.PROBE_STEPS), mode  # 0: no mallinfo2
+        assert all(abs(b) < 1 << 30 for b in row["act_mem_bytes"]), mode
+        assert row["rss_default_bytes"] == [], mode
+        probe = doc["memory_probes"][mode]
+        assert probe["mode"] == mode
+        assert probe["malloc_mmap_threshold"] == str(step.MMAP_THRESHOLD)
+        assert probe["knobs"]["min_offload_bytes"] == 0
+    assert doc["memory_probes"]["disk"]["counters"]["bytes_offloaded"] > 0
+    assert doc["target"]["met"] in (True, False)
+    pending = [p["max_pending_write_bytes"] for p in doc["pending_sweep"]]
+    assert pending == [1 * MiB, 64 * MiB]
+    assert doc["pending_sweep"][0]["probe"]["knobs"]["max_pending_write_bytes"] == MiB
+    assert doc["pending_sweep"][1]["probe"] == doc["memory_probes"]["disk"]  # reused
+
+
+def test_run_rounds_reports_the_failing_mode() -> None:
+    step = _load("step")
+    model, batches = step.build(step.Shape(depth=1, width=16, heads=2, batch=1, seq=4), 2)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+    workers = {
+        "none": step.ModeWorker("none", model, batches, contextlib.nullcontext()),
+        "disk": step.ModeWorker(
+            "disk", model, batches, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        ),
+    }
+    with pytest.raises(step.ModeFailed) as info:
+        step.run_rounds(workers, ["timed", "timed"])
+    assert info.value.where == "mode 'disk' in round 1 (timed)"
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+# -- bench/io.py -------------------------------------------------------------------------
+
+
+def test_io_main(tmp_path: Path, cwd: Path) -> None:
+    io_bench = _load("io")
+    out = tmp_path / "io.json"
+    argv = ["--total-mib", "8", "--tensor-mib", "1", "--requests", "1", "--workers", "1"]
+    argv += ["--repeats", "1", "--save-dir", str(tmp_path / "io"), "--json", str(out)]
+    assert io_bench.main(argv) == 0
+    assert _empty(tmp_path / "io")
+    rows = json.loads(out.read_text())
+    assert [(r["kind"], r["request_mib"], r["workers"]) for r in rows] == [
+        ("raw", 1, 1),
+        ("engine", 1, 1),
+    ]
+    for r in rows:
+        assert r["write_gbps"] > 0 and r["read_gbps"] > 0
+        assert r["write_ratio"] > 0 and r["read_ratio"] > 0
+
+
+# -- bench/sweep.py ----------------------------------------------------------------------
+
+
+def test_sweep_plan_reuses_grid_cells() -> None:
+    sweep = _load("sweep")
+    args = sweep._parse_args(
+        ["--prefetch-depths", "1,4", "--io-workers", "2", "--pending-mib", "16,64"]
+    )
+    plan = sweep._plan(args)
+    keys = [(g, k.prefetch_depth, k.io_workers, k.max_pending_write_bytes // MiB) for g, k in plan]
+    assert keys == [("grid", 1, 2, 64), ("grid", 4, 2, 64), ("pending", 4, 2, 16)]
+
+
+def test_sweep_main(tmp_path: Path, cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sweep = _load("sweep")
+    scratch, out = tmp_path / "scratch", tmp_path / "sweep.json"
+    argv = [*TINY, "--prefetch-depths", "0,2", "--io-workers", "1", "--pending-mib", "1"]
+    argv += ["--probe-jobs", "2", "--save-dir", str(scratch), "--json", str(out)]
+    assert sweep.main(argv) == 0
+    assert _empty(scratch), list(scratch.iterdir())
+    assert "disk/none" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["check"] == {"ok": True, "problems": []}
+    cells = doc["cells"]
+    keys = [
+        (c["group"], c["prefetch_depth"], c["io_workers"], c["max_pending_write_bytes"])
+        for c in cells
+    ]
+    assert keys == [("grid", 0, 1, 64 * MiB), ("grid", 2, 1, 64 * MiB), ("pending", 4, 2, MiB)]
+    for c in cells:
+        assert len(c["none_seconds"]) == 2 and len(c["disk_seconds"]) == 2
+        assert c["ratio"] > 0 and c["stall_per_step"] >= 0 and c["pack_wait_per_step"] >= 0
+        assert c["bytes_offloaded"] > 0
+        assert c["mismatch"] is None
+    assert cells[0]["act_mem_bytes"] is None  # grid cells are not probed
+    assert cells[2]["act_mem_bytes"] is not None and cells[2]["baseline_act_bytes"] is not None
+    assert doc["memory_probes"]["none"]["malloc_mmap_threshold"] == "65536"
+
+
+def test_sweep_plot(tmp_path: Path, cwd: Path) -> None:
+    pytest.importorskip("matplotlib")
+    sweep = _load("sweep")
+    png = tmp_path / "plots" / "sweep.png"
+    argv = [*TINY, "--prefetch-depths", "0,1", "--io-workers", "1", "--pending-mib", "1"]
+    argv += ["--no-mem-probe", "--save-dir", str(tmp_path / "s"), "--plot", str(png)]
+    assert sweep.main(argv) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
