@@ -647,7 +647,8 @@ def probe_many(
 
     def one(request: tuple[str, Knobs]) -> dict[str, Any]:
         mode, knobs = request
-        _log(f"memory probe: {mode}, max_pending_write_bytes {knobs.max_pending_write_bytes}")
+        cap = f", max_pending_write_bytes {knobs.max_pending_write_bytes}"
+        _log(f"memory probe: {mode}" + (cap if mode == "disk" else ""))
         return probe_memory(mode, shape, knobs, save_dir)
 
     if jobs <= 1:
