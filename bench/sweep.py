@@ -418,10 +418,11 @@ def plot(cells: Sequence[Cell], path: Path, title: str) -> None:
                 color="C3",
                 label="act cut",
             )
-            twin.set_ylabel("activation memory cut vs none, %")
+            twin.set_ylabel("activation memory cut vs none, % (probe)")
+            twin.set_ylim(0, 100)
             handles = ax.get_legend_handles_labels()
             twin_handles = twin.get_legend_handles_labels()
-            ax.legend(handles[0] + twin_handles[0], handles[1] + twin_handles[1])
+            ax.legend(handles[0] + twin_handles[0], handles[1] + twin_handles[1], loc="lower right")
         else:
             ax.legend()
     fig.suptitle(title, fontsize=9)
