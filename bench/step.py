@@ -26,12 +26,14 @@ offload") is judged on.
 
 Why not the plain RSS of this process: with glibc's default allocator (dynamic
 mmap threshold, up to 32 MiB on 64-bit, raised every time a mapped block is
-freed) freed tensors go back to malloc's free lists and stay resident, and the
-next allocation reuses them without changing RSS. The ``rss(default) MB``
-column keeps that number for comparison: in each memory round this process calls
-``malloc_trim(0)`` before forward and measures the RSS that forward adds. Memory
-that offload released mid-forward is still counted there as long as glibc keeps
-it, so it mostly measures glibc's free lists, not what is held. ``heap MB`` (from
+freed) freed tensors go back to malloc's free lists and stay resident; they are
+reused only when a later allocation happens to fit, so during forward RSS only
+grows. The ``rss(default) MB`` column keeps that number for comparison: in each
+memory round this process calls ``malloc_trim(0)`` before forward and measures
+the RSS that forward adds. Memory that offload released mid-forward still counts
+there while it sits in glibc's free lists, so the column mostly measures those
+lists, not what is held (at the default shape: ~175 MB for disk against ~15-40 MB
+held). ``heap MB`` (from
 the probe) is malloc's bytes in use at the end of forward minus at its start:
 the activations still referenced when forward returns, with no transient peak.
 
