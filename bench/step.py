@@ -742,7 +742,12 @@ def _first_loss_divergence(ref: list[float], other: list[float]) -> int | None:
 
 def fmt(value: float | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
     """``value * scale`` formatted with ``spec`` plus ``suffix``; "n/a" for None."""
-    return "n/a" if value is None else format(value * scale, spec) + suffix
+    if value is None:
+        return "n/a"
+    text = format(value * scale, spec)
+    if text.startswith("-") and float(text) == 0:  # "-0%" reads like a loss
+        text = text[1:]
+    return text + suffix
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
