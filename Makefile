@@ -11,7 +11,7 @@ $(BIN)/python:
 setup: $(BIN)/python
 	# torch first, pinned: on these machines 2.13.0 is a local CPU wheel (no multi-GB CUDA build).
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,bench]'
 
 lint: setup
 	$(BIN)/ruff check prefetch_offload tests bench
