@@ -10,7 +10,7 @@ measured (bench/io.py's ``raw_bandwidth``), and the step time is compared with
 Rows alternate (raw measurement, offloaded steps, no-offload steps) so drift
 hits all of them. Example::
 
-    python bench/iobound.py --tensor-mib 64 --layers 8 --steps 5
+    python bench/iobound.py --tensor-mib 16 --layers 32 --steps 5
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def _step(x: torch.Tensor, layers: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--tensor-mib", type=int, default=64)
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--tensor-mib", type=int, default=16)
+    p.add_argument("--layers", type=int, default=32)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--save-dir", help="folder to test (default: a temp folder under .scratch/)")
     p.add_argument("--prefetch-depth", type=int, default=4)
