@@ -595,6 +595,28 @@ def test_write_error_raised_at_exit(save_dir: Path, monkeypatch: pytest.MonkeyPa
             (x * 2).sin()
 
 
+def test_full_disk_during_a_write_warns_once_and_keeps_tensors(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _model()
+    tokens, targets = make_batch(4, 32, vocab=64)
+    ref = _reference(model, lambda m: m(tokens, targets).backward())
+    with pytest.warns(OffloadFallbackWarning, match="no space left") as record:
+        with _engine(save_dir) as engine:
+
+            def no_space(*args: Any) -> None:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            monkeypatch.setattr(engine._store, "write", no_space)
+            loss = model(tokens, targets)
+            engine.flush()  # no error: a full disk is not a failure
+            loss.backward()
+    _assert_same(_grads(model), ref)
+    stats = engine.stats()
+    assert stats.fallbacks > 1 and stats.tensors_offloaded == 0
+    assert len([w for w in record if w.category is OffloadFallbackWarning]) == 1
+
+
 def test_read_error_raises_at_the_unpack_that_needed_it(
     save_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
