@@ -47,10 +47,12 @@ class ReadBufferPool:
         self._refile()
         return self._idle_bytes
 
-    def lease(self, nbytes: int) -> torch.Tensor:
-        """A uint8 tensor of at least ``nbytes`` bytes whose data starts on a page boundary.
+    def lease(self, nbytes: int) -> tuple[torch.Tensor, memoryview]:
+        """A page-aligned block of at least ``nbytes`` bytes, as a tensor and as a buffer.
 
-        The block returns to the pool when the tensor's storage dies.
+        Returns ``(tensor, region)``: a uint8 tensor over the block, and a writable
+        memoryview of its first ``nbytes`` bytes to read into (release it when the
+        read is done). The block returns to the pool when the tensor's storage dies.
         """
         size = -(-max(nbytes, 1) // _GRAIN) * _GRAIN
         self._refile()
@@ -67,7 +69,7 @@ class ReadBufferPool:
             block = mmap.mmap(-1, size)
         out = torch.frombuffer(block, dtype=torch.uint8)
         weakref.finalize(out.untyped_storage(), self._returned.append, block)
-        return out
+        return out, memoryview(block)[:nbytes]
 
     def _refile(self) -> None:
         returned = self._returned
@@ -78,7 +80,7 @@ class ReadBufferPool:
                 block = returned.popleft()
                 size = len(block)
                 if self._idle_bytes + size > self.max_idle_bytes:
-                    block.close()
+                    _unmap(block)
                     continue
                 self._idle.setdefault(size, []).append(block)
                 self._idle_bytes += size
@@ -91,4 +93,11 @@ class ReadBufferPool:
             self._idle_bytes = 0
         for blocks in idle.values():
             for block in blocks:
-                block.close()
+                _unmap(block)
+
+
+def _unmap(block: mmap.mmap) -> None:
+    try:
+        block.close()
+    except BufferError:
+        pass  # still exported somewhere: unmapped when the last export goes

@@ -80,6 +80,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -371,7 +372,8 @@ class OffloadEngine:
         if self._in_backward:  # forward again
             self._in_backward = False
             self._recent.clear()  # NOTE [recently restored]
-            self._read_pool.trim()  # NOTE [read buffer pool]
+            # NOTE [read buffer pool]: unmapping takes a while; an IO thread does it.
+            self._pool.submit(self._background(self._read_pool.trim), READ)
         if not self._eligible(t):
             self._stats.add(tensors_kept=1)
             return _Kept(t)
@@ -650,6 +652,21 @@ class OffloadEngine:
                     del self._dedup[key]
         finally:
             self._lock.release()
+
+    def _background(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Wrap a fire-and-forget job so that its failure reaches the next hook call."""
+
+        def job() -> None:
+            try:
+                fn()
+            except Exception as exc:
+                err = OffloadError(f"prefetch_offload: background task {fn!r} failed: {exc}")
+                err.__cause__ = exc
+                with self._lock:
+                    if self._error is None:
+                        self._error = err
+
+        return job
 
     def _raise_pending(self) -> None:
         if self._error is not None:

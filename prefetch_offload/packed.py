@@ -102,14 +102,15 @@ def source_buffer(storage: torch.UntypedStorage, base: int, span: Span) -> memor
 
 
 def new_read_buffer(
-    span: Span, lease: Callable[[int], torch.Tensor] | None = None
+    span: Span, lease: Callable[[int], tuple[torch.Tensor, memoryview]] | None = None
 ) -> tuple[torch.Tensor, int, memoryview]:
     """A buffer for reading ``span`` back (NOTE [alignment]).
 
     Args:
         span: the span to read.
-        lease: returns a page-aligned uint8 tensor of at least the given size
-            (the read buffer pool); None allocates a fresh buffer.
+        lease: returns a page-aligned uint8 tensor of at least the given size and
+            a memoryview of its first bytes (the read buffer pool); None
+            allocates a fresh buffer.
 
     Returns:
         ``(buffer, base, region)``: once ``region`` (``span.extent_bytes``
@@ -118,14 +119,11 @@ def new_read_buffer(
     """
     n = span.extent_bytes
     if lease is not None:
-        raw = lease(n)
-        lead = 0
-        assert raw.data_ptr() % ALIGN == 0, "leased read buffers must be page-aligned"
-    else:
-        raw = torch.empty(n + ALIGN, dtype=torch.uint8)
-        lead = (-raw.data_ptr()) % ALIGN
-    region = memoryview(raw[lead : lead + n].numpy())
-    return raw, lead + span.pad, region
+        raw, region = lease(n)
+        return raw, span.pad, region
+    raw = torch.empty(n + ALIGN, dtype=torch.uint8)
+    lead = (-raw.data_ptr()) % ALIGN
+    return raw, lead + span.pad, memoryview(raw[lead : lead + n].numpy())
 
 
 def make_view(storage: torch.UntypedStorage, base: int, meta: ViewMeta) -> torch.Tensor:
