@@ -7,7 +7,7 @@ from __future__ import annotations
 
 # Entry points
 from .config import OffloadConfig, validate_offload_config
-from .context import OffloadContext, offload_context
+from .context import OffloadContext, offload_context, offload_context_from_config
 from .engine import OffloadEngine
 
 # Errors
@@ -29,6 +29,7 @@ __all__ = [
     "OffloadIOError",
     "OffloadStats",
     "offload_context",
+    "offload_context_from_config",
     "validate_offload_config",
 ]
 

@@ -2,14 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Mapping
 from types import TracebackType
+from typing import Any
 
 import torch
 
-from .config import OffloadConfig
+from .config import OffloadConfig, validate_offload_config
 from .engine import OffloadEngine, _NullEngine
+from .stats import OffloadStats
 
-__all__ = ["OffloadContext", "offload_context"]
+__all__ = ["OffloadContext", "offload_context", "offload_context_from_config"]
+
+logger = logging.getLogger("prefetch_offload")
+
+
+def _summary(stats: OffloadStats, target: str | None) -> str:
+    mb = 1 << 20
+    return (
+        f"prefetch_offload ({target}): offloaded {stats.tensors_offloaded} tensors "
+        f"({stats.bytes_offloaded / mb:.1f} MiB), read back {stats.bytes_read / mb:.1f} MiB, "
+        f"prefetch hit rate {stats.hit_rate:.1%}, backward stalled {stats.stall_seconds:.3f} s, "
+        f"pack waited {stats.pack_wait_seconds:.3f} s, {stats.fallbacks} fallbacks to memory, "
+        f"{stats.tensors_kept} tensors kept, {stats.dedup_hits} dedup hits"
+    )
 
 
 class OffloadContext:
@@ -17,6 +36,10 @@ class OffloadContext:
 
     Hooks are thread-local (PyTorch keeps the saved-tensor hook stack per
     thread): each thread that trains needs its own context. Not re-entrant.
+    Also an async context manager: ``async with`` installs the hooks in the
+    event loop's thread and waits for pending writes at exit without blocking
+    the loop. A summary of the stats is logged at INFO on the
+    ``prefetch_offload`` logger at exit.
     """
 
     def __init__(self, config: OffloadConfig) -> None:
@@ -51,7 +74,25 @@ class OffloadContext:
             hooks.__exit__(exc_type, exc, tb)
             self._hooks = None
         if isinstance(engine, OffloadEngine):
-            engine.close(raise_errors=exc_type is None)
+            try:
+                engine.close(raise_errors=exc_type is None)
+            finally:
+                logger.info("%s", _summary(engine.stats(), self.config.target))
+
+    async def __aenter__(self) -> OffloadEngine | _NullEngine:
+        return self.__enter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        engine = self._engine
+        if isinstance(engine, OffloadEngine):
+            # Wait for the writes in a worker thread; the hooks come off in this thread.
+            await asyncio.get_running_loop().run_in_executor(None, engine._wait_writes)
+        self.__exit__(exc_type, exc, tb)
 
 
 def offload_context(
@@ -109,3 +150,47 @@ def offload_context(
         disk_bytes_limit=disk_bytes_limit,
     )
     return OffloadContext(config)
+
+
+_CONFIG_KEYS = {f.name for f in dataclasses.fields(OffloadConfig)} - {"target"}
+
+
+def offload_context_from_config(
+    config: Mapping[str, Any], *, backend: str = "transformers", device: str = "cuda"
+) -> OffloadContext:
+    """Build the context from a trainer's config mapping (YAML, JSON, dict).
+
+    Reads ``activation_offloading`` (or ``target``) for the target and the
+    knobs of :class:`OffloadConfig` by name (``save_dir``, ``prefetch_depth``,
+    ...). ``backend`` and ``device`` (also read from the mapping when present)
+    are checked with :func:`validate_offload_config`, with the same messages.
+
+    Raises:
+        ValueError: the setting is invalid, or a key is unknown (a typo would
+            otherwise be ignored silently); the message lists the valid keys.
+
+    Example:
+        >>> cfg = {"activation_offloading": "disk", "save_dir": "/tmp/acts", "prefetch_depth": 2}
+        >>> ctx = offload_context_from_config(cfg, device="cpu")  # doctest: +SKIP
+    """
+    if not isinstance(config, Mapping):
+        raise TypeError(
+            f"prefetch_offload: expected a mapping of offload settings, got "
+            f"{type(config).__name__}."
+        )
+    settings = dict(config)
+    target = settings.pop("activation_offloading", settings.pop("target", None))
+    backend = settings.pop("backend", backend)
+    device = settings.pop("device", device)
+    unknown = sorted(set(settings) - _CONFIG_KEYS)
+    if unknown:
+        raise ValueError(
+            f"prefetch_offload: unknown offload setting(s) {unknown}; valid keys are "
+            f"{sorted(_CONFIG_KEYS | {'activation_offloading', 'backend', 'device'})}."
+        )
+    errors = validate_offload_config(target, backend, device, settings.get("save_dir"))
+    if errors:
+        raise ValueError(" ".join(errors))
+    if target is None:
+        return OffloadContext(OffloadConfig(target=None))
+    return offload_context(target, **settings)

@@ -73,6 +73,7 @@ tensor equal in value, shape, strides, dtype and device.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import errno
 import functools
@@ -356,6 +357,11 @@ class OffloadEngine:
     def flush(self) -> None:
         """Block until every queued write has finished; raise a stored worker error."""
         self._wait_writes()
+        self._raise_pending()
+
+    async def aflush(self) -> None:
+        """:meth:`flush` for event loops: waits in a worker thread, not in the loop."""
+        await asyncio.get_running_loop().run_in_executor(None, self._wait_writes)
         self._raise_pending()
 
     # -- pack -----------------------------------------------------------------------------

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 
-from prefetch_offload import OffloadStats, offload_context
+from prefetch_offload import OffloadStats, offload_context, offload_context_from_config
 
 
 def test_none_target_is_a_no_op(save_dir: Path) -> None:
@@ -90,3 +92,55 @@ def test_context_cannot_be_entered_twice(save_dir: Path) -> None:
         pass
     with pytest.raises(RuntimeError, match="only once"), ctx:
         pass
+
+
+def test_summary_is_logged_at_exit(save_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    x = torch.randn(1 << 15, requires_grad=True)
+    with caplog.at_level(logging.INFO, logger="prefetch_offload"):
+        with offload_context("disk", save_dir, min_offload_bytes=0):
+            (x * 2).sin().sum().backward()
+    (record,) = [r for r in caplog.records if r.name == "prefetch_offload"]
+    assert record.levelno == logging.INFO
+    assert "offloaded 1 tensors (0.1 MiB)" in record.getMessage()
+    assert "hit rate" in record.getMessage() and "fallbacks" in record.getMessage()
+
+
+def test_context_from_a_config_mapping(save_dir: Path) -> None:
+    cfg = {"activation_offloading": "disk", "save_dir": str(save_dir), "prefetch_depth": 2}
+    ctx = offload_context_from_config(cfg, device="cpu")
+    assert ctx.config.prefetch_depth == 2 and ctx.config.target == "disk"
+    x = torch.randn(1 << 15, requires_grad=True)
+    with ctx as engine:
+        (x * 2).sin().sum().backward()
+    assert engine.stats().tensors_offloaded == 1
+    assert offload_context_from_config({"activation_offloading": None}).config.target is None
+
+
+@pytest.mark.parametrize(
+    ("cfg", "kw", "match"),
+    [
+        ({"activation_offloading": "disk"}, {}, "requires a save_dir"),
+        ({"activation_offloading": "cpu", "backend": "unsloth"}, {}, "unsloth backend"),
+        ({"activation_offloading": "cpu"}, {"backend": "mlx"}, "mlx backend"),
+        ({"activation_offloading": "cpu", "device": "mps"}, {}, "Current device: mps"),
+        ({"activation_offloading": "tape"}, {}, "Unknown activation_offloading target"),
+        ({"activation_offloading": "cpu", "prefetch_dept": 2}, {}, "unknown offload setting"),
+        ({"activation_offloading": "cpu", "prefetch_depth": -1}, {}, "prefetch_depth"),
+    ],
+)
+def test_config_mapping_errors_match_the_validator(cfg: dict, kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        offload_context_from_config(cfg, **kw)
+
+
+async def test_async_with_and_aflush(save_dir: Path) -> None:
+    x = torch.randn(1 << 16, requires_grad=True)
+    async with offload_context("disk", save_dir, min_offload_bytes=0) as engine:
+        y = (x * 2).sin()
+        await engine.aflush()  # the loop stays free while writes finish
+        assert engine.stats().tensors_offloaded == 1
+        await asyncio.sleep(0)
+        y.sum().backward()
+    assert engine.closed
+    assert torch.equal(x.grad, 2 * (x.detach() * 2).cos())
+    assert engine.stats().bytes_read == (1 << 16) * 4
