@@ -4,7 +4,9 @@ For each request size and worker count, on the same folder and in the same run:
 
 - ``raw``: O_DIRECT pwrite/pread of page-aligned, reused buffers into one
   preallocated unlinked file, ``workers`` threads each owning a stripe: the
-  best the device does with plain syscalls from Python.
+  best the device does with plain syscalls from Python
+  (``prefetch_offload.probe.raw_bandwidth``, what ``python -m prefetch_offload
+  probe`` measures).
 - ``engine``: the real path. ``pack`` of N fresh CPU tensors (zero-copy
   O_DIRECT from their own pages through the IO pool), ``flush``; then
   ``unpack`` in reverse order with lookahead prefetch into fresh buffers.
@@ -19,14 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import platform
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 from prefetch_offload import OffloadConfig, OffloadEngine
-from prefetch_offload.slab import direct_io_supported, open_scratch_file
+from prefetch_offload.probe import raw_bandwidth
+from prefetch_offload.slab import direct_io_supported
 
 MiB = 1 << 20
 
@@ -59,39 +60,6 @@ class IORow:
     @property
     def read_ratio(self) -> float:
         return self.read_gbps / self.raw_read_gbps
-
-
-def _striped(workers: int, total: int, request: int, fn) -> float:  # type: ignore[no-untyped-def]
-    """Run ``fn(worker, offset)`` over ``total`` bytes in ``request`` steps; seconds taken."""
-
-    def work(i: int) -> None:
-        for off in range(i * request, total, workers * request):
-            fn(i, off)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(workers)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - start
-
-
-def raw_bandwidth(folder: str, total: int, request: int, workers: int) -> tuple[float, float]:
-    """GB/s written and read with O_DIRECT, aligned reused buffers (buffered if no O_DIRECT)."""
-    fd = open_scratch_file(folder, direct=direct_io_supported(folder))
-    try:
-        os.posix_fallocate(fd, 0, total)
-        bufs = [mmap.mmap(-1, request) for _ in range(workers)]
-        for b in bufs:
-            b.write(os.urandom(64) * (request // 64))
-        wt = _striped(workers, total, request, lambda i, off: os.pwrite(fd, bufs[i], off))
-        rt = _striped(workers, total, request, lambda i, off: os.preadv(fd, [bufs[i]], off))
-        for b in bufs:
-            b.close()
-    finally:
-        os.close(fd)
-    return total / wt / 1e9, total / rt / 1e9
 
 
 def engine_bandwidth(
