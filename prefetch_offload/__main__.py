@@ -1,0 +1,8 @@
+"""``python -m prefetch_offload``: see :mod:`prefetch_offload.cli`."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""``python -m prefetch_offload``: the probe command, the recommendation rules, bench."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prefetch_offload import cli
+from prefetch_offload.probe import ProbeResult, combined_gbps, probe_bandwidth, recommend
+
+MiB = 1 << 20
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_probe_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["probe", "--save-dir", str(tmp_path), "--total-mib", "8", "--requests", "1"]
+    assert cli.main([*argv, "--workers", "1,2", "--json"]) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)  # stdout is exactly one JSON document, no progress bar in it
+    assert doc["save_dir"] == str(tmp_path)
+    assert doc["io_method"] in ("direct", "buffered")
+    assert doc["total_bytes"] == 8 * MiB and doc["repeats"] == 1
+    assert [(r["request_bytes"], r["workers"]) for r in doc["results"]] == [(MiB, 1), (MiB, 2)]
+    for r in doc["results"]:
+        assert r["write_gbps"] > 0 and r["read_gbps"] > 0
+        assert r["combined_gbps"] == pytest.approx(combined_gbps(r["write_gbps"], r["read_gbps"]))
+    rec = doc["recommendation"]
+    assert set(rec) == {"chunk_bytes", "io_workers", "prefetch_depth"}
+    assert rec["chunk_bytes"] == MiB and rec["io_workers"] in (1, 2)
+    assert rec["prefetch_depth"] in (4, 8)
+    assert "[" not in err  # stderr is not a terminal here: no bar unless --progress
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_probe_table_and_progress(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["probe", "--save-dir", str(tmp_path), "--total-mib", "4", "--requests", "1"]
+    assert cli.main([*argv, "--workers", "1,2", "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "write GB/s" in out and "read GB/s" in out
+    assert f'offload_context("disk", save_dir={str(tmp_path)!r}, chunk_bytes=1 << 20' in out
+    assert "[" not in out  # the bar is on stderr only
+    lines = err.splitlines()
+    assert lines[0] == "[....................] 0/2 probe 1 MiB x 1 worker"
+    assert lines[1] == "[##########..........] 1/2 probe 1 MiB x 2 workers"
+    assert lines[-1] == "[####################] 2/2 done"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_progress_bar_redraws_one_line_on_a_terminal() -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Tty()
+    bar = cli.ProgressBar(stream, width=4)
+    bar(0, 2, "a long label")
+    bar(1, 2, "b")
+    bar(2, 2, "done")
+    assert stream.getvalue() == (
+        "\r[....] 0/2 a long label" + "\r[##..] 1/2 b" + " " * 11 + "\r[####] 2/2 done\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda d: d / "file", "is not a folder"),
+        (lambda d: d / "missing", "does not exist"),
+    ],
+)
+def test_probe_bad_save_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], make, message: str
+) -> None:
+    (tmp_path / "file").write_text("x")
+    bad = make(tmp_path)
+    assert cli.main(["probe", "--save-dir", str(bad), "--total-mib", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert message in err and str(bad) in err
+    assert "pass the folder you will give offload_context" in err
+    assert not (tmp_path / "missing").exists()  # the probe does not create folders
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--requests", "0"], ["--workers", "1,x"], ["--total-mib", "-1"], ["--repeats", "0"]],
+)
+def test_probe_bad_numbers_are_usage_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str]
+) -> None:
+    assert cli.main(["probe", "--save-dir", str(tmp_path), *extra]) == 2
+    assert "error: argument" in capsys.readouterr().err
+
+
+def test_probe_bandwidth_validates(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="must be positive"):
+        probe_bandwidth(tmp_path, total_bytes=0)
+    with pytest.raises(ValueError, match="multiples of 4096"):
+        probe_bandwidth(tmp_path, request_sizes=[1000])
+    with pytest.raises(ValueError, match="worker_counts is empty"):
+        probe_bandwidth(tmp_path, worker_counts=[])
+    with pytest.raises(ValueError, match="every worker has a request"):
+        probe_bandwidth(tmp_path, total_bytes=MiB, request_sizes=[MiB], worker_counts=[2])
+    assert list(tmp_path.iterdir()) == []
+
+
+def _r(request_mib: int, workers: int, write: float, read: float) -> ProbeResult:
+    return ProbeResult(request_mib * MiB, workers, write, read)
+
+
+def test_recommend_rules() -> None:
+    # chunk: the request size with the best combined rate (8 MiB: 2/(1/3+1/2) = 2.4).
+    # workers: the smallest within 5% of that size's best: 2 (2.34 >= 0.95 * 2.4); not 1.
+    results = [
+        _r(1, 1, 2.0, 1.0),
+        _r(1, 4, 2.2, 1.1),
+        _r(8, 1, 2.0, 1.5),
+        _r(8, 2, 2.9, 1.9),
+        _r(8, 4, 3.0, 2.0),
+    ]
+    assert recommend(results) == {"chunk_bytes": 8 * MiB, "io_workers": 2, "prefetch_depth": 4}
+    # Combined, not write alone: fast writes cannot make up for slow reads.
+    assert recommend([_r(1, 1, 9.0, 0.6), _r(8, 1, 2.0, 2.0)])["chunk_bytes"] == 8 * MiB
+    # Ties go to the smaller request and the fewer workers.
+    tie = [_r(8, 2, 2.0, 2.0), _r(8, 1, 2.0, 2.0), _r(1, 1, 2.0, 2.0)]
+    assert recommend(tie) == {"chunk_bytes": MiB, "io_workers": 1, "prefetch_depth": 4}
+    # Slow reads (< 0.5 GB/s) double the lookahead.
+    assert recommend([_r(8, 1, 1.0, 0.4)])["prefetch_depth"] == 8
+    with pytest.raises(ValueError, match="at least one"):
+        recommend([])
+
+
+def test_bench_without_script_fails_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "site-packages" / "bench" / "step.py"
+    monkeypatch.setattr(cli, "bench_script", lambda: missing)
+    assert cli.main(["bench", "--", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "source checkout" in err
+
+
+def test_bench_script_is_found_in_the_checkout() -> None:
+    assert cli.bench_script() == REPO / "bench" / "step.py"
+
+
+def test_bench_runs_step_py(tmp_path: Path) -> None:
+    step_args = ["--steps", "1", "--warmup", "0", "--width", "32", "--depth", "2"]
+    step_args += ["--heads", "2", "--batch", "2", "--seq", "16", "--min-offload-bytes", "0"]
+    step_args += ["--modes", "none,disk", "--no-mem-probe", "--mem-rounds", "0"]
+    step_args += ["--pending-sweep", ""]
+    proc = subprocess.run(
+        [sys.executable, "-m", "prefetch_offload", "bench", "--", *step_args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "bit-identical" in proc.stdout
+    assert "disk" in proc.stdout
