@@ -27,7 +27,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TextIO
 
-from .probe import MiB, ProbeResult, combined_gbps, probe_bandwidth, recommend
+from .probe import (
+    LOW_READ_GBPS,
+    TOLERANCE,
+    MiB,
+    ProbeResult,
+    combined_gbps,
+    probe_bandwidth,
+    recommend,
+)
 from .slab import direct_io_supported
 
 __all__ = ["ProgressBar", "bench_script", "main"]
@@ -200,11 +208,26 @@ def _print_table(
     chunk_text = f"{chunk // MiB} << 20" if chunk % MiB == 0 else str(chunk)
     print()
     print("both = 2 / (1/write + 1/read): the rate of writing a byte and reading it back.")
-    print("Suggested settings (a heuristic; see docs/tuning.md and check engine.stats()):")
+    print("Suggested settings (a heuristic; see docs/tuning.md, then check engine.stats()):")
     print()
     print(
         f'    offload_context("disk", save_dir={args.save_dir!r}, chunk_bytes={chunk_text}, '
         f"io_workers={rec['io_workers']}, prefetch_depth={rec['prefetch_depth']})"
+    )
+    print()
+    cell = next(r for r in results if r.request_bytes == chunk and r.workers == rec["io_workers"])
+    best = max(results, key=lambda r: combined_gbps(r.write_gbps, r.read_gbps))
+    workers = f"{cell.workers} worker{'s' if cell.workers > 1 else ''}"
+    print(
+        f"Why: {cell.request_bytes / MiB:g} MiB x {workers} moves "
+        f"{combined_gbps(cell.write_gbps, cell.read_gbps):.2f} GB/s both ways, the best cell "
+        f"{combined_gbps(best.write_gbps, best.read_gbps):.2f}"
+    )
+    print(
+        f"(within {TOLERANCE:.0%} of the best, a larger request or fewer workers win); "
+        f"reads {cell.read_gbps:.2f} GB/s "
+        f"{'<' if cell.read_gbps < LOW_READ_GBPS else '>='} {LOW_READ_GBPS} GB/s, "
+        f"so prefetch_depth {rec['prefetch_depth']}."
     )
 
 

@@ -35,7 +35,7 @@ from .slab import direct_io_supported, open_scratch_file
 __all__ = [
     "DEFAULT_PREFETCH_DEPTH",
     "LOW_READ_GBPS",
-    "WORKERS_TOLERANCE",
+    "TOLERANCE",
     "ProbeResult",
     "combined_gbps",
     "probe_bandwidth",
@@ -46,10 +46,10 @@ __all__ = [
 MiB = 1 << 20
 
 # recommend(): the prefetch depth it keeps, the read bandwidth under which it
-# doubles it, and how close to the best a smaller worker count must come.
+# doubles it, and how close to the best a larger request or fewer workers must come.
 DEFAULT_PREFETCH_DEPTH = 4
 LOW_READ_GBPS = 0.5
-WORKERS_TOLERANCE = 0.05
+TOLERANCE = 0.05
 
 # progress(done, total, label): see probe_bandwidth.
 ProgressFn = Callable[[int, int, str], None]
@@ -295,9 +295,13 @@ def recommend(results: Sequence[ProbeResult]) -> dict[str, int]:
     training step; the engine's own numbers (``engine.stats()``, see
     docs/tuning.md) are what to check afterwards. The rules:
 
-    1. ``chunk_bytes``: the request size whose best cell (over worker counts) has
-       the highest :func:`combined_gbps`, i.e. the shortest time to write a byte
-       and read it back. Ties go to the smaller request.
+    1. ``chunk_bytes``: the request size with the best :func:`combined_gbps`
+       (each size scored by its best cell over worker counts), i.e. the shortest
+       time to write a byte and read it back; but the largest size within 5% of
+       that best wins. Raw syscalls favour no size much, while the engine pays a
+       per-request cost in Python that larger requests spread thinner (in
+       docs/benchmarks.md the engine reached 0.66-0.82 of raw writes with 1 MiB
+       requests and about 1.0 with 8 MiB).
     2. ``io_workers``: among that request size's cells, the smallest worker count
        whose combined throughput is within 5% of the best one (more threads cost
        CPU and buy nothing the disk cannot deliver).
@@ -327,11 +331,12 @@ def recommend(results: Sequence[ProbeResult]) -> dict[str, int]:
     by_request: dict[int, list[ProbeResult]] = {}
     for r in results:
         by_request.setdefault(r.request_bytes, []).append(r)
-    # max() keeps the first of equals: sort by request size so ties go to the smaller.
-    chunk = max(sorted(by_request), key=lambda req: max(score(r) for r in by_request[req]))
+    per_request = {req: max(score(r) for r in cells) for req, cells in by_request.items()}
+    top = max(per_request.values())
+    chunk = max(req for req, s in per_request.items() if s >= (1.0 - TOLERANCE) * top)
     cells = sorted(by_request[chunk], key=lambda r: r.workers)
     best = max(score(r) for r in cells)
-    chosen = next(r for r in cells if score(r) >= (1.0 - WORKERS_TOLERANCE) * best)
+    chosen = next(r for r in cells if score(r) >= (1.0 - TOLERANCE) * best)
     depth = (
         DEFAULT_PREFETCH_DEPTH * 2 if chosen.read_gbps < LOW_READ_GBPS else DEFAULT_PREFETCH_DEPTH
     )

@@ -126,9 +126,11 @@ def test_recommend_rules() -> None:
     assert recommend(results) == {"chunk_bytes": 8 * MiB, "io_workers": 2, "prefetch_depth": 4}
     # Combined, not write alone: fast writes cannot make up for slow reads.
     assert recommend([_r(1, 1, 9.0, 0.6), _r(8, 1, 2.0, 2.0)])["chunk_bytes"] == 8 * MiB
-    # Ties go to the smaller request and the fewer workers.
-    tie = [_r(8, 2, 2.0, 2.0), _r(8, 1, 2.0, 2.0), _r(1, 1, 2.0, 2.0)]
-    assert recommend(tie) == {"chunk_bytes": MiB, "io_workers": 1, "prefetch_depth": 4}
+    # Within 5%, the larger request and the fewer workers win.
+    close = [_r(8, 2, 2.0, 2.0), _r(8, 1, 1.95, 1.95), _r(1, 1, 2.1, 2.1), _r(4, 1, 1.0, 1.0)]
+    assert recommend(close) == {"chunk_bytes": 8 * MiB, "io_workers": 1, "prefetch_depth": 4}
+    # More than 5% better: the smaller request wins.
+    assert recommend([_r(8, 1, 2.0, 2.0), _r(1, 1, 2.2, 2.2)])["chunk_bytes"] == MiB
     # Slow reads (< 0.5 GB/s) double the lookahead.
     assert recommend([_r(8, 1, 1.0, 0.4)])["prefetch_depth"] == 8
     with pytest.raises(ValueError, match="at least one"):
