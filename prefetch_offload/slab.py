@@ -191,7 +191,8 @@ class SlabStore:
         elif io_method == "direct" and not direct_io_supported(directory):
             raise ValueError(
                 f"prefetch_offload: io_method='direct' but {directory!r} does not support "
-                "O_DIRECT (tmpfs, some network filesystems); use io_method='auto'."
+                "O_DIRECT (tmpfs on older kernels, some network filesystems); "
+                "use io_method='auto'."
             )
         self.directory = directory
         self.io_method = io_method
