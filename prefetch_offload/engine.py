@@ -39,6 +39,16 @@ tensor equal in value, shape, strides, dtype and device.
 # a dead weak reference can never match a new storage. The version counter
 # (shared by all views of a tensor) catches in-place updates between two saves.
 #
+# NOTE [write tail]
+# When backward starts, the last tensors forward saved are the first it needs,
+# and their writes are often still queued behind the others. Writing them and
+# reading them straight back would cost twice their bytes for nothing: at the
+# first unpack after a forward, every write that no IO thread has started yet
+# is cancelled, its extent freed, and its tensor stays in memory (it already
+# was: that memory is what max_pending_write_bytes bounds) until backward
+# consumes it. Only single-request writes are cancelled, newest first, stopping
+# at the first one already started (writes run in submission order).
+#
 # NOTE [version check]
 # Autograd normally refuses to backward through a saved tensor that was
 # modified in place after it was saved, but skips that check whenever
@@ -309,6 +319,10 @@ class OffloadEngine:
         self._pending_write_bytes = 0
         # Write jobs in submission order (NOTE [record lifetime]: flush waits on them).
         self._write_futs: collections.deque[IOFuture[None]] = collections.deque()
+        # Single-request writes, oldest first, that backward may still skip.
+        self._tail: collections.deque[tuple[IOFuture[None], weakref.ref[_Record]]] = (
+            collections.deque()
+        )
         self._stats = StatsCounter()
         self._scheduler = PrefetchScheduler(config.prefetch_depth)
         # Storage address -> spans of live records in it (NOTE [dedup]).
@@ -462,18 +476,26 @@ class OffloadEngine:
                 self._stats.add(pack_wait_seconds=time.perf_counter() - start)
             self._pending_write_bytes += nbytes
             self._stats.set_max("peak_pending_write_bytes", self._pending_write_bytes)
-            rec.writes_left = -(-nbytes // chunk)
+            # Requests of chunk_bytes to 2 * chunk_bytes: no tiny tail request.
+            parts = max(1, nbytes // chunk)
+            step = -(-nbytes // parts // 4096) * 4096
+            rec.writes_left = -(-nbytes // step)
         src = source_buffer(host, base, rec.span)
         write = self._write
         submitted = [
-            self._pool.submit(functools.partial(write, rec, off, src[off : off + chunk]), WRITE)
-            for off in range(0, nbytes, chunk)
+            self._pool.submit(functools.partial(write, rec, off, src[off : off + step]), WRITE)
+            for off in range(0, nbytes, step)
         ]
         with self._lock:
             futs = self._write_futs
             while futs and futs[0].done():
                 futs.popleft()
             futs.extend(submitted)
+            if len(submitted) == 1:  # NOTE [write tail]
+                tail = self._tail
+                while tail and tail[0][0].done():
+                    tail.popleft()
+                tail.append((submitted[0], weakref.ref(rec)))
 
     def _write(self, rec: _Record, off: int, view: memoryview) -> None:
         """IO job: write one chunk; the last chunk of a record publishes the outcome."""
@@ -503,6 +525,28 @@ class OffloadEngine:
         if extent is not None:
             self._store.free(extent)  # type: ignore[union-attr]
         self._write_failed(rec, failed)
+
+    def _skip_tail_writes(self) -> None:
+        """Drop queued writes that backward would read right back (NOTE [write tail])."""
+        freed: list[Extent] = []
+        with self._lock:
+            tail = self._tail
+            while tail:
+                fut, ref = tail.pop()  # newest first
+                rec = ref()
+                if rec is None or not fut.cancel():
+                    break  # writes run in order: everything older has started too
+                rec.writes_left = 0
+                self._pending_write_bytes -= rec.span.extent_bytes
+                if rec.extent is not None:
+                    freed.append(rec.extent)
+                    rec.extent = None
+            self._writes_idle.notify_all()
+        if freed:
+            assert self._store is not None
+            for extent in freed:
+                self._store.free(extent)
+            self._stats.add(writes_skipped=len(freed))
 
     def _wait_writes(self) -> None:
         """Wait until every write job has finished and dropped its record."""
@@ -553,7 +597,9 @@ class OffloadEngine:
         """Saved-tensor unpack hook: the tensor that ``pack`` was given, restored."""
         if isinstance(packed, _Kept):
             return packed.unpack()
-        self._in_backward = True
+        if not self._in_backward:
+            self._in_backward = True
+            self._skip_tail_writes()
         self._raise_pending()
         packed.check_version()
         rec = packed.record

@@ -39,6 +39,8 @@ class OffloadStats:
     pack_wait_seconds: float = 0.0
     # Tensors that could not be written (full disk, disk cap, IO error) and stayed in memory.
     fallbacks: int = 0
+    # Queued writes dropped because backward needed the tensor first (it stayed in memory).
+    writes_skipped: int = 0
     # Largest number of bytes that were queued for writing at once.
     peak_pending_write_bytes: int = 0
     # Disk bytes reserved in slab files right now, and the most ever reserved.

@@ -115,7 +115,8 @@ def test_step_main_memory_probes(tmp_path: Path, cwd: Path) -> None:
         assert probe["malloc_mmap_threshold"] == str(step.MMAP_THRESHOLD)
         assert probe["knobs"]["min_offload_bytes"] == 0
     assert doc["memory_probes"]["disk"]["counters"]["bytes_offloaded"] > 0
-    assert doc["target"]["met"] in (True, False)
+    # At this tiny size none's RSS delta can round to nothing, leaving no cut to judge.
+    assert doc["target"] is None or doc["target"]["met"] in (True, False)
     pending = [p["max_pending_write_bytes"] for p in doc["pending_sweep"]]
     assert pending == [1 * MiB, 64 * MiB]
     assert doc["pending_sweep"][0]["probe"]["knobs"]["max_pending_write_bytes"] == MiB

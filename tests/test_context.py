@@ -112,7 +112,8 @@ def test_context_from_a_config_mapping(save_dir: Path) -> None:
     x = torch.randn(1 << 15, requires_grad=True)
     with ctx as engine:
         (x * 2).sin().sum().backward()
-    assert engine.stats().tensors_offloaded == 1
+    stats = engine.stats()
+    assert stats.tensors_offloaded + stats.writes_skipped == 1  # NOTE [write tail]
     assert offload_context_from_config({"activation_offloading": None}).config.target is None
 
 

@@ -100,9 +100,9 @@ def test_transformer_grads_bit_identical(
         loss.backward()
     _assert_same(_grads(model), ref)
     stats = engine.stats()
-    assert stats.tensors_offloaded > 10
-    assert stats.bytes_offloaded > 0
+    assert stats.tensors_offloaded + stats.writes_skipped > 10  # NOTE [write tail]
     if flush:
+        assert stats.writes_skipped == 0 and stats.tensors_offloaded > 10
         assert stats.bytes_read >= stats.bytes_offloaded
         assert stats.prefetch_hits + stats.prefetch_misses >= stats.tensors_offloaded
 
@@ -141,7 +141,8 @@ def test_checkpoint_non_reentrant(save_dir: Path) -> None:
     with offload_context("disk", save_dir, min_offload_bytes=0) as engine:
         step(model)
     _assert_same(_grads(model), ref)
-    assert engine.stats().tensors_offloaded > 0
+    stats = engine.stats()
+    assert stats.tensors_offloaded + stats.writes_skipped > 0
 
 
 def test_retain_graph_backward_twice(save_dir: Path) -> None:
@@ -212,7 +213,8 @@ def test_two_threads_each_with_own_context(save_dir: Path) -> None:
                     loss = models[i](*batches[i])
                     barrier.wait()  # both threads are mid-step at the same time
                     loss.backward()
-            assert engine.stats().tensors_offloaded > 0
+            stats = engine.stats()
+            assert stats.tensors_offloaded + stats.writes_skipped > 0
         except BaseException as exc:
             errors.append(exc)
             barrier.abort()
@@ -261,7 +263,9 @@ def test_space_is_reused_across_steps(save_dir: Path) -> None:
             assert stats.disk_bytes_in_use == 0
             assert stats.disk_bytes_reserved == first.disk_bytes_reserved
     assert stats.peak_disk_bytes_reserved == first.peak_disk_bytes_reserved
-    assert stats.tensors_offloaded == 16 * first.tensors_offloaded
+    # NOTE [write tail]: a step's last tensors may skip the disk; every one is counted once.
+    per_step = first.tensors_offloaded + first.writes_skipped
+    assert stats.tensors_offloaded + stats.writes_skipped == 16 * per_step
 
 
 def test_nothing_left_behind_after_exit_or_exception(save_dir: Path) -> None:
@@ -327,7 +331,7 @@ def test_same_tensor_saved_three_times_is_written_once(save_dir: Path) -> None:
 
     v_ref, w_ref = (t.detach().clone().requires_grad_() for t in (v, w))
     step(v_ref, w_ref)
-    with _engine(save_dir) as engine:
+    with _engine(save_dir, inline=True) as engine:  # every write lands before backward
         step(v, w)
     assert torch.equal(v.grad, v_ref.grad) and torch.equal(w.grad, w_ref.grad)
     stats = engine.stats()
@@ -645,6 +649,6 @@ def test_disk_cap_falls_back_to_memory_with_one_warning(save_dir: Path) -> None:
         model(tokens, targets).backward()
     _assert_same(_grads(model), ref)
     stats = engine.stats()
-    assert stats.fallbacks > 0 and stats.tensors_offloaded > 0
+    assert stats.fallbacks > 0 and stats.peak_disk_bytes_in_use > 0
     assert stats.peak_disk_bytes_reserved <= 1 << 17
     assert len([w for w in record if w.category is OffloadFallbackWarning]) == 1

@@ -81,7 +81,8 @@ def test_sparse_training_under_offload(save_dir: Path) -> None:
     with offload_context("disk", save_dir, min_offload_bytes=0) as engine:
         step().backward()
     assert torch.equal(w.grad, ref)
-    assert engine.stats().tensors_kept >= 1 and engine.stats().tensors_offloaded >= 1
+    stats = engine.stats()
+    assert stats.tensors_kept >= 1 and stats.tensors_offloaded + stats.writes_skipped >= 1
 
 
 _CHILD = textwrap.dedent(
@@ -118,5 +119,6 @@ def test_sigkill_mid_step_leaves_nothing_and_the_folder_still_works(save_dir: Pa
     x = torch.randn(1 << 16, requires_grad=True)
     with offload_context("disk", save_dir, min_offload_bytes=0) as engine:
         (x * 2).sin().sum().backward()
-    assert engine.stats().tensors_offloaded == 1
+    stats = engine.stats()
+    assert stats.tensors_offloaded + stats.writes_skipped == 1
     assert torch.equal(x.grad, 2 * (x.detach() * 2).cos())

@@ -53,4 +53,6 @@ def test_long_run_is_flat_and_exact(save_dir: Path) -> None:
     assert len(threads) == 1, f"thread count changed: {samples}"
     rss = [s[2] for s in samples]
     assert max(rss[1:]) - rss[1] < 32 << 20, f"resident memory grew: {rss}"
-    assert engine.stats().tensors_offloaded >= STEPS * 30
+    final = engine.stats()
+    assert final.tensors_offloaded + final.writes_skipped >= STEPS * 30
+    assert final.tensors_offloaded >= STEPS * 20
