@@ -530,6 +530,32 @@ def test_slow_writes_are_served_from_memory_and_capped(
     assert stats.pack_wait_seconds > 0
 
 
+def test_queued_writes_of_the_tail_are_skipped_at_backward(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [write tail]: writes still queued when backward starts never happen."""
+    model = _model()
+    tokens, targets = make_batch(4, 32, vocab=64)
+    ref = _reference(model, lambda m: m(tokens, targets).backward())
+    with _engine(save_dir, io_workers=1) as engine:
+        real_write = engine._store.write
+
+        def slow_write(*args: Any) -> None:
+            time.sleep(0.01)
+            real_write(*args)
+
+        monkeypatch.setattr(engine._store, "write", slow_write)
+        model(tokens, targets).backward()
+        engine.flush()
+        gc.collect()
+        stats = engine.stats()
+    _assert_same(_grads(model), ref)
+    assert stats.writes_skipped > 0
+    assert stats.tensors_offloaded > 0  # the first ones were written before backward began
+    assert stats.bytes_read <= stats.bytes_offloaded
+    assert stats.disk_bytes_in_use == 0
+
+
 def test_slow_reads_stall_but_stay_exact(save_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model()
     tokens, targets = make_batch(4, 32, vocab=64)
