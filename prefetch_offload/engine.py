@@ -46,8 +46,10 @@ tensor equal in value, shape, strides, dtype and device.
 # first unpack after a forward, every write that no IO thread has started yet
 # is cancelled, its extent freed, and its tensor stays in memory (it already
 # was: that memory is what max_pending_write_bytes bounds) until backward
-# consumes it. Only single-request writes are cancelled, newest first, stopping
-# at the first one already started (writes run in submission order).
+# consumes it. Records are taken newest first, each only if every one of its
+# requests can be claimed before a worker starts it; the first record a worker
+# has started ends the scan (writes run in submission order), and the requests
+# of it that were claimed are written by the unpack thread itself.
 #
 # NOTE [version check]
 # Autograd normally refuses to backward through a saved tensor that was
@@ -319,8 +321,8 @@ class OffloadEngine:
         self._pending_write_bytes = 0
         # Write jobs in submission order (NOTE [record lifetime]: flush waits on them).
         self._write_futs: collections.deque[IOFuture[None]] = collections.deque()
-        # Single-request writes, oldest first, that backward may still skip.
-        self._tail: collections.deque[tuple[IOFuture[None], weakref.ref[_Record]]] = (
+        # Each record's write requests, oldest record first, that backward may still skip.
+        self._tail: collections.deque[tuple[list[IOFuture[None]], weakref.ref[_Record]]] = (
             collections.deque()
         )
         self._stats = StatsCounter()
@@ -491,11 +493,10 @@ class OffloadEngine:
             while futs and futs[0].done():
                 futs.popleft()
             futs.extend(submitted)
-            if len(submitted) == 1:  # NOTE [write tail]
-                tail = self._tail
-                while tail and tail[0][0].done():
-                    tail.popleft()
-                tail.append((submitted[0], weakref.ref(rec)))
+            tail = self._tail  # NOTE [write tail]
+            while tail and tail[0][0][-1].done():
+                tail.popleft()
+            tail.append((submitted, weakref.ref(rec)))
 
     def _write(self, rec: _Record, off: int, view: memoryview) -> None:
         """IO job: write one chunk; the last chunk of a record publishes the outcome."""
@@ -529,19 +530,34 @@ class OffloadEngine:
     def _skip_tail_writes(self) -> None:
         """Drop queued writes that backward would read right back (NOTE [write tail])."""
         freed: list[Extent] = []
+        unfinished: list[IOFuture[None]] = []
         with self._lock:
             tail = self._tail
             while tail:
-                fut, ref = tail.pop()  # newest first
+                futs, ref = tail.pop()  # newest first
                 rec = ref()
-                if rec is None or not fut.cancel():
+                if rec is None:
+                    break
+                # Claim the record's requests, last first (workers take them first first).
+                claimed = []
+                for fut in reversed(futs):
+                    if not fut.claim():
+                        break
+                    claimed.append(fut)
+                if len(claimed) < len(futs):
+                    unfinished = claimed  # a worker started this record: finish it below
                     break  # writes run in order: everything older has started too
+                for fut in claimed:
+                    fut.abandon()
                 rec.writes_left = 0
                 self._pending_write_bytes -= rec.span.extent_bytes
                 if rec.extent is not None:
                     freed.append(rec.extent)
                     rec.extent = None
+            tail.clear()  # older writes have started: none left to skip
             self._writes_idle.notify_all()
+        for fut in unfinished:
+            fut.run()  # this thread claimed them, so it writes them
         if freed:
             assert self._store is not None
             for extent in freed:

@@ -65,6 +65,15 @@ class IOFuture(Generic[T]):
             self._cond.notify_all()
             return True
 
+    def abandon(self) -> None:
+        """Finish a claimed job without running it (its result is CancelledIO)."""
+        with self._cond:
+            assert self._state == _RUNNING, "IOFuture.abandon() without a successful claim()"
+            self._state = _DONE
+            self._fn = None
+            self._exc = CancelledIO()
+            self._cond.notify_all()
+
     def run(self) -> None:
         """Run the claimed job and publish its result or exception."""
         fn, self._fn = self._fn, None

@@ -530,14 +530,15 @@ def test_slow_writes_are_served_from_memory_and_capped(
     assert stats.pack_wait_seconds > 0
 
 
+@pytest.mark.parametrize("chunk", [8 << 20, 8192], ids=["one-request", "many-requests"])
 def test_queued_writes_of_the_tail_are_skipped_at_backward(
-    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
 ) -> None:
     """NOTE [write tail]: writes still queued when backward starts never happen."""
     model = _model()
     tokens, targets = make_batch(4, 32, vocab=64)
     ref = _reference(model, lambda m: m(tokens, targets).backward())
-    with _engine(save_dir, io_workers=1) as engine:
+    with _engine(save_dir, io_workers=1, chunk_bytes=chunk) as engine:
         real_write = engine._store.write
 
         def slow_write(*args: Any) -> None:
