@@ -60,6 +60,13 @@ tensor equal in value, shape, strides, dtype and device.
 # base), weakly, and unpack raises the same error autograd would. If the owner
 # is gone, nothing can have modified it since.
 #
+# NOTE [no cycles]
+# When an op saves its own output, the tensor handed to pack holds the op's
+# grad_fn, which holds the saved-tensor payload. A payload that kept that tensor
+# would close a loop through C++ that Python's collector cannot see, and a graph
+# dropped without backward would never be freed. Payloads therefore keep
+# ``t.detach()`` (same storage, same version counter, no grad_fn), never ``t``.
+#
 # NOTE [backward passes]
 # A record that backward has already consumed must not be prefetched again in
 # the same pass (a node unpacks its saved tensors in save order, so the window
@@ -142,7 +149,8 @@ class _Kept:
     __slots__ = ("tensor", "version")
 
     def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t
+        # NOTE [no cycles]: a detached alias (same storage and version counter).
+        self.tensor = t.detach()
         self.version = -1 if torch.is_inference(t) else t._version
 
     def unpack(self) -> torch.Tensor:
@@ -158,18 +166,21 @@ class _Handle:
 
     __slots__ = ("owner", "pass_no", "record", "version", "view")
 
-    def __init__(self, record: _Record, view: ViewMeta, t: torch.Tensor, version: int) -> None:
+    def __init__(
+        self, record: _Record, view: ViewMeta, owner: weakref.ref[torch.Tensor], version: int
+    ) -> None:
         self.record = record
         self.view = view
         self.pass_no = -1  # NOTE [backward passes]
-        # NOTE [version check]: the tensor that owns t's version counter, weakly.
-        self.owner = weakref.ref(t._base if t._base is not None else t)
+        # NOTE [version check]: the tensor that owns the saved view's version counter.
+        self.owner = owner
         self.version = version
 
     def check_version(self) -> None:
         owner = self.owner()
         if owner is not None and owner._version != self.version:
             raise _version_error(self.record.describe(), owner._version, self.version)
+        self.record.check_version()
 
     def __repr__(self) -> str:
         return f"<prefetch_offload handle {self.record.describe()}>"
@@ -188,9 +199,12 @@ class _Record:
         "pos",
         "prefetch",
         "restored",
+        "saved",
         "seq",
         "source",
         "span",
+        "tainted",
+        "version",
         "view0",
         "write_error",
         "writes_left",
@@ -205,9 +219,17 @@ class _Record:
         device: torch.device,
         seq: int,
         view0: ViewMeta,
+        saved: torch.Tensor | None,
+        version: int,
     ) -> None:
         self.engine = engine
         self.span = span
+        # NOTE [version check]: the saved tensor while its bytes are read from its own
+        # memory (shares its version counter), the version at save time, and whether
+        # the bytes on disk may hold a later value.
+        self.saved = saved
+        self.version = version
+        self.tainted = False
         self.view0 = view0  # the first saved view, for messages
         self.extent = extent
         # The span in host memory while its bytes are not safely on disk.
@@ -218,7 +240,7 @@ class _Record:
         self.pass_no = -1  # NOTE [backward passes]
         self.on_disk = False
         self.writes_left = 0
-        self.write_error: OSError | None = None
+        self.write_error: BaseException | None = None
         self.prefetch: IOFuture[Resident] | None = None
         # The span on its device, while any view handed to autograd keeps it alive.
         self.restored: tuple[weakref.ref[torch.UntypedStorage], int] | None = None
@@ -229,6 +251,13 @@ class _Record:
             f"saved tensor #{self.seq} (shape {list(v.shape)}, {v.dtype}, "
             f"{self.span.nbytes} bytes on {self.device})"
         )
+
+    def check_version(self) -> None:
+        """Raise autograd's in-place error if the saved bytes are not the saved values."""
+        saved = self.saved
+        now = saved._version if saved is not None else self.version
+        if self.tainted or now != self.version:
+            raise _version_error(self.describe(), max(now, self.version + 1), self.version)
 
     def resident(self) -> Resident | None:
         """The span on its device if a view handed out earlier still holds it."""
@@ -271,12 +300,21 @@ class _NullEngine:
 class _DedupEntry:
     """A live record's span within one storage (NOTE [dedup])."""
 
-    __slots__ = ("end", "record", "start", "storage", "version")
+    __slots__ = ("end", "owner", "record", "start", "storage", "version")
 
     def __init__(
-        self, storage: torch.UntypedStorage, version: int, start: int, end: int, rec: _Record
+        self,
+        storage: torch.UntypedStorage,
+        owner: weakref.ref[torch.Tensor],
+        version: int,
+        start: int,
+        end: int,
+        rec: _Record,
     ) -> None:
         self.storage = weakref.ref(storage)
+        # The same storage can sit under tensors with separate version counters
+        # (``a`` and ``a.data``): only views of one owner share a counter.
+        self.owner = owner
         self.version = version
         self.start = start
         self.end = end
@@ -404,12 +442,14 @@ class OffloadEngine:
         version = t._version
         itemsize = t.element_size()
         shape, stride = tuple(t.shape), t.stride()
+        owner_t = t._base if t._base is not None else t
         with self._lock:
             for entry in self._dedup.get(storage.data_ptr(), ()):
                 rec = entry.record()
                 if (
                     rec is not None
                     and entry.storage() is storage
+                    and entry.owner() is owner_t
                     and entry.version == version
                     and entry.start <= start
                     and start + nbytes <= entry.end
@@ -417,7 +457,7 @@ class OffloadEngine:
                 ):
                     self._stats.add(dedup_hits=1)
                     view = ViewMeta(t.dtype, shape, stride, start - entry.start)
-                    return _Handle(rec, view, t, version)
+                    return _Handle(rec, view, entry.owner, version)
         host, base = self._device.to_host(storage, start, nbytes)
         span = Span(nbytes, (host.data_ptr() + base) % 4096)
         store = self._store
@@ -434,17 +474,22 @@ class OffloadEngine:
                 self._note_no_space("the slab reservation failed")
                 return _Kept(t)
         view = ViewMeta(t.dtype, shape, stride, 0)
+        owner = weakref.ref(owner_t)
+        # Bytes still read from t's own memory can change under it (NOTE [version check]).
+        saved = t.detach() if host is storage else None  # NOTE [no cycles]
         with self._lock:
-            rec = _Record(self, span, extent, (host, base), t.device, self._seq, view)
+            rec = _Record(
+                self, span, extent, (host, base), t.device, self._seq, view, saved, version
+            )
             self._seq += 1
             self._scheduler.register(rec)
-            entry = _DedupEntry(storage, version, start, start + nbytes, rec)
+            entry = _DedupEntry(storage, owner, version, start, start + nbytes, rec)
             self._dedup.setdefault(storage.data_ptr(), []).append(entry)
         if store is None:  # NOTE [targets]: the host copy is the offloaded tensor
             self._stats.add(tensors_offloaded=1, bytes_offloaded=nbytes)
         else:
             self._queue_write(rec, host, base)
-        return _Handle(rec, view, t, version)
+        return _Handle(rec, view, owner, version)
 
     def _eligible(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is offloaded. Everything else stays in memory, unchanged."""
@@ -500,11 +545,11 @@ class OffloadEngine:
 
     def _write(self, rec: _Record, off: int, view: memoryview) -> None:
         """IO job: write one chunk; the last chunk of a record publishes the outcome."""
-        exc: OSError | None = None
+        exc: BaseException | None = None
         try:
             assert rec.extent is not None and self._store is not None
             self._store.write(rec.extent, off, view)
-        except OSError as e:
+        except BaseException as e:  # every failure must reach the bookkeeping below
             exc = e
         finally:
             view.release()
@@ -518,7 +563,11 @@ class OffloadEngine:
             self._writes_idle.notify_all()
             failed = rec.write_error
             if failed is None:
+                saved = rec.saved
+                if saved is not None and saved._version != rec.version:
+                    rec.tainted = True  # NOTE [version check]: modified before it was written
                 rec.on_disk = True
+                rec.saved = None
                 rec.source = None  # NOTE [record lifetime]: the activation can go now
                 self._stats.add(tensors_offloaded=1, bytes_offloaded=rec.span.nbytes)
                 return
@@ -576,10 +625,10 @@ class OffloadEngine:
                 fut = futs[0]
             fut.wait()
 
-    def _write_failed(self, rec: _Record, exc: OSError) -> None:
+    def _write_failed(self, rec: _Record, exc: BaseException) -> None:
         """NOTE [errors from workers]: the record keeps its source in memory."""
         self._stats.add(fallbacks=1)
-        if exc.errno in _SPACE_ERRNOS:
+        if getattr(exc, "errno", None) in _SPACE_ERRNOS:
             self._note_no_space(f"a write failed ({exc.strerror})", counted=True)
             return
         err = OffloadIOError(

@@ -317,6 +317,58 @@ def test_unpacked_tensors_are_never_recycled(save_dir: Path) -> None:
         assert torch.equal(held, copy_at_backward)
 
 
+@pytest.mark.parametrize("min_bytes", [1 << 30, 0], ids=["kept", "offloaded"])
+def test_graph_dropped_without_backward_is_freed(save_dir: Path, min_bytes: int) -> None:
+    """NOTE [no cycles]: relu saves its own output; dropping the graph must free it."""
+    x = torch.randn(1 << 14, requires_grad=True)
+    with _engine(save_dir, min_offload_bytes=min_bytes) as engine:
+        y = (x * 2).relu()
+        ref = weakref.ref(y)
+        del y
+        gc.collect()
+        assert ref() is None
+        engine.flush()
+    gc.collect()
+    assert engine.stats().disk_bytes_in_use == 0
+
+
+def test_in_place_through_a_detached_alias_is_caught(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The saved tensor is gone, a .detach() alias (same counter) modifies the bytes."""
+    x = torch.randn(1 << 14, requires_grad=True)
+    with _engine(save_dir, io_workers=1) as engine:
+        real_write = engine._store.write
+
+        def slow_write(*args: Any) -> None:
+            time.sleep(0.05)
+            real_write(*args)
+
+        monkeypatch.setattr(engine._store, "write", slow_write)
+        y = (x * 2).exp()  # exp saves its output
+        alias = y.detach()
+        loss = y.sum()
+        del y
+        alias.mul_(2)  # before the write has finished
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            engine.flush()
+            loss.backward()
+
+
+def test_dedup_needs_the_same_version_counter(save_dir: Path) -> None:
+    """``a`` and ``a.data`` share a storage but not a counter: no sharing of records."""
+    w = torch.randn(1 << 14, requires_grad=True)
+    a = torch.randn(1 << 14)
+    with _engine(save_dir, inline=True) as engine:
+        w * a  # saves a (version 0)
+        b = a.data
+        b.mul_(3)  # b's own counter moves; a's stays at 0
+        b2 = a.data  # a fresh counter, also at version 0
+        (w * b2).sum().backward()
+    assert torch.equal(w.grad, b2)
+    assert engine.stats().dedup_hits == 0
+
+
 # -- dedup ---------------------------------------------------------------------------------
 
 
@@ -418,21 +470,22 @@ def test_views_of_one_storage_share_one_record(save_dir: Path) -> None:
 def test_views_outside_a_record_or_misaligned_get_their_own(save_dir: Path) -> None:
     with _engine(save_dir, inline=True) as engine:
         buf = torch.arange(4096, dtype=torch.float32)
-        h1 = engine.pack(buf[:1024])  # record A: bytes [0, 4096)
+        h1 = engine.pack(buf[:1024])  # record A: bytes [0, 4096) of buf
         h2 = engine.pack(buf[512:2048])  # overlaps A but is not inside it: record B
-        h3 = engine.pack(buf.view(torch.uint8)[2:4000])  # inside A: shares it
-        other = torch.arange(4096, dtype=torch.float32) + 0.5
-        h4 = engine.pack(other.view(torch.uint8)[2:4000])  # record C: bytes [2, 4000)
-        h5 = engine.pack(other[1:999])  # inside C, but 2 bytes in: not float-aligned: D
+        h3 = engine.pack(buf[100:900:2])  # inside A: shares it
+        z = torch.randn(2048, dtype=torch.complex64)
+        zr = torch.view_as_real(z)  # float32 view of z (same owner, same counter)
+        h4 = engine.pack(zr.flatten()[1:2001])  # record C: bytes [4, 8008) of z
+        h5 = engine.pack(z[1:900])  # inside C, 4 bytes in: not complex64-aligned: D
         engine.flush()
         stats = engine.stats()
         assert stats.tensors_offloaded == 4
         assert stats.dedup_hits == 1
         assert torch.equal(engine.unpack(h1), buf[:1024])
         assert torch.equal(engine.unpack(h2), buf[512:2048])
-        assert torch.equal(engine.unpack(h3), buf.view(torch.uint8)[2:4000])
-        assert torch.equal(engine.unpack(h4), other.view(torch.uint8)[2:4000])
-        assert torch.equal(engine.unpack(h5), other[1:999])
+        assert torch.equal(engine.unpack(h3), buf[100:900:2])
+        assert torch.equal(engine.unpack(h4), zr.flatten()[1:2001])
+        assert torch.equal(engine.unpack(h5), z[1:900])
 
 
 @pytest.mark.parametrize("depth", [0, 1, 4])
