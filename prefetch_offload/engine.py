@@ -12,8 +12,9 @@ tensor equal in value, shape, strides, dtype and device.
 # source, references it. The engine and the scheduler
 # hold records only weakly. When a record dies, its extent is queued for release
 # with a deque append (safe from any thread, including inside the garbage
-# collector) and returned to the allocator at the next hook call, ``stats()``
-# call, or context exit. So slab space is freed when autograd releases the
+# collector) and returned to the allocator at the next pack or unpack,
+# ``stats()`` call, or context exit (after exit, unpack and stats also unmap
+# slabs that hold nothing any more). So slab space is freed when autograd releases the
 # saved tensor, not at unpack, and ``backward(retain_graph=True)`` can read it
 # again. Records hold the engine strongly: a graph built inside the context
 # stays usable after it exits, and the slab files close when the last record
@@ -25,8 +26,9 @@ tensor equal in value, shape, strides, dtype and device.
 # filled. The engine never writes into memory it has handed out, and keeps only
 # a weak reference to the storage (so that the next view of the same record
 # shares it instead of reading again, exactly as the original views shared
-# theirs). Buffers are never pooled on this path, so none can be reused while
-# autograd still holds a view of it.
+# theirs), plus the last few spans (NOTE [recently restored]). Read buffers come
+# from a pool, but a block returns to it only when its storage has died, that
+# is, when no tensor uses it (NOTE [read buffer pool]).
 #
 # NOTE [dedup]
 # The same storage is often saved several times: one tensor by several ops (a
@@ -96,6 +98,7 @@ import asyncio
 import collections
 import errno
 import functools
+import itertools
 import threading
 import time
 import warnings
@@ -118,6 +121,21 @@ from .stats import OffloadStats, StatsCounter
 __all__ = ["OffloadEngine"]
 
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _split(nbytes: int, chunk: int) -> list[int]:
+    """Boundaries of ``max(1, nbytes // chunk)`` page-aligned requests of near-equal size.
+
+    Every request is at least ``chunk`` bytes (unless ``nbytes`` is smaller) and
+    under ``2 * chunk``; sizes differ by at most one page. ``nbytes`` is whole pages.
+    """
+    pages, parts = nbytes // 4096, max(1, nbytes // chunk)
+    size, extra = divmod(pages, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + (size + (i < extra)) * 4096)
+    return bounds
+
 
 # NOTE [recently restored]
 # Autograd frees a node's saved tensors as soon as the node has run, so when
@@ -194,6 +212,7 @@ class _Record:
         "device",
         "engine",
         "extent",
+        "key",
         "on_disk",
         "pass_no",
         "pos",
@@ -230,6 +249,7 @@ class _Record:
         self.saved = saved
         self.version = version
         self.tainted = False
+        self.key = 0  # the dedup table key (storage address), set by pack
         self.view0 = view0  # the first saved view, for messages
         self.extent = extent
         # The span in host memory while its bytes are not safely on disk.
@@ -282,7 +302,7 @@ class _Record:
     def __del__(self) -> None:
         # NOTE [record lifetime]: never take a lock here.
         try:
-            self.engine._dead.append(self.extent)
+            self.engine._dead.append((self.extent, self.key))
         except Exception:  # interpreter shutdown
             pass
 
@@ -367,7 +387,7 @@ class OffloadEngine:
         self._scheduler = PrefetchScheduler(config.prefetch_depth)
         # Storage address -> spans of live records in it (NOTE [dedup]).
         self._dedup: dict[int, list[_DedupEntry]] = {}
-        self._dead: collections.deque[Extent | None] = collections.deque()
+        self._dead: collections.deque[tuple[Extent | None, int]] = collections.deque()
         self._error: BaseException | None = None
         self._warned_full = False
         self._seq = 0
@@ -377,11 +397,14 @@ class OffloadEngine:
             maxlen=_RECENT_SPANS
         )
         self._in_backward = False
+        self._skipped: list[weakref.ref[_Record]] = []  # NOTE [write tail]
         self._read_pool = ReadBufferPool(_POOL_IDLE_BYTES)
         # ``pool`` lets tests run the inline reference pool instead of threads.
         if pool is None:
             pool = ThreadIOPool(config.io_workers) if self._store is not None else InlineIOPool()
         self._pool: IOPool = pool
+        # An engine dropped without close() (built directly) still stops its threads.
+        weakref.finalize(self, pool.shutdown, wait=False)
 
     # -- public ---------------------------------------------------------------------------
 
@@ -397,7 +420,7 @@ class OffloadEngine:
 
     def stats(self) -> OffloadStats:
         """A snapshot of the counters (see :class:`OffloadStats`)."""
-        self._drain_dead(blocking=True)
+        self._drain_dead()
         store = self._store
         if store is not None:
             self._stats.set(
@@ -423,7 +446,7 @@ class OffloadEngine:
     def pack(self, t: torch.Tensor) -> Any:
         """Saved-tensor pack hook: a handle for an offloaded tensor, or ``t`` kept as it is."""
         self._raise_pending()
-        self._drain_dead(blocking=True)
+        self._drain_dead()
         if self._closed:
             raise OffloadError(
                 "prefetch_offload: pack hook called after its offload_context exited; "
@@ -431,6 +454,8 @@ class OffloadEngine:
             )
         if self._in_backward:  # forward again
             self._in_backward = False
+            if self._skipped:
+                self._requeue_skipped()
             self._recent.clear()  # NOTE [recently restored]
             # NOTE [read buffer pool]: unmapping takes a while; an IO thread does it.
             self._pool.submit(self._background(self._read_pool.trim), READ)
@@ -484,7 +509,8 @@ class OffloadEngine:
             self._seq += 1
             self._scheduler.register(rec)
             entry = _DedupEntry(storage, owner, version, start, start + nbytes, rec)
-            self._dedup.setdefault(storage.data_ptr(), []).append(entry)
+            rec.key = storage.data_ptr()
+            self._dedup.setdefault(rec.key, []).append(entry)
         if store is None:  # NOTE [targets]: the host copy is the offloaded tensor
             self._stats.add(tensors_offloaded=1, bytes_offloaded=nbytes)
         else:
@@ -523,15 +549,13 @@ class OffloadEngine:
                 self._stats.add(pack_wait_seconds=time.perf_counter() - start)
             self._pending_write_bytes += nbytes
             self._stats.set_max("peak_pending_write_bytes", self._pending_write_bytes)
-            # Requests of chunk_bytes to 2 * chunk_bytes: no tiny tail request.
-            parts = max(1, nbytes // chunk)
-            step = -(-nbytes // parts // 4096) * 4096
-            rec.writes_left = -(-nbytes // step)
+            bounds = _split(nbytes, chunk)
+            rec.writes_left = len(bounds) - 1
         src = source_buffer(host, base, rec.span)
         write = self._write
         submitted = [
-            self._pool.submit(functools.partial(write, rec, off, src[off : off + step]), WRITE)
-            for off in range(0, nbytes, step)
+            self._pool.submit(functools.partial(write, rec, lo, src[lo:hi]), WRITE)
+            for lo, hi in itertools.pairwise(bounds)
         ]
         with self._lock:
             futs = self._write_futs
@@ -580,6 +604,7 @@ class OffloadEngine:
         """Drop queued writes that backward would read right back (NOTE [write tail])."""
         freed: list[Extent] = []
         unfinished: list[IOFuture[None]] = []
+        skipped: list[_Record] = []
         with self._lock:
             tail = self._tail
             while tail:
@@ -600,18 +625,43 @@ class OffloadEngine:
                     fut.abandon()
                 rec.writes_left = 0
                 self._pending_write_bytes -= rec.span.extent_bytes
+                skipped.append(rec)
                 if rec.extent is not None:
                     freed.append(rec.extent)
                     rec.extent = None
             tail.clear()  # older writes have started: none left to skip
             self._writes_idle.notify_all()
+            self._skipped.extend(weakref.ref(r) for r in skipped)
         for fut in unfinished:
             fut.run()  # this thread claimed them, so it writes them
         if freed:
             assert self._store is not None
             for extent in freed:
                 self._store.free(extent)
-            self._stats.add(writes_skipped=len(freed))
+        if skipped:
+            self._stats.add(writes_skipped=len(skipped))
+
+    def _requeue_skipped(self) -> None:
+        """Forward resumed: write the skipped tensors backward has not consumed yet.
+
+        An unpack during forward (``torch.autograd.grad`` inside the model, or a
+        pipeline schedule's backward between two forwards) also triggers the
+        skip; writing those tensors now keeps memory within the write cap.
+        """
+        with self._lock:
+            recs = [r for r in (ref() for ref in self._skipped) if r is not None]
+            self._skipped.clear()
+        store = self._store
+        for rec in recs:
+            source = rec.source
+            if source is None or rec.on_disk or rec.extent is not None or store is None:
+                continue
+            extent = store.allocate(rec.span.extent_bytes)
+            if extent is None:
+                continue  # no space: it stays in memory, as a full disk would leave it
+            rec.extent = extent
+            self._stats.add(writes_skipped=-1)
+            self._queue_write(rec, *source)
 
     def _wait_writes(self) -> None:
         """Wait until every write job has finished and dropped its record."""
@@ -643,9 +693,10 @@ class OffloadEngine:
     def _note_no_space(self, what: str, *, counted: bool = False) -> None:
         if not counted:
             self._stats.add(fallbacks=1)
-        if self._warned_full:
-            return
-        self._warned_full = True
+        with self._lock:
+            if self._warned_full:
+                return
+            self._warned_full = True
         limit = self.config.disk_bytes_limit
         cap = f" or disk_bytes_limit={limit} was reached" if limit is not None else ""
         warnings.warn(
@@ -665,6 +716,8 @@ class OffloadEngine:
         if not self._in_backward:
             self._in_backward = True
             self._skip_tail_writes()
+        if self._dead:
+            self._drain_dead()
         self._raise_pending()
         packed.check_version()
         rec = packed.record
@@ -692,7 +745,8 @@ class OffloadEngine:
             host = self._collect(rec, fut)
         storage, base = self._device.to_device(*host, rec.span.nbytes, rec.device)
         rec.restored = (weakref.ref(storage), base)
-        self._recent.append(storage)  # NOTE [recently restored]
+        if not self._closed:
+            self._recent.append(storage)  # NOTE [recently restored]
         return storage, base
 
     def _collect(self, rec: _Record, fut: IOFuture[Resident] | None) -> Resident:
@@ -738,9 +792,11 @@ class OffloadEngine:
 
     def _prefetch_after(self, rec: _Record) -> None:
         """Issue reads for the lookahead window below ``rec`` (NOTE [lookahead])."""
-        if self._closed or self.config.prefetch_depth == 0 or self._store is None:
+        if self.config.prefetch_depth == 0 or self._store is None:
             return
         with self._lock:
+            if self._closed:  # set under this lock before the pool shuts down
+                return
             for cand in self._scheduler.window(rec):
                 assert isinstance(cand, _Record)
                 cand.prefetch = self._pool.submit(self._read_job(cand), READ)
@@ -748,27 +804,28 @@ class OffloadEngine:
 
     # -- lifetime -------------------------------------------------------------------------
 
-    def _drain_dead(self, *, blocking: bool) -> None:
+    def _drain_dead(self) -> None:
         """Return dead records' extents to the allocator (NOTE [record lifetime])."""
         dead = self._dead
         if not dead:
             return
-        if not self._lock.acquire(blocking=blocking):
-            return
-        try:
+        store = self._store
+        with self._lock:
+            keys = set()
             while dead:
-                extent = dead.popleft()
+                extent, key = dead.popleft()
                 self._scheduler.forget()
-                if extent is not None and self._store is not None:
-                    self._store.free(extent)
-            for key in list(self._dedup):
-                live = [e for e in self._dedup[key] if e.record() is not None]
+                keys.add(key)
+                if extent is not None and store is not None:
+                    store.free(extent)
+            for key in keys:
+                live = [e for e in self._dedup.get(key, ()) if e.record() is not None]
                 if live:
                     self._dedup[key] = live
                 else:
-                    del self._dedup[key]
-        finally:
-            self._lock.release()
+                    self._dedup.pop(key, None)
+        if self._closed and store is not None:
+            store.trim()  # a graph used after exit: give its space back as it goes
 
     def _background(self, fn: Callable[[], None]) -> Callable[[], None]:
         """Wrap a fire-and-forget job so that its failure reaches the next hook call."""
@@ -808,7 +865,7 @@ class OffloadEngine:
         self._read_pool.trim()
         self._pool.shutdown()
         self._pool = InlineIOPool()
-        self._drain_dead(blocking=True)
+        self._drain_dead()
         if self._store is not None:
             self._store.trim()
         err, self._error = self._error, None

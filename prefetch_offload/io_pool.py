@@ -123,8 +123,8 @@ class IOPool:
     def submit(self, fn: Callable[[], T], priority: int) -> IOFuture[T]:
         raise NotImplementedError
 
-    def shutdown(self) -> None:
-        """Finish every queued job, then stop. Idempotent."""
+    def shutdown(self, wait: bool = True) -> None:
+        """Finish every queued job, then stop (waiting for the threads if ``wait``). Idempotent."""
 
 
 class InlineIOPool(IOPool):
@@ -171,11 +171,14 @@ class ThreadIOPool(IOPool):
                 _, _, fut = heapq.heappop(self._heap)
             if fut.claim():
                 fut.run()
+            del fut  # an idle worker must not keep the last result (a read buffer) alive
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait: bool = True) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        if not wait:
+            return
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join()

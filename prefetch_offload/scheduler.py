@@ -48,21 +48,22 @@ class PrefetchScheduler:
         # How many entries past the window a scan may skip (dead or ineligible).
         self._scan_limit = scan_limit + 8 * depth
         self._order: list[weakref.ref[Schedulable]] = []
-        self._live = 0
+        # Deaths reported since the last compaction (may over-count a little: a
+        # record that died just before a compaction is reported after it).
+        self._deaths = 0
         # Records with an unconsumed prefetch, by identity.
         self._outstanding: dict[int, weakref.ref[Schedulable]] = {}
 
     def register(self, rec: Schedulable) -> None:
         """Append a newly packed record; sets ``rec.pos``."""
-        if len(self._order) > 64 and len(self._order) > 2 * self._live:
+        if len(self._order) > 64 and 2 * self._deaths > len(self._order):
             self._compact()
         rec.pos = len(self._order)
         self._order.append(weakref.ref(rec))
-        self._live += 1
 
     def forget(self) -> None:
         """Note that a registered record died (called from the engine's release path)."""
-        self._live -= 1
+        self._deaths += 1
 
     def _compact(self) -> None:
         alive = [r for r in self._order if r() is not None]
@@ -71,7 +72,7 @@ class PrefetchScheduler:
             if rec is not None:
                 rec.pos = i
         self._order = alive
-        self._live = len(alive)
+        self._deaths = 0
 
     def window(self, rec: Schedulable) -> list[Schedulable]:
         """Records to prefetch after ``rec`` is unpacked (NOTE [lookahead])."""
