@@ -57,7 +57,8 @@ class OffloadConfig:
     min_offload_bytes: int = 1 << 16
     # Cap on bytes queued for writing; pack waits when it is reached. Trades memory for speed.
     max_pending_write_bytes: int = 64 << 20
-    # Largest single read or write request, in bytes (multiple of 4096).
+    # Request size, in bytes (multiple of 4096): reads use requests of at most this;
+    # writes split a tensor into near-equal requests of this to twice this size.
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     # Size of each preallocated slab file, in bytes (multiple of 4096).
     slab_bytes: int = 256 << 20

@@ -119,7 +119,7 @@ def offload_context(
         io_workers: background IO threads.
         min_offload_bytes: smaller saved tensors stay in memory.
         max_pending_write_bytes: cap on bytes queued for writing; pack waits at the cap.
-        chunk_bytes: largest single IO request (multiple of 4096).
+        chunk_bytes: IO request size (multiple of 4096; writes use up to twice it).
         slab_bytes: size of each preallocated slab file (multiple of 4096).
         io_method: "auto", "direct" (O_DIRECT), "buffered" or "mmap".
         disk_bytes_limit: cap on slab bytes; past it tensors stay in memory.
