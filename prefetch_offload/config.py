@@ -68,6 +68,9 @@ class OffloadConfig:
     io_method: IOMethod = "auto"
     # Cap on slab bytes on disk; past it tensors stay in memory (None: no cap).
     disk_bytes_limit: int | None = None
+    # CRC-32 of every packed span, checked when it is read back: a corrupted byte
+    # raises OffloadIOError instead of giving a wrong gradient. Costs CPU time.
+    verify: bool = False
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -116,6 +119,8 @@ class OffloadConfig:
             raise ValueError(
                 f"prefetch_offload: io_method must be one of {IO_METHODS}, got {self.io_method!r}."
             )
+        if not isinstance(self.verify, bool):
+            raise TypeError(f"prefetch_offload: verify must be True or False, got {self.verify!r}.")
         if self.disk_bytes_limit is not None:
             _check_int(
                 "disk_bytes_limit",

@@ -107,6 +107,7 @@ def offload_context(
     slab_bytes: int = 256 << 20,
     io_method: str = "auto",
     disk_bytes_limit: int | None = None,
+    verify: bool = False,
 ) -> OffloadContext:
     """Offload the tensors autograd saves for backward while the block runs.
 
@@ -123,6 +124,7 @@ def offload_context(
         slab_bytes: size of each preallocated slab file (multiple of 4096).
         io_method: "auto", "direct" (O_DIRECT), "buffered" or "mmap".
         disk_bytes_limit: cap on slab bytes; past it tensors stay in memory.
+        verify: checksum every packed tensor and check it when read back.
 
     Returns:
         A context manager whose ``__enter__`` yields the engine (``engine.stats()``).
@@ -148,6 +150,7 @@ def offload_context(
         slab_bytes=slab_bytes,
         io_method=io_method,  # type: ignore[arg-type]
         disk_bytes_limit=disk_bytes_limit,
+        verify=verify,
     )
     return OffloadContext(config)
 

@@ -781,6 +781,60 @@ def test_read_error_raises_at_the_unpack_that_needed_it(
     assert isinstance(info.value.__cause__, OSError)
 
 
+def test_verify_keeps_gradients_exact(save_dir: Path) -> None:
+    model = _model()
+    tokens, targets = make_batch(4, 32, vocab=64)
+    ref = _reference(model, lambda m: m(tokens, targets).backward())
+    with _engine(save_dir, verify=True, chunk_bytes=8192) as engine:
+        loss = model(tokens, targets)
+        engine.flush()
+        loss.backward()
+    _assert_same(_grads(model), ref)
+    assert engine.stats().bytes_read > 0
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_verify_catches_a_corrupted_byte(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    x = torch.randn(1 << 14, requires_grad=True)
+    with _engine(save_dir, verify=True, prefetch_depth=0, chunk_bytes=8192) as engine:
+        y = (x * 2).sin()
+        engine.flush()
+        real_read = engine._store.read
+        (rec,) = [r() for r in engine._scheduler._order if r() is not None]
+        pad, nbytes = rec.span.pad, rec.span.nbytes
+        target = pad if where == "first" else pad + nbytes - 1
+
+        def corrupting_read(extent: Any, offset: int, out: memoryview) -> None:
+            real_read(extent, offset, out)
+            if offset <= target < offset + len(out):
+                out[target - offset] ^= 0x01  # one flipped bit on the way back
+
+        monkeypatch.setattr(engine._store, "read", corrupting_read)
+        with pytest.raises(OffloadIOError, match="checksum mismatch"):
+            y.sum().backward()
+
+
+def test_without_verify_corruption_goes_unseen(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reason verify exists: the same corruption is silent without it."""
+    x = torch.randn(1 << 14, requires_grad=True)
+    with _engine(save_dir, prefetch_depth=0) as engine:
+        y = (x * 2).sin()
+        engine.flush()
+        real_read = engine._store.read
+
+        def corrupting_read(extent: Any, offset: int, out: memoryview) -> None:
+            real_read(extent, offset, out)
+            out[len(out) // 2] ^= 0x01
+
+        monkeypatch.setattr(engine._store, "read", corrupting_read)
+        y.sum().backward()
+    assert not torch.equal(x.grad, 2 * (x.detach() * 2).cos())
+
+
 def test_disk_cap_falls_back_to_memory_with_one_warning(save_dir: Path) -> None:
     model = _model()
     tokens, targets = make_batch(4, 32, vocab=64)
