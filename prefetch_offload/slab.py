@@ -5,7 +5,8 @@
 # O_TMPFILE (an unnamed inode in ``save_dir``), so a killed process leaves
 # nothing behind and the space returns when the last descriptor closes. Where
 # O_TMPFILE is unsupported, the file is created with O_CREAT|O_EXCL|O_NOFOLLOW
-# and mode 0600 under a random name and unlinked at once. Either way nothing is
+# and mode 0600 under a random name, inside a private 0700 subfolder made for
+# it, and both are removed at once. Either way nothing is
 # opened through a symlink and no two processes or contexts can collide.
 #
 # NOTE [slab allocation]
@@ -20,10 +21,12 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import errno
 import mmap
 import os
 import secrets
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,13 +62,20 @@ def open_scratch_file(directory: str, *, direct: bool) -> int:
             # EOPNOTSUPP: the filesystem has no O_TMPFILE; EISDIR: the kernel predates it.
             if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR):
                 raise
-    path = os.path.join(directory, f".prefetch_offload-{secrets.token_hex(8)}.slab")
-    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    # A private (0700, randomly named, created exclusively) subfolder holds the name
+    # for the moment between create and unlink; both go at once.
+    private = tempfile.mkdtemp(prefix=".prefetch_offload-", dir=directory)
     try:
-        os.unlink(path)
-    except OSError:
-        os.close(fd)
-        raise
+        path = os.path.join(private, f"{secrets.token_hex(8)}.slab")
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.unlink(path)
+        except OSError:
+            os.close(fd)
+            raise
+    finally:
+        with contextlib.suppress(OSError):  # not empty only if someone planted a file there
+            os.rmdir(private)
     return fd
 
 

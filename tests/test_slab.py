@@ -25,23 +25,25 @@ def test_slab_files_are_never_visible(tmp_path: Path) -> None:
 def test_fallback_files_are_private_and_unlinked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without O_TMPFILE: O_EXCL|O_NOFOLLOW, mode 0600, unlinked before anyone can see it."""
+    """Without O_TMPFILE: a 0700 private subfolder, O_EXCL|O_NOFOLLOW 0600, both removed."""
     monkeypatch.setattr(slab_mod, "_O_TMPFILE", 0)
     seen: list[tuple[str, int, int]] = []
     real_unlink = os.unlink
 
     def spy_unlink(path: str) -> None:
         st = os.lstat(path)
-        seen.append((path, stat.S_IMODE(st.st_mode), st.st_nlink))
+        parent = os.stat(os.path.dirname(path))
+        seen.append((path, stat.S_IMODE(st.st_mode), stat.S_IMODE(parent.st_mode)))
         real_unlink(path)
 
     monkeypatch.setattr(slab_mod.os, "unlink", spy_unlink)
     fd = open_scratch_file(str(tmp_path), direct=False)
+    os.write(fd, b"still usable")
     os.close(fd)
     assert len(seen) == 1
-    path, mode, _ = seen[0]
-    assert mode == 0o600
-    assert os.path.dirname(path) == str(tmp_path)
+    path, mode, parent_mode = seen[0]
+    assert (mode, parent_mode) == (0o600, 0o700)
+    assert os.path.dirname(os.path.dirname(path)) == str(tmp_path)  # save_dir/<private>/file
     assert os.listdir(tmp_path) == []
 
 
@@ -52,10 +54,21 @@ def test_fallback_refuses_to_follow_a_planted_symlink(
     monkeypatch.setattr(slab_mod.secrets, "token_hex", lambda n: "fixed")
     victim = tmp_path / "victim"
     victim.write_text("keep me")
-    (tmp_path / ".prefetch_offload-fixed.slab").symlink_to(victim)
+    made: list[str] = []
+    real_mkdtemp = slab_mod.tempfile.mkdtemp
+
+    def planting_mkdtemp(**kw: str) -> str:
+        d = real_mkdtemp(**kw)
+        os.symlink(victim, os.path.join(d, "fixed.slab"))  # an attacker races us
+        made.append(d)
+        return d
+
+    monkeypatch.setattr(slab_mod.tempfile, "mkdtemp", planting_mkdtemp)
     with pytest.raises(FileExistsError):
         open_scratch_file(str(tmp_path), direct=False)
     assert victim.read_text() == "keep me"
+    os.unlink(os.path.join(made[0], "fixed.slab"))
+    os.rmdir(made[0])
 
 
 def test_space_is_reused_first_fit_and_coalesced(tmp_path: Path) -> None:
