@@ -11,11 +11,11 @@ $(BIN)/python:
 setup: $(BIN)/python
 	# torch first, pinned: on these machines 2.13.0 is a local CPU wheel (no multi-GB CUDA build).
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q -e '.[test,bench,hf]'
 
 lint: setup
-	$(BIN)/ruff check prefetch_offload tests bench
-	$(BIN)/ruff format --check prefetch_offload tests bench
+	$(BIN)/ruff check prefetch_offload tests bench examples
+	$(BIN)/ruff format --check prefetch_offload tests bench examples
 
 test: setup lint
 	$(BIN)/python -m pytest -m "not gpu_only" -q
