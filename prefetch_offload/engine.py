@@ -377,6 +377,13 @@ class OffloadEngine:
 
     Use it through :func:`prefetch_offload.offload_context`; the object yielded by
     the ``with`` statement is this engine, for ``stats()`` and ``flush()``.
+
+    Example:
+        >>> with offload_context("disk", save_dir="/tmp/acts") as engine:  # doctest: +SKIP
+        ...     loss = model(batch)
+        ...     engine.flush()        # every saved tensor is on disk now
+        ...     loss.backward()
+        >>> engine.stats().prefetch_hits  # doctest: +SKIP
     """
 
     def __init__(

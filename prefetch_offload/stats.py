@@ -16,7 +16,13 @@ __all__ = ["OffloadStats", "StatsCounter"]
 
 @dataclass(frozen=True)
 class OffloadStats:
-    """A snapshot of what an offload context did. All counts are cumulative."""
+    """A snapshot of what an offload context did. All counts are cumulative.
+
+    Example:
+        >>> s = OffloadStats(prefetch_hits=98, prefetch_misses=2)
+        >>> s.hit_rate
+        0.98
+    """
 
     # Saved tensors whose bytes were written to the target and released from memory.
     tensors_offloaded: int = 0
