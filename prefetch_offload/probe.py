@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .packed import ALIGN
-from .slab import direct_io_supported, open_scratch_file
+from .slab import check_writable, direct_io_supported, open_scratch_file
 
 __all__ = [
     "DEFAULT_PREFETCH_DEPTH",
@@ -193,14 +193,7 @@ def _check_folder(save_dir: str | os.PathLike[str]) -> str:
             f"prefetch_offload: save_dir {str(save_dir)!r} is not a folder; "
             "pass the folder you will give offload_context."
         )
-    try:
-        os.close(open_scratch_file(str(path), direct=False))
-    except OSError as exc:
-        reason = "read-only filesystem" if exc.errno == errno.EROFS else exc.strerror
-        raise ValueError(
-            f"prefetch_offload: cannot create files in save_dir {str(save_dir)!r} ({reason}); "
-            "pass a folder on a writable filesystem that this user can write to."
-        ) from exc
+    check_writable(str(path))
     return str(path)
 
 

@@ -38,6 +38,7 @@ from .packed import ALIGN
 __all__ = [
     "Extent",
     "SlabStore",
+    "check_writable",
     "direct_io_supported",
     "open_scratch_file",
     "prepare_save_dir",
@@ -125,16 +126,23 @@ def prepare_save_dir(save_dir: str) -> Path:
             f"prefetch_offload: cannot create save_dir {save_dir!r} ({exc.strerror}); "
             "pass a folder you can write to."
         ) from exc
-    # A real probe: access() says yes to root and can be wrong on network filesystems.
+    check_writable(save_dir)
+    return path
+
+
+def check_writable(save_dir: str) -> None:
+    """Raise ValueError unless a scratch file can really be made in ``save_dir``.
+
+    A real probe: ``access()`` says yes to root and can be wrong on network filesystems.
+    """
     try:
-        os.close(open_scratch_file(str(path), direct=False))
+        os.close(open_scratch_file(save_dir, direct=False))
     except OSError as exc:
         reason = "read-only filesystem" if exc.errno == errno.EROFS else exc.strerror
         raise ValueError(
             f"prefetch_offload: save_dir {save_dir!r} is not writable ({reason}); "
             "pass a folder on a writable filesystem that this user can write to."
         ) from exc
-    return path
 
 
 @dataclass(frozen=True, slots=True)

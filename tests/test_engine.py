@@ -67,6 +67,17 @@ def _engine(save_dir: Path, *, inline: bool = False, **kw: Any) -> Iterator[Offl
         engine.close(raise_errors=False)
 
 
+def _delay(engine: OffloadEngine, monkeypatch: pytest.MonkeyPatch, method: str, sec: float) -> None:
+    """Slow the slab store's ``write`` or ``read`` down (an IO seam for tests)."""
+    real = getattr(engine._store, method)
+
+    def slow(*args: Any) -> None:
+        time.sleep(sec)
+        real(*args)
+
+    monkeypatch.setattr(engine._store, method, slow)
+
+
 def _fd_targets(save_dir: Path) -> list[str]:
     """Open file descriptors of this process that point into ``save_dir``."""
     out = []
@@ -339,13 +350,7 @@ def test_in_place_through_a_detached_alias_is_caught(
     """The saved tensor is gone, a .detach() alias (same counter) modifies the bytes."""
     x = torch.randn(1 << 14, requires_grad=True)
     with _engine(save_dir, io_workers=1) as engine:
-        real_write = engine._store.write
-
-        def slow_write(*args: Any) -> None:
-            time.sleep(0.05)
-            real_write(*args)
-
-        monkeypatch.setattr(engine._store, "write", slow_write)
+        _delay(engine, monkeypatch, "write", 0.05)
         y = (x * 2).exp()  # exp saves its output
         alias = y.detach()
         loss = y.sum()
@@ -392,13 +397,7 @@ def test_unpack_during_forward_keeps_memory_within_the_cap(
     x = torch.randn(1 << 16, requires_grad=True)  # 256 KiB tensors
     cap = 1 << 20
     with _engine(save_dir, io_workers=1, max_pending_write_bytes=cap) as engine:
-        real_write = engine._store.write
-
-        def slow_write(*args: Any) -> None:
-            time.sleep(0.002)
-            real_write(*args)
-
-        monkeypatch.setattr(engine._store, "write", slow_write)
+        _delay(engine, monkeypatch, "write", 0.002)
         h = x * 1.0
         for _ in range(30):
             h = (h * 1.0001).sin()
@@ -635,13 +634,7 @@ def test_slow_writes_are_served_from_memory_and_capped(
     ref = _reference(model, lambda m: m(tokens, targets).backward())
     cap = 128 << 10  # above the largest saved tensor, so the cap is never exceeded
     with _engine(save_dir, max_pending_write_bytes=cap) as engine:
-        real_write = engine._store.write
-
-        def slow_write(*args: Any) -> None:
-            time.sleep(0.002)
-            real_write(*args)
-
-        monkeypatch.setattr(engine._store, "write", slow_write)
+        _delay(engine, monkeypatch, "write", 0.002)
         model(tokens, targets).backward()
     _assert_same(_grads(model), ref)
     stats = engine.stats()
@@ -658,13 +651,7 @@ def test_queued_writes_of_the_tail_are_skipped_at_backward(
     tokens, targets = make_batch(4, 32, vocab=64)
     ref = _reference(model, lambda m: m(tokens, targets).backward())
     with _engine(save_dir, io_workers=1, chunk_bytes=chunk) as engine:
-        real_write = engine._store.write
-
-        def slow_write(*args: Any) -> None:
-            time.sleep(0.01)
-            real_write(*args)
-
-        monkeypatch.setattr(engine._store, "write", slow_write)
+        _delay(engine, monkeypatch, "write", 0.01)
         model(tokens, targets).backward()
         engine.flush()
         gc.collect()
@@ -680,13 +667,7 @@ def test_slow_reads_stall_but_stay_exact(save_dir: Path, monkeypatch: pytest.Mon
     tokens, targets = make_batch(4, 32, vocab=64)
     ref = _reference(model, lambda m: m(tokens, targets).backward())
     with _engine(save_dir, prefetch_depth=2) as engine:
-        real_read = engine._store.read
-
-        def slow_read(*args: Any) -> None:
-            time.sleep(0.003)
-            real_read(*args)
-
-        monkeypatch.setattr(engine._store, "read", slow_read)
+        _delay(engine, monkeypatch, "read", 0.003)
         loss = model(tokens, targets)
         engine.flush()
         loss.backward()
