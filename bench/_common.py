@@ -6,12 +6,15 @@ live here (not in the package) only so the benchmark can compare against them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
+import shutil
 import statistics
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any
@@ -27,6 +30,7 @@ __all__ = [
     "heap_in_use_bytes",
     "malloc_trim",
     "read_rss_bytes",
+    "scratch_folder",
 ]
 
 MB = float(1 << 20)
@@ -170,6 +174,19 @@ class RssSampler:
         if self._thread is not None:
             self._thread.join()
         self._sample()
+
+
+@contextlib.contextmanager
+def scratch_folder(save_dir: str | None, prefix: str = "bench-") -> Iterator[str]:
+    """A fresh folder inside ``save_dir`` (default ``./.scratch``, not /tmp, which
+    may be tmpfs) for one run's scratch files; removed with its contents at the end."""
+    parent = save_dir or ".scratch"
+    os.makedirs(parent, exist_ok=True)
+    folder = tempfile.mkdtemp(dir=parent, prefix=prefix)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def filesystem_type(path: str) -> str:

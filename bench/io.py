@@ -23,10 +23,8 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +34,9 @@ import torch
 from prefetch_offload import OffloadConfig, OffloadEngine
 from prefetch_offload.probe import raw_bandwidth
 from prefetch_offload.slab import direct_io_supported
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
+from _common import scratch_folder
 
 MiB = 1 << 20
 
@@ -98,7 +99,7 @@ def engine_bandwidth(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--save-dir", help="folder to test (default: a temp folder under .scratch/)")
+    p.add_argument("--save-dir", help="folder to test, in a temp subfolder (default: .scratch/)")
     p.add_argument("--total-mib", type=int, default=512, help="bytes moved per measurement")
     p.add_argument("--tensor-mib", type=int, default=4, help="size of each packed tensor")
     p.add_argument("--requests", default="1,8", help="request sizes in MiB, comma separated")
@@ -108,19 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the rows to this file")
     args = p.parse_args(argv)
 
-    own_dir = args.save_dir is None
-    if own_dir:
-        Path(".scratch").mkdir(exist_ok=True)
-        folder = tempfile.mkdtemp(dir=".scratch")
-    else:
-        folder = args.save_dir
-        Path(folder).mkdir(parents=True, exist_ok=True)
-    direct = direct_io_supported(folder)
     total = args.total_mib * MiB
     requests = [int(x) * MiB for x in args.requests.split(",")]
     worker_counts = [int(x) for x in args.workers.split(",")]
     rows: list[IORow] = []
-    try:
+    with scratch_folder(args.save_dir, "io-") as folder:
+        direct = direct_io_supported(folder)
         for request in requests:
             for workers in worker_counts:
                 raw: list[tuple[float, float]] = []
@@ -151,9 +145,6 @@ def main(argv: list[str] | None = None) -> int:
                             raw_read_gbps=rr,
                         )
                     )
-    finally:
-        if own_dir:
-            shutil.rmtree(folder, ignore_errors=True)
 
     print(
         f"# {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "

@@ -3,7 +3,7 @@
 The model is a chain of ReLUs over one large tensor: each layer saves a
 ``--tensor-mib`` output for backward and computes almost nothing, so the step
 is all IO. In the same run, on the same folder, the raw O_DIRECT bandwidth is
-measured (bench/io.py's ``raw_bandwidth``), and the step time is compared with
+measured (``prefetch_offload.probe.raw_bandwidth``), and the step time is compared with
 
     bound = bytes written / write bandwidth + bytes read / read bandwidth
 
@@ -16,13 +16,10 @@ hits all of them. Example::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,18 +27,12 @@ from pathlib import Path
 import torch
 
 from prefetch_offload import offload_context
+from prefetch_offload.probe import raw_bandwidth
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
+from _common import scratch_folder
 
 MiB = 1 << 20
-
-
-def _load_io_bench():  # type: ignore[no-untyped-def]
-    """bench/io.py, loaded by path (its name would shadow the stdlib's ``io``)."""
-    spec = importlib.util.spec_from_file_location("_bench_io", Path(__file__).with_name("io.py"))
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @dataclass(frozen=True)
@@ -82,28 +73,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensor-mib", type=int, default=16)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--save-dir", help="folder to test (default: a temp folder under .scratch/)")
+    p.add_argument("--save-dir", help="folder to test, in a temp subfolder (default: .scratch/)")
     p.add_argument("--prefetch-depth", type=int, default=4)
     p.add_argument("--io-workers", type=int, default=2)
     p.add_argument("--max-pending-write-bytes", type=int, default=64 * MiB)
     p.add_argument("--json", help="write the result to this file")
     args = p.parse_args(argv)
 
-    own_dir = args.save_dir is None
-    if own_dir:
-        Path(".scratch").mkdir(exist_ok=True)
-        folder = tempfile.mkdtemp(dir=".scratch")
-    else:
-        folder = args.save_dir
-        Path(folder).mkdir(parents=True, exist_ok=True)
-    io_bench = _load_io_bench()
     n = args.tensor_mib * MiB // 4
     torch.manual_seed(0)
     x = torch.randn(n, requires_grad=True)
     steps, plain, writes, reads, stalls = [], [], [], [], []
     raw_w, raw_r = [], []
     total = args.tensor_mib * args.layers * MiB
-    try:
+    with scratch_folder(args.save_dir, "iobound-") as folder:
         with offload_context(
             "disk",
             folder,
@@ -112,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             max_pending_write_bytes=args.max_pending_write_bytes,
         ) as engine:
             for i in range(args.steps + 1):
-                w, r = io_bench.raw_bandwidth(folder, min(total, 512 * MiB), 8 * MiB, 2)
+                w, r = raw_bandwidth(folder, min(total, 512 * MiB), 8 * MiB, 2)
                 before = engine.stats()
                 start = time.perf_counter()
                 _step(x, args.layers)
@@ -132,9 +115,6 @@ def main(argv: list[str] | None = None) -> int:
             _step(x, args.layers)
             if i:
                 plain.append(time.perf_counter() - start)
-    finally:
-        if own_dir:
-            shutil.rmtree(folder, ignore_errors=True)
 
     res = IOBoundResult(
         tensor_mib=args.tensor_mib,

@@ -15,9 +15,7 @@ import copy
 import gc
 import json
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -27,6 +25,9 @@ import torch
 
 from prefetch_offload import offload_context
 from prefetch_offload.testing import TinyTransformer, make_batch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
+from _common import scratch_folder
 
 MiB = 1 << 20
 
@@ -61,9 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the samples here")
     args = p.parse_args(argv)
 
-    parent = Path(args.save_dir or ".scratch")
-    parent.mkdir(parents=True, exist_ok=True)
-    folder = tempfile.mkdtemp(dir=parent, prefix="longrun-")
     torch.manual_seed(0)
     model = TinyTransformer(vocab=128, width=args.width, depth=args.depth, heads=2)
     twin = copy.deepcopy(model)
@@ -72,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [make_batch(args.batch, args.seq, vocab=128, seed=s) for s in range(8)]
     samples: list[Sample] = []
     start = time.perf_counter()
-    try:
+    with scratch_folder(args.save_dir, "longrun-") as folder:
         with offload_context("disk", folder, min_offload_bytes=0, slab_bytes=4 * MiB) as engine:
             for step in range(1, args.steps + 1):
                 x, y = batches[step % len(batches)]
@@ -104,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
                         f" MiB  rss {last.rss / MiB:7.1f} MiB  threads {last.threads}",
                         flush=True,
                     )
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
     problems = []
     if any(

@@ -79,29 +79,17 @@ import torch
 from prefetch_offload import OffloadConfig, offload_context
 from prefetch_offload.testing import TinyTransformer, make_batch
 
-if __package__:
-    from ._common import (
-        MB,
-        RssSampler,
-        SeedDiskHooks,
-        StepResult,
-        filesystem_type,
-        heap_in_use_bytes,
-        malloc_trim,
-        read_rss_bytes,
-    )
-else:  # run as a script: bench/ is not a package
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _common import (  # type: ignore[no-redef]
-        MB,
-        RssSampler,
-        SeedDiskHooks,
-        StepResult,
-        filesystem_type,
-        heap_in_use_bytes,
-        malloc_trim,
-        read_rss_bytes,
-    )
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
+from _common import (
+    MB,
+    RssSampler,
+    SeedDiskHooks,
+    StepResult,
+    filesystem_type,
+    heap_in_use_bytes,
+    malloc_trim,
+    read_rss_bytes,
+)
 
 __all__ = [
     "LABELS",

@@ -220,3 +220,13 @@ def test_longrun_main_tiny(tmp_path: Path, cwd: Path) -> None:
     assert [s["step"] for s in samples] == [4, 8, 12]
     assert all(s["disk_in_use"] == 0 for s in samples)
     assert _empty(tmp_path / "s")
+
+
+def test_iobound_main_tiny(tmp_path: Path, cwd: Path) -> None:
+    iobound = _load("iobound")
+    out = tmp_path / "iobound.json"
+    argv = ["--tensor-mib", "1", "--layers", "3", "--steps", "1"]
+    assert iobound.main([*argv, "--save-dir", str(tmp_path / "s"), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["bytes_written"] >= 3 * MiB and res["bound_seconds"] > 0
+    assert _empty(tmp_path / "s")

@@ -683,11 +683,7 @@ def test_engine_keeps_working_after_a_write_error(
     ref = _reference(model, lambda m: m(tokens, targets).backward())
     with _engine(save_dir) as engine:
         real_write = engine._store.write
-
-        def failing_write(*args: Any) -> None:
-            raise OSError(errno.EIO, "injected write failure")
-
-        monkeypatch.setattr(engine._store, "write", failing_write)
+        _fail_writes(engine, monkeypatch, "injected write failure")
         with pytest.raises(OffloadIOError, match="injected write failure") as info:
             model(tokens, targets)  # raised by the first pack after a failed write
             engine.flush()
@@ -699,9 +695,11 @@ def test_engine_keeps_working_after_a_write_error(
     _assert_same(_grads(model), ref)
 
 
-def _fail_writes(engine: OffloadEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+def _fail_writes(
+    engine: OffloadEngine, monkeypatch: pytest.MonkeyPatch, message: str = "injected"
+) -> None:
     def failing_write(*args: Any) -> None:
-        raise OSError(errno.EIO, "injected")
+        raise OSError(errno.EIO, message)
 
     monkeypatch.setattr(engine._store, "write", failing_write)
 
