@@ -1,29 +1,46 @@
 """The device layer: which tensors the engine may take, and how they reach host memory.
 
-The engine only ever moves host (CPU) memory: into slab files for target
-"disk", or nowhere for target "cpu". A device layer turns a saved tensor into
-host memory with the same shape and strides at pack time, and turns host
-memory back into a tensor on the original device at unpack time.
+The engine only ever writes host (CPU) memory to slabs. A device layer turns a
+saved tensor's storage span (NOTE [packed layout]) into host bytes at pack
+time, and host bytes back into a span on the original device at unpack time.
+Both directions may be asynchronous: each returns the bytes' location and a
+:class:`~prefetch_offload.streams.Fence` (None when they are there already).
 
-- :class:`HostDevice`: CPU tensors are already host memory; both directions
+- :class:`HostDevice`: CPU tensors are host memory already; both directions
   are the identity. This is the whole path for CPU training.
-- :class:`SpanCopyDevice`: copies a storage span (NOTE [packed layout]) to
-  host memory and back; views are rebuilt over the copy. For
-  ``"cuda"`` it uses pinned host memory and blocking copies; built with
-  ``device_type="cpu"`` it is the CPU twin that CI runs, exercising the same
-  span arithmetic without a GPU.
-
-# NOTE [cuda path status]
-# The asynchronous CUDA path (side streams, events, a pinned staging pool) is
-# its own piece of work. Until it lands, CUDA tensors are copied with blocking
-# copies: correct and race-free by construction, but without overlap.
+- :class:`SpanCopyDevice`: copies spans through pooled pinned host blocks
+  (NOTE [pinned pool]) on side streams (NOTE [copy streams]). For ``"cuda"``
+  it uses CUDA streams and events; built for ``"cpu"`` it is the CPU twin
+  that CI runs: the same code over worker-thread streams.
+- :class:`RoutingDevice`: sends each span to the layer for its device type.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-__all__ = ["DeviceLayer", "HostDevice", "RoutingDevice", "SpanCopyDevice", "default_device_layer"]
+from .buffers import CudaPinner, HostBufferPool
+from .streams import CopyStreams, CudaStreams, Fence, ThreadStreams
+
+__all__ = [
+    "DeviceLayer",
+    "HostDevice",
+    "Lease",
+    "Placed",
+    "RoutingDevice",
+    "SpanCopyDevice",
+    "default_device_layer",
+]
+
+# Bytes [base, base + nbytes) of a storage, ready once the fence (if any) is done.
+Placed = tuple[torch.UntypedStorage, int, Fence | None]
+# Returns a page-aligned uint8 host tensor of at least n bytes, and a buffer over them.
+Lease = Callable[[int], tuple[torch.Tensor, memoryview]]
+
+# Idle pinned bytes kept at least (the pool keeps up to its peak use anyway).
+_PINNED_IDLE_BYTES = 64 << 20
 
 
 def _bytes(storage: torch.UntypedStorage, base: int, nbytes: int) -> torch.Tensor:
@@ -33,11 +50,7 @@ def _bytes(storage: torch.UntypedStorage, base: int, nbytes: int) -> torch.Tenso
 
 
 class DeviceLayer:
-    """Moves byte spans of one device type's storages to host memory and back.
-
-    A span is ``(storage, base)`` plus a byte count: the bytes ``[base, base +
-    nbytes)`` of an untyped storage. Views are rebuilt over the returned span.
-    """
+    """Moves byte spans of one device type's storages to host memory and back."""
 
     #: The ``torch.device.type`` this layer handles.
     device_type: str = ""
@@ -46,17 +59,41 @@ class DeviceLayer:
         """Whether ``t`` can be offloaded by this layer."""
         return t.device.type == self.device_type
 
-    def to_host(
-        self, storage: torch.UntypedStorage, base: int, nbytes: int
-    ) -> tuple[torch.UntypedStorage, int]:
-        """The span in host memory, readable when this returns."""
+    def identity(self, device: torch.device) -> bool:
+        """Whether ``device``'s memory is host memory (no copies at all)."""
+        raise NotImplementedError
+
+    def to_host(self, storage: torch.UntypedStorage, base: int, nbytes: int) -> Placed:
+        """The span's bytes in host memory, as the current stream leaves them now."""
         raise NotImplementedError
 
     def to_device(
-        self, storage: torch.UntypedStorage, base: int, nbytes: int, device: torch.device
-    ) -> tuple[torch.UntypedStorage, int]:
-        """The host span on ``device``, ready to use on the current stream."""
+        self,
+        storage: torch.UntypedStorage,
+        base: int,
+        nbytes: int,
+        device: torch.device,
+        after: Fence | None = None,
+    ) -> Placed:
+        """Host bytes (complete once ``after`` is done) as a span on ``device``.
+
+        Safe to call from an IO thread. Call :meth:`use` on the thread that hands
+        the result to autograd, before it does.
+        """
         raise NotImplementedError
+
+    def use(self, storage: torch.UntypedStorage, fence: Fence | None) -> None:
+        """Make the current stream wait for ``fence`` before it reads ``storage``."""
+
+    def lease_for(self, device: torch.device) -> Lease | None:
+        """Host buffers to read ``device``'s spans into (None: the engine's own pool)."""
+        return None
+
+    def close(self) -> None:
+        """Wait for every copy in flight and release idle host buffers.
+
+        The layer stays usable: a graph may be unpacked after its context exits.
+        """
 
 
 class HostDevice(DeviceLayer):
@@ -64,63 +101,132 @@ class HostDevice(DeviceLayer):
 
     device_type = "cpu"
 
-    def to_host(
-        self, storage: torch.UntypedStorage, base: int, nbytes: int
-    ) -> tuple[torch.UntypedStorage, int]:
-        return storage, base
+    def identity(self, device: torch.device) -> bool:
+        return True
+
+    def to_host(self, storage: torch.UntypedStorage, base: int, nbytes: int) -> Placed:
+        return storage, base, None
 
     def to_device(
-        self, storage: torch.UntypedStorage, base: int, nbytes: int, device: torch.device
-    ) -> tuple[torch.UntypedStorage, int]:
-        return storage, base
+        self,
+        storage: torch.UntypedStorage,
+        base: int,
+        nbytes: int,
+        device: torch.device,
+        after: Fence | None = None,
+    ) -> Placed:
+        return storage, base, after
 
 
 class SpanCopyDevice(DeviceLayer):
-    """Copies spans of ``device_type`` storages to (pinned) host memory and back."""
+    """Copies spans of ``device_type`` storages to pinned host blocks and back.
 
-    def __init__(self, device_type: str, *, pin_memory: bool | None = None) -> None:
+    Args:
+        device_type: ``"cuda"``, or ``"cpu"`` for the CPU twin (NOTE [copy streams]).
+        max_inflight_bytes: cap on device-to-host bytes in flight.
+        twin_delay: the twin's delay before each copy (tests use it to provoke races).
+    """
+
+    def __init__(
+        self, device_type: str, *, max_inflight_bytes: int = 64 << 20, twin_delay: float = 0.0
+    ) -> None:
         self.device_type = device_type
-        self.pin_memory = device_type == "cuda" if pin_memory is None else pin_memory
+        self.max_inflight_bytes = max_inflight_bytes
+        self.twin_delay = twin_delay
+        pinner = CudaPinner() if device_type == "cuda" else None
+        self.pool = HostBufferPool(_PINNED_IDLE_BYTES, pinner=pinner)
+        self._streams: dict[torch.device, CopyStreams] = {}
 
-    def to_host(
-        self, storage: torch.UntypedStorage, base: int, nbytes: int
-    ) -> tuple[torch.UntypedStorage, int]:
-        host = torch.empty((nbytes,), dtype=torch.uint8, pin_memory=self.pin_memory)
-        host.copy_(_bytes(storage, base, nbytes))  # blocking: NOTE [cuda path status]
-        return host.untyped_storage(), 0
+    def streams(self, device: torch.device) -> CopyStreams:
+        """The copy streams of ``device`` (created at first use)."""
+        streams = self._streams.get(device)
+        if streams is None:
+            if self.device_type == "cuda":
+                streams = CudaStreams(device, max_inflight_bytes=self.max_inflight_bytes)
+            else:
+                streams = ThreadStreams(
+                    delay=self.twin_delay, max_inflight_bytes=self.max_inflight_bytes
+                )
+            streams = self._streams.setdefault(device, streams)
+        return streams
+
+    def identity(self, device: torch.device) -> bool:
+        return False
+
+    def to_host(self, storage: torch.UntypedStorage, base: int, nbytes: int) -> Placed:
+        host, region = self.pool.lease(nbytes)
+        region.release()
+        fence = self.streams(storage.device).d2h(host[:nbytes], _bytes(storage, base, nbytes))
+        return host.untyped_storage(), 0, fence
 
     def to_device(
-        self, storage: torch.UntypedStorage, base: int, nbytes: int, device: torch.device
-    ) -> tuple[torch.UntypedStorage, int]:
-        out = torch.empty((nbytes,), dtype=torch.uint8, device=device)
-        out.copy_(_bytes(storage, base, nbytes))
-        return out.untyped_storage(), 0
+        self,
+        storage: torch.UntypedStorage,
+        base: int,
+        nbytes: int,
+        device: torch.device,
+        after: Fence | None = None,
+    ) -> Placed:
+        out, fence = self.streams(device).h2d(_bytes(storage, base, nbytes), after)
+        return out.untyped_storage(), 0, fence
+
+    def use(self, storage: torch.UntypedStorage, fence: Fence | None) -> None:
+        self.streams(storage.device).use(_bytes(storage, 0, storage.nbytes()), fence)
+
+    def lease_for(self, device: torch.device) -> Lease | None:
+        return self.pool.lease
+
+    def throttle_seconds(self) -> float:
+        """Seconds packs waited at the cap on D2H bytes in flight."""
+        return sum(s.throttle_seconds for s in list(self._streams.values()))
+
+    def close(self) -> None:
+        for streams in list(self._streams.values()):
+            streams.close()
+        self.pool.close()
 
 
 class RoutingDevice(DeviceLayer):
     """Dispatches each span to the layer for its device type."""
 
     def __init__(self, layers: list[DeviceLayer]) -> None:
+        self.layers = layers
         self._by_type = {layer.device_type: layer for layer in layers}
 
     def accepts(self, t: torch.Tensor) -> bool:
         return t.device.type in self._by_type
 
-    def to_host(
-        self, storage: torch.UntypedStorage, base: int, nbytes: int
-    ) -> tuple[torch.UntypedStorage, int]:
+    def identity(self, device: torch.device) -> bool:
+        return self._by_type[device.type].identity(device)
+
+    def to_host(self, storage: torch.UntypedStorage, base: int, nbytes: int) -> Placed:
         return self._by_type[storage.device.type].to_host(storage, base, nbytes)
 
     def to_device(
-        self, storage: torch.UntypedStorage, base: int, nbytes: int, device: torch.device
-    ) -> tuple[torch.UntypedStorage, int]:
-        return self._by_type[device.type].to_device(storage, base, nbytes, device)
+        self,
+        storage: torch.UntypedStorage,
+        base: int,
+        nbytes: int,
+        device: torch.device,
+        after: Fence | None = None,
+    ) -> Placed:
+        return self._by_type[device.type].to_device(storage, base, nbytes, device, after)
+
+    def use(self, storage: torch.UntypedStorage, fence: Fence | None) -> None:
+        self._by_type[storage.device.type].use(storage, fence)
+
+    def lease_for(self, device: torch.device) -> Lease | None:
+        return self._by_type[device.type].lease_for(device)
+
+    def close(self) -> None:
+        for layer in self.layers:
+            layer.close()
 
 
-def default_device_layer(target: str) -> DeviceLayer:
+def default_device_layer(target: str, *, max_inflight_bytes: int = 64 << 20) -> DeviceLayer:
     """The layer an engine uses for ``target``: "cpu" moves only CUDA tensors (CPU
     tensors are host memory already); "disk" takes CPU and CUDA tensors."""
-    layers: list[DeviceLayer] = [SpanCopyDevice("cuda")]
+    layers: list[DeviceLayer] = [SpanCopyDevice("cuda", max_inflight_bytes=max_inflight_bytes)]
     if target == "disk":
         layers.append(HostDevice())
     return RoutingDevice(layers)

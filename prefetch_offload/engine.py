@@ -118,15 +118,16 @@ from typing import Any
 
 import torch
 
-from .buffers import ReadBufferPool
+from .buffers import HostBufferPool
 from .config import OffloadConfig
-from .device import DeviceLayer, default_device_layer
+from .device import DeviceLayer, Placed, default_device_layer
 from .errors import OffloadError, OffloadFallbackWarning, OffloadIOError
 from .io_pool import READ, WRITE, InlineIOPool, IOFuture, IOPool, ThreadIOPool
 from .packed import Span, ViewMeta, make_view, new_read_buffer, source_buffer, view_span
 from .scheduler import PrefetchScheduler
 from .slab import Extent, SlabStore, prepare_save_dir
 from .stats import OffloadStats, StatsCounter
+from .streams import Fence
 
 __all__ = ["OffloadEngine"]
 
@@ -176,8 +177,9 @@ _RECENT_SPANS = 3
 # Cap on idle read buffers kept for reuse during backward (NOTE [read buffer pool]).
 _POOL_IDLE_BYTES = 256 << 20
 
-# A span in memory: bytes [base, base + nbytes) of an untyped storage.
-Resident = tuple[torch.UntypedStorage, int]
+# A span in memory: bytes [base, base + nbytes) of an untyped storage, there once
+# its fence (if any) is done (NOTE [copy streams]).
+Resident = Placed
 
 
 def _version_error(what: str, now: int, then: int) -> OffloadError:
@@ -241,6 +243,7 @@ class _Record:
         "device",
         "engine",
         "extent",
+        "host_only",
         "key",
         "on_disk",
         "pass_no",
@@ -286,6 +289,8 @@ class _Record:
         # The span in host memory while its bytes are not safely on disk.
         self.source: Resident | None = source
         self.device = device
+        # Whether the device's memory is host memory (CPU tensors): no copies either way.
+        self.host_only = engine._device.identity(device)
         self.seq = seq
         self.pos = -1
         self.pass_no = -1  # NOTE [backward passes]
@@ -294,7 +299,7 @@ class _Record:
         self.write_error: BaseException | None = None
         self.prefetch: IOFuture[Resident] | None = None
         # The span on its device, while any view handed to autograd keeps it alive.
-        self.restored: tuple[weakref.ref[torch.UntypedStorage], int] | None = None
+        self.restored: tuple[weakref.ref[torch.UntypedStorage], int, Fence | None] | None = None
 
     def describe(self) -> str:
         v = self.view0
@@ -316,14 +321,20 @@ class _Record:
         if restored is None:
             return None
         storage = restored[0]()
-        return None if storage is None else (storage, restored[1])
+        return None if storage is None else (storage, restored[1], restored[2])
 
     # Scheduler protocol -------------------------------------------------------------
 
     def needs_read(self) -> bool:
-        if not self.on_disk or self.source is not None or self.prefetch is not None:
+        """Whether a prefetch would help: a read from disk, or a copy to the device."""
+        if self.prefetch is not None or self.pass_no == self.engine._pass_no:
             return False
-        return self.pass_no != self.engine._pass_no and self.resident() is None
+        if self.source is not None:
+            if self.host_only:
+                return False  # in memory, where autograd wants it
+        elif not self.on_disk:
+            return False
+        return self.resident() is None
 
     def drop_prefetch(self) -> None:
         fut, self.prefetch = self.prefetch, None
@@ -411,7 +422,11 @@ class OffloadEngine:
                 disk_bytes_limit=config.disk_bytes_limit,
             )
             self._finalizer = weakref.finalize(self, self._store.close)
-        self._device = device or default_device_layer(config.target)
+        self._device = device or default_device_layer(
+            config.target, max_inflight_bytes=config.max_pending_write_bytes
+        )
+        # Records whose device-to-host copy may still run, oldest first (NOTE [version check]).
+        self._copying: collections.deque[tuple[Fence, weakref.ref[_Record]]] = collections.deque()
         self._lock = threading.Lock()
         self._writes_idle = threading.Condition(self._lock)
         self._pending_write_bytes = 0
@@ -436,7 +451,7 @@ class OffloadEngine:
         )
         self._in_backward = False
         self._skipped: list[weakref.ref[_Record]] = []  # NOTE [write tail]
-        self._read_pool = ReadBufferPool(_POOL_IDLE_BYTES)
+        self._read_pool = HostBufferPool(_POOL_IDLE_BYTES)
         # ``pool`` lets tests run the inline reference pool instead of threads.
         if pool is None:
             pool = ThreadIOPool(config.io_workers) if self._store is not None else InlineIOPool()
@@ -489,6 +504,8 @@ class OffloadEngine:
     def _pack(self, t: torch.Tensor) -> Any:
         self._raise_pending()
         self._drain_dead()
+        if self._copying:
+            self._settle_copies()
         if self._closed:
             raise OffloadError(
                 "prefetch_offload: pack hook called after its offload_context exited; "
@@ -525,7 +542,7 @@ class OffloadEngine:
                     self._stats.add(dedup_hits=1)
                     view = ViewMeta(t.dtype, shape, stride, start - entry.start)
                     return _Handle(rec, view, entry.owner, version)
-        host, base = self._device.to_host(storage, start, nbytes)
+        host, base, fence = self._device.to_host(storage, start, nbytes)
         span = Span(nbytes, (host.data_ptr() + base) % 4096)
         store = self._store
         extent = None
@@ -543,21 +560,48 @@ class OffloadEngine:
         view = ViewMeta(t.dtype, shape, stride, 0)
         owner = weakref.ref(owner_t)
         # Bytes still read from t's own memory can change under it (NOTE [version check]).
-        saved = t.detach() if host is storage else None  # NOTE [no cycles]
+        copying = host is storage or fence is not None
+        saved = t.detach() if copying else None  # NOTE [no cycles]
         with self._lock:
             rec = _Record(
-                self, span, extent, (host, base), t.device, self._seq, view, saved, version
+                self, span, extent, (host, base, fence), t.device, self._seq, view, saved, version
             )
             self._seq += 1
             self._scheduler.register(rec)
             entry = _DedupEntry(storage, owner, version, start, start + nbytes, rec)
             rec.key = storage.data_ptr()
             self._dedup.setdefault(rec.key, []).append(entry)
+            if fence is not None:
+                self._copying.append((fence, weakref.ref(rec)))
         if store is None:  # NOTE [targets]: the host copy is the offloaded tensor
             self._stats.add(tensors_offloaded=1, bytes_offloaded=nbytes)
         else:
-            self._queue_write(rec, host, base)
+            self._queue_write(rec, host, base, fence)
         return _Handle(rec, view, owner, version)
+
+    def _settle_copies(self, *, wait: bool = False) -> None:
+        """Finish the version check of records whose device-to-host copy has ended.
+
+        NOTE [version check]: until its copy has run, a record keeps the saved
+        tensor (to compare versions, and so the device memory cannot be reused);
+        after it, the host copy holds the saved value and the device memory can go.
+        """
+        copying = self._copying
+        with self._lock:
+            while copying:
+                fence, ref = copying[0]
+                if not fence.done():
+                    if not wait:
+                        return
+                    with contextlib.suppress(Exception):
+                        fence.wait()  # a failed copy is raised where its bytes are used
+                copying.popleft()
+                rec = ref()
+                if rec is None or rec.saved is None:
+                    continue
+                if rec.saved._version != rec.version:
+                    rec.tainted = True
+                rec.saved = None
 
     def _eligible(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is offloaded. Everything else stays in memory, unchanged."""
@@ -579,7 +623,9 @@ class OffloadEngine:
             return False
         return n * itemsize >= self.config.min_offload_bytes
 
-    def _queue_write(self, rec: _Record, host: torch.UntypedStorage, base: int) -> None:
+    def _queue_write(
+        self, rec: _Record, host: torch.UntypedStorage, base: int, fence: Fence | None
+    ) -> None:
         nbytes = rec.span.extent_bytes
         chunk = self.config.chunk_bytes
         cap = self.config.max_pending_write_bytes
@@ -598,7 +644,7 @@ class OffloadEngine:
         src = source_buffer(host, base, rec.span)
         write = self._write
         submitted = [
-            self._pool.submit(functools.partial(write, rec, i, lo, src[lo:hi]), WRITE)
+            self._pool.submit(functools.partial(write, rec, i, lo, src[lo:hi], fence), WRITE)
             for i, (lo, hi) in enumerate(itertools.pairwise(bounds))
         ]
         with self._lock:
@@ -611,11 +657,13 @@ class OffloadEngine:
                 tail.popleft()
             tail.append((submitted, weakref.ref(rec)))
 
-    def _write(self, rec: _Record, i: int, off: int, view: memoryview) -> None:
+    def _write(self, rec: _Record, i: int, off: int, view: memoryview, fence: Fence | None) -> None:
         """IO job: write request ``i``; the last one of a record publishes the outcome."""
         exc: BaseException | None = None
         try:
             assert rec.extent is not None and self._store is not None
+            if fence is not None:
+                fence.wait()  # the host copy must be complete (NOTE [copy streams])
             crcs = rec.crcs
             if crcs is not None:  # NOTE [checksums]: the span's bytes in this request
                 lo, hi, _ = crcs[i]
@@ -772,6 +820,8 @@ class OffloadEngine:
             self._skip_tail_writes()
         if self._dead:
             self._drain_dead()
+        if self._copying:
+            self._settle_copies()
         self._raise_pending()
         packed.check_version()
         rec = packed.record
@@ -782,25 +832,29 @@ class OffloadEngine:
         storage, base = self._materialize(rec)
         return make_view(storage, base, packed.view)
 
-    def _materialize(self, rec: _Record) -> Resident:
-        """The record's span on its device: shared, in memory, prefetched, or read now."""
-        resident = rec.resident()
-        if resident is not None:
-            self._stats.add(prefetch_hits=1)
-            return resident
-        host = rec.source
-        if host is not None:
+    def _materialize(self, rec: _Record) -> tuple[torch.UntypedStorage, int]:
+        """The record's span on its device, ready for the current stream: shared, in
+        memory, prefetched, or copied and read now."""
+        placed = rec.resident()
+        if placed is not None:
             self._stats.add(prefetch_hits=1)
         else:
             with self._lock:
                 fut, rec.prefetch = rec.prefetch, None
                 if fut is not None:
                     self._scheduler.consumed(rec)
-            host = self._collect(rec, fut)
-        storage, base = self._device.to_device(*host, rec.span.nbytes, rec.device)
-        rec.restored = (weakref.ref(storage), base)
-        if not self._closed:
-            self._recent.append(storage)  # NOTE [recently restored]
+                source = rec.source
+            if fut is None and source is not None:
+                # In host memory: the tensor itself (CPU), or a host copy to bring back.
+                self._stats.add(**{"prefetch_hits" if rec.host_only else "prefetch_misses": 1})
+                placed = self._device.to_device(*source[:2], rec.span.nbytes, rec.device, source[2])
+            else:
+                placed = self._collect(rec, fut)
+            rec.restored = (weakref.ref(placed[0]), placed[1], placed[2])
+            if not self._closed:
+                self._recent.append(placed[0])  # NOTE [recently restored]
+        storage, base, fence = placed
+        self._device.use(storage, fence)  # NOTE [copy streams]
         return storage, base
 
     def _collect(self, rec: _Record, fut: IOFuture[Resident] | None) -> Resident:
@@ -831,9 +885,10 @@ class OffloadEngine:
 
     def _read_job(self, rec: _Record) -> Any:
         # The job must not reference the record: the record holds the job's future.
-        extent, span, crcs = rec.extent, rec.span, rec.crcs
+        extent, span, crcs, device = rec.extent, rec.span, rec.crcs, rec.device
         store, chunk, stats = self._store, self.config.chunk_bytes, self._stats
-        lease = self._read_pool.lease
+        lease = self._device.lease_for(device) or self._read_pool.lease
+        to_device = self._device.to_device
         assert extent is not None and store is not None
 
         def job() -> Resident:
@@ -850,21 +905,38 @@ class OffloadEngine:
                             "span: the slab file changed after it was written",
                         )
             stats.add(bytes_read=span.nbytes)
-            return buf.untyped_storage(), base
+            return to_device(buf.untyped_storage(), base, span.nbytes, device)
 
         return job
 
     def _prefetch_after(self, rec: _Record) -> None:
-        """Issue reads for the lookahead window below ``rec`` (NOTE [lookahead])."""
-        if self.config.prefetch_depth == 0 or self._store is None:
+        """Prefetch the lookahead window below ``rec`` (NOTE [lookahead]): reads from
+        disk on the IO threads, copies from host memory to the device right here."""
+        if self.config.prefetch_depth == 0:
             return
+        copies: list[IOFuture[Resident]] = []
         with self._lock:
             if self._closed:  # set under this lock before the pool shuts down
                 return
             for cand in self._scheduler.window(rec):
                 assert isinstance(cand, _Record)
-                cand.prefetch = self._pool.submit(self._read_job(cand), READ)
+                source = cand.source
+                if source is None:
+                    cand.prefetch = self._pool.submit(self._read_job(cand), READ)
+                else:  # a host copy (needs_read is False for host-only records)
+                    job = functools.partial(
+                        self._device.to_device,
+                        *source[:2],
+                        cand.span.nbytes,
+                        cand.device,
+                        source[2],
+                    )
+                    cand.prefetch = fut = IOFuture(job)
+                    copies.append(fut)
                 self._scheduler.issued(cand, rec)
+        for fut in copies:  # only queues the copy (NOTE [copy streams])
+            if fut.claim():
+                fut.run()
 
     # -- lifetime -------------------------------------------------------------------------
 
@@ -926,6 +998,8 @@ class OffloadEngine:
             self._closed = True
             self._scheduler.clear()
             self._recent.clear()
+        self._settle_copies(wait=True)
+        self._device.close()
         self._read_pool.trim()
         self._pool.shutdown()
         self._pool = InlineIOPool()

@@ -1,0 +1,355 @@
+"""Copy streams: asynchronous copies between a device and host memory, and their fences.
+
+A :class:`CopyStreams` serves one device. It runs device-to-host copies (pack)
+and host-to-device copies (prefetch and unpack) on two side streams of their
+own, so that neither waits behind the other or behind compute, and answers
+each copy with a :class:`Fence` that says when it has finished.
+
+- :class:`CudaStreams`: two ``torch.cuda.Stream`` objects and CUDA events.
+- :class:`ThreadStreams`: the CPU twin. Each side stream is a worker thread
+  that runs its copies in order, optionally after a delay; fences are
+  thread events. The hook thread plays the compute stream: its work is done
+  when it is issued, so "the compute stream waits on a fence" is a host wait.
+  CI runs the whole device path through it, with delays that make a copy
+  that was read too early, or a buffer reused too early, show up as wrong
+  gradients.
+
+# NOTE [copy streams]
+# Ordering. A device-to-host copy must see the tensor as the compute stream
+# left it when the pack hook ran: the D2H stream waits on the compute stream
+# (``wait_stream``) before each copy. The current stream is read at every
+# call, never cached, because FSDP and checkpoint recompute switch streams.
+# A host-to-device copy may depend on a D2H copy that is still running (a
+# record whose host copy is not finished yet is unpacked, or prefetched): the
+# H2D stream waits on that copy's event. The compute stream waits on an H2D
+# copy's event (``use``) before the tensor is handed to autograd, and the
+# tensor is marked used by the compute stream (``record_stream``), because it
+# was allocated on the H2D stream: without that mark the caching allocator
+# could give its block to the next H2D copy while backward still reads it.
+#
+# NOTE [copies keep their buffers]
+# Every copy keeps both of its tensors alive until its fence is seen to be
+# done: the in-flight list holds them, oldest first, and ``poll`` (called at
+# each copy and from the hooks) drops the finished ones. So a source
+# activation cannot be freed and its block reused by the compute stream while
+# the D2H copy still reads it, and a pinned block cannot go back to its pool
+# (which happens when its storage dies, NOTE [read buffer pool]) while a copy
+# still reads or writes it. Nothing else has to reason about copy lifetimes.
+# D2H bytes in flight are capped (``max_inflight_bytes``): past it, the next
+# D2H waits for the oldest one on the host, which bounds the device memory
+# that copies hold on to when the link is slower than compute.
+#
+# No host synchronisation on the hot path: packs and unpacks only queue work
+# and query events. The host waits on a fence only in an IO thread (a write
+# needs the host copy), at the cap above, at close, and in the CPU twin's
+# ``use`` (where the hook thread is the compute stream).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .errors import OffloadError
+
+__all__ = ["CopyStreams", "CudaStreams", "Fence", "ThreadStreams"]
+
+
+class Fence:
+    """The end of one asynchronous copy."""
+
+    def done(self) -> bool:
+        """Whether the copy has finished (never blocks)."""
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        """Block the calling thread until the copy has finished; raise if it failed."""
+        raise NotImplementedError
+
+
+class _CudaFence(Fence):
+    __slots__ = ("_done", "event")
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+        self._done = False
+
+    def done(self) -> bool:
+        if not self._done:
+            self._done = self.event.query()
+        return self._done
+
+    def wait(self) -> None:
+        if not self._done:
+            self.event.synchronize()
+            self._done = True
+
+
+class _ThreadFence(Fence):
+    __slots__ = ("_error", "_event")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+
+    def set(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self) -> None:
+        self._event.wait()
+        if isinstance(self._error, OffloadError):
+            raise self._error  # a copy this one waited for failed
+        if self._error is not None:
+            raise OffloadError(
+                f"prefetch_offload: an asynchronous copy failed: {self._error}"
+            ) from self._error
+
+
+class _Inflight:
+    """Copies not yet seen to be done, oldest first, with the tensors they use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: collections.deque[tuple[Fence, int, tuple[Any, ...]]] = collections.deque()
+        self.bytes = 0
+
+    def add(self, fence: Fence, nbytes: int, *keep: Any) -> None:
+        with self._lock:
+            self._items.append((fence, nbytes, keep))
+            self.bytes += nbytes
+
+    def poll(self) -> None:
+        """Drop the finished copies at the front (copies on one stream end in order)."""
+        finished = []
+        with self._lock:
+            items = self._items
+            while items and items[0][0].done():
+                finished.append(items.popleft())
+                self.bytes -= finished[-1][1]
+        del finished  # released outside the lock: dropping a block may run a finalizer
+
+    def wait_oldest(self) -> None:
+        with self._lock:
+            if not self._items:
+                return
+            fence = self._items[0][0]
+        fence.wait()
+        self.poll()
+
+    def drain(self) -> None:
+        """Wait for every copy and drop them all (a failure is raised where it is used)."""
+        while True:
+            with self._lock:
+                if not self._items:
+                    return
+                fence = self._items[-1][0]
+            with contextlib.suppress(Exception):
+                fence.wait()
+            self.poll()
+
+
+class CopyStreams:
+    """Side-stream copies for one device (NOTE [copy streams])."""
+
+    def __init__(self, *, max_inflight_bytes: int) -> None:
+        self.max_inflight_bytes = max_inflight_bytes
+        self._d2h_inflight = _Inflight()
+        self._h2d_inflight = _Inflight()
+        #: Seconds the host waited because D2H bytes in flight were at the cap.
+        self.throttle_seconds = 0.0
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
+        """Copy device bytes ``src`` into host bytes ``dst`` after the compute stream's work.
+
+        Both tensors stay alive until the copy is done (NOTE [copies keep their buffers]).
+        """
+        self.poll()
+        n = src.numel()
+        inflight = self._d2h_inflight
+        if inflight.bytes and inflight.bytes + n > self.max_inflight_bytes:
+            start = time.perf_counter()
+            while inflight.bytes and inflight.bytes + n > self.max_inflight_bytes:
+                inflight.wait_oldest()
+            self.throttle_seconds += time.perf_counter() - start
+        fence = self._d2h(dst, src)
+        inflight.add(fence, n, dst, src)
+        return fence
+
+    def h2d(self, src: torch.Tensor, after: Fence | None) -> tuple[torch.Tensor, Fence]:
+        """A new device tensor holding host bytes ``src``, filled once ``after`` is done.
+
+        ``src`` stays alive until the copy is done. Pass the result to :meth:`use`
+        before the compute stream reads it.
+        """
+        self.poll()
+        out, fence = self._h2d(src, after)
+        self._h2d_inflight.add(fence, src.numel(), src)
+        return out, fence
+
+    def use(self, t: torch.Tensor, fence: Fence | None) -> None:
+        """Make the current (compute) stream wait for ``fence`` before it reads ``t``."""
+        raise NotImplementedError
+
+    def poll(self) -> None:
+        """Release the tensors of finished copies."""
+        self._d2h_inflight.poll()
+        self._h2d_inflight.poll()
+
+    def synchronize(self) -> None:
+        """Wait for every copy issued so far and release its tensors."""
+        self._d2h_inflight.drain()
+        self._h2d_inflight.drain()
+
+    def close(self) -> None:
+        """Wait for every copy; the streams stay usable (a graph may outlive its context)."""
+        self.synchronize()
+
+    def _d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
+        raise NotImplementedError
+
+    def _h2d(self, src: torch.Tensor, after: Fence | None) -> tuple[torch.Tensor, Fence]:
+        raise NotImplementedError
+
+
+class CudaStreams(CopyStreams):
+    """CUDA side streams and events for one device."""
+
+    def __init__(self, device: torch.device, *, max_inflight_bytes: int) -> None:
+        super().__init__(max_inflight_bytes=max_inflight_bytes)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self._d2h_stream = torch.cuda.Stream(device)
+        self._h2d_stream = torch.cuda.Stream(device)
+
+    def _d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
+        side = self._d2h_stream
+        side.wait_stream(torch.cuda.current_stream(self.device))  # read at every call
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        return _CudaFence(event)
+
+    def _h2d(self, src: torch.Tensor, after: Fence | None) -> tuple[torch.Tensor, Fence]:
+        side = self._h2d_stream
+        # May run on an IO thread: name the device, and allocate on the side stream.
+        with torch.cuda.device(self.device), torch.cuda.stream(side):
+            if after is not None and not after.done():
+                if isinstance(after, _CudaFence):
+                    side.wait_event(after.event)
+                else:
+                    after.wait()
+            out = torch.empty((src.numel(),), dtype=torch.uint8, device=self.device)
+            out.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        return out, _CudaFence(event)
+
+    def use(self, t: torch.Tensor, fence: Fence | None) -> None:
+        current = torch.cuda.current_stream(t.device)
+        if fence is not None and not fence.done():
+            assert isinstance(fence, _CudaFence)
+            current.wait_event(fence.event)
+        t.record_stream(current)  # NOTE [copy streams]: allocated on the H2D stream
+
+
+class _Worker:
+    """One CPU-twin side stream: a thread that runs jobs in order."""
+
+    def __init__(self, name: str, delay: float) -> None:
+        self.name = name
+        self.delay = delay
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def put(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._closed:  # after close: run in the caller, like a synchronous copy
+                job()
+                return
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if self.delay:
+                time.sleep(self.delay)
+            job()
+            del job  # the job holds the copy's tensors: keep them no longer than it runs
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._jobs.put(None)
+            thread.join()
+
+
+def _copy_job(
+    dst: torch.Tensor, src: torch.Tensor, fence: _ThreadFence, after: Fence | None
+) -> Callable[[], None]:
+    def job() -> None:
+        try:
+            if after is not None:
+                after.wait()
+            dst.copy_(src)
+        except BaseException as exc:  # reaches whoever waits on the fence
+            fence.set(exc)
+        else:
+            fence.set()
+
+    return job
+
+
+class ThreadStreams(CopyStreams):
+    """The CPU twin of :class:`CudaStreams`: side streams are worker threads.
+
+    Args:
+        delay: seconds each copy waits before it runs, to make races visible in tests.
+        max_inflight_bytes: cap on D2H bytes in flight (NOTE [copies keep their buffers]).
+    """
+
+    def __init__(self, *, delay: float = 0.0, max_inflight_bytes: int = 64 << 20) -> None:
+        super().__init__(max_inflight_bytes=max_inflight_bytes)
+        self._d2h_worker = _Worker("prefetch_offload-twin-d2h", delay)
+        self._h2d_worker = _Worker("prefetch_offload-twin-h2d", delay)
+
+    def _d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
+        fence = _ThreadFence()
+        self._d2h_worker.put(_copy_job(dst, src, fence, None))
+        return fence
+
+    def _h2d(self, src: torch.Tensor, after: Fence | None) -> tuple[torch.Tensor, Fence]:
+        out = torch.empty((src.numel(),), dtype=torch.uint8)
+        fence = _ThreadFence()
+        self._h2d_worker.put(_copy_job(out, src, fence, after))
+        return out, fence
+
+    def use(self, t: torch.Tensor, fence: Fence | None) -> None:
+        if fence is not None:
+            fence.wait()  # the hook thread is the twin's compute stream
+
+    def close(self) -> None:
+        self.synchronize()
+        self._d2h_worker.close()
+        self._h2d_worker.close()
