@@ -1,8 +1,10 @@
 """A small deterministic transformer for tests, benchmarks and the demo.
 
 Not part of the training API: it exists so that ``bench/`` and ``tests/`` train
-the same model. Attention is written out (matmul, softmax, matmul) rather than
-fused, so the saved activations are those of a plain PyTorch model.
+the same model. Attention is written out (matmul, softmax, matmul) by default, so the saved
+activations are those of a plain PyTorch model; ``attention="sdpa"`` uses
+``F.scaled_dot_product_attention`` instead (fused kernels on a GPU, the shape
+of activations in current LLM training).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ __all__ = ["TinyTransformer", "make_batch"]
 
 
 class _Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
+    def __init__(self, width: int, heads: int, attention: str) -> None:
         super().__init__()
         self.heads = heads
+        self.attention = attention
         self.ln1 = nn.LayerNorm(width)
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
@@ -31,25 +34,39 @@ class _Block(nn.Module):
         b, t, c = x.shape
         h = self.ln1(x)
         q, k, v = self.qkv(h).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
-        att = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, c)
+        if self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            y = scores.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
+        y = y.transpose(1, 2).reshape(b, t, c)
         x = x + self.proj(y)
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 class TinyTransformer(nn.Module):
-    """A pre-norm decoder: embedding, ``depth`` blocks, final norm and LM head."""
+    """A pre-norm decoder: embedding, ``depth`` blocks, final norm and LM head.
+
+    ``attention`` is ``"explicit"`` (matmul, softmax, matmul) or ``"sdpa"``.
+    """
 
     def __init__(
-        self, *, vocab: int = 512, width: int = 256, depth: int = 6, heads: int = 4
+        self,
+        *,
+        vocab: int = 512,
+        width: int = 256,
+        depth: int = 6,
+        heads: int = 4,
+        attention: str = "explicit",
     ) -> None:
         super().__init__()
         if width % heads:
             raise ValueError(f"width ({width}) must be divisible by heads ({heads}).")
+        if attention not in ("explicit", "sdpa"):
+            raise ValueError(f"attention must be 'explicit' or 'sdpa', got {attention!r}.")
         self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(_Block(width, heads) for _ in range(depth))
+        self.blocks = nn.ModuleList(_Block(width, heads, attention) for _ in range(depth))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab)
 

@@ -232,3 +232,22 @@ def test_iobound_main_tiny(tmp_path: Path, cwd: Path) -> None:
     res = json.loads(out.read_text())
     assert res["bytes_written"] >= 2 * MiB and res["bound_seconds"] > 0
     assert _empty(tmp_path / "s")
+
+
+# -- bench/gpu.py ------------------------------------------------------------------------
+
+
+def test_gpu_main_on_the_cpu_twin(tmp_path: Path, cwd: Path) -> None:
+    """bench/gpu.py end to end on the CPU twin: every mode runs and is exact."""
+    gpu = _load("gpu")
+    out = tmp_path / "gpu.json"
+    argv = [*TINY, "--twin", "--attention", "explicit", "--dtype", "fp32", "--vocab", "64"]
+    argv += ["--disk-probe-mb", "8", "--save-dir", str(tmp_path / "s"), "--json", str(out)]
+    assert gpu.main(argv) == 0
+    res = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in res["rows"]}
+    assert list(rows) == ["none", "cpu", "disk", "save_on_cpu", "ondemand"]
+    assert all(r["exact"] in ("ref", "yes") for r in rows.values())
+    assert rows["cpu"]["bytes_offloaded_per_step"] > 0
+    assert rows["disk"]["bytes_offloaded_per_step"] > 0
+    assert _empty(tmp_path / "s")

@@ -1,0 +1,385 @@
+"""Train a transformer on a CUDA GPU under each offload mode: step time and peak memory.
+
+Modes, each training its own copy of one model (same initial weights, same
+batch), interleaved round by round (round ``r`` runs one step of every mode,
+in an order rotated by ``r``) so that clock and thermal drift hit all alike:
+
+- ``none``: no offload.
+- ``cpu``: this library, target "cpu" (pinned host RAM).
+- ``disk``: this library, target "disk" (GPU -> pinned staging -> slab files).
+- ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``.
+- ``ondemand``: the approach of the common fine-tuning libraries, reimplemented
+  here: pack copies each saved activation to pinned host memory with a
+  non-blocking copy on the compute stream, unpack copies it back on the compute
+  stream when backward asks (no lookahead, no side stream).
+
+Each library engine lives for the whole run (as ``with offload_context(...):
+trainer.train()`` would); its hooks are installed around each of its steps.
+
+Columns: median step time and its ratio to ``none``; peak activation memory
+(``torch.cuda.max_memory_allocated`` during forward, minus what was allocated
+when forward started: the model, its gradients, the batch) and its cut against
+``none``; the same peak over the whole step; bytes offloaded per step; hit
+rate and stall time (library modes). Before the timed rounds the script also
+measures the host link (pinned D2H and H2D copies of 1 GiB) and the save_dir
+disk (O_DIRECT, 8 MiB requests), and prints the time those bandwidths need
+for the step's bytes: the bound any offload mode must live within.
+
+Exactness: the first round's gradients of every mode are compared with those
+of ``none`` (torch.equal), after a control that runs ``none`` twice: if the
+model itself is not reproducible (some fused attention backward kernels use
+atomics), the column says so instead of claiming anything.
+
+``--twin`` runs the same script on the CPU through the CUDA path's CPU twin
+(memory columns read 0 there): the smoke test in tests/test_bench.py uses it.
+
+Example (H200; see docs/benchmarks.md):
+    python bench/gpu.py --width 2048 --depth 8 --seq 2048 --batch 8 --json gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _common import scratch_folder
+
+from prefetch_offload import OffloadConfig, OffloadEngine
+from prefetch_offload.device import RoutingDevice, SpanCopyDevice
+from prefetch_offload.probe import raw_bandwidth
+from prefetch_offload.testing import TinyTransformer, make_batch
+
+MODES = ("none", "cpu", "disk", "save_on_cpu", "ondemand")
+
+
+class OnDemandHooks:
+    """Baseline: copy to pinned host memory on the compute stream, copy back on demand."""
+
+    def pack(self, t: torch.Tensor) -> Any:
+        base = t._base if t._base is not None else t
+        if not t.is_cuda or isinstance(base, torch.nn.Parameter) or base.is_leaf:
+            return t
+        return t.device, t.to("cpu", non_blocking=True)  # pinned, ordered on the stream
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return host.to(device, non_blocking=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuRow:
+    """One mode's measurements."""
+
+    mode: str
+    step_seconds: tuple[float, ...]
+    fwd_peak_bytes: tuple[int, ...]
+    step_peak_bytes: tuple[int, ...]
+    exact: str
+    bytes_offloaded_per_step: float | None = None
+    hit_rate: float | None = None
+    stall_seconds_per_step: float | None = None
+    pack_wait_seconds_per_step: float | None = None
+
+    @property
+    def median_step_s(self) -> float:
+        return statistics.median(self.step_seconds)
+
+    @property
+    def fwd_peak(self) -> float:
+        return statistics.median(self.fwd_peak_bytes)
+
+    @property
+    def step_peak(self) -> float:
+        return statistics.median(self.step_peak_bytes)
+
+
+def link_bandwidth(nbytes: int = 1 << 30) -> tuple[float, float]:
+    """GB/s of pinned host <-> device copies (D2H, H2D), best of three each."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out = []
+    for dst, src in ((host, dev), (dev, host)):
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        out.append(nbytes / best / 1e9)
+    del dev, host
+    torch.cuda.empty_cache()
+    return out[0], out[1]
+
+
+class _Gpu:
+    """The CUDA calls the benchmark makes; all no-ops for the CPU twin."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.device = torch.device("cuda" if cuda else "cpu")
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated() if self.cuda else 0
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated() if self.cuda else 0
+
+    def name(self) -> str:
+        return torch.cuda.get_device_name() if self.cuda else "CPU (twin)"
+
+
+@contextmanager
+def _hooks(
+    pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]
+) -> Iterator[None]:
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+def run(args: argparse.Namespace) -> tuple[list[GpuRow], dict[str, float]]:
+    gpu = _Gpu(not args.twin)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    base = TinyTransformer(
+        vocab=args.vocab,
+        width=args.width,
+        depth=args.depth,
+        heads=args.heads,
+        attention=args.attention,
+    ).to(device=gpu.device, dtype=dtype)
+    tokens, targets = make_batch(args.batch, args.seq, vocab=args.vocab)
+    tokens, targets = tokens.to(gpu.device), targets.to(gpu.device)
+    modes = [m.strip() for m in args.modes.split(",")]
+    if modes[0] != "none":
+        raise SystemExit("--modes must start with none (the reference)")
+
+    env: dict[str, float] = {}
+    if gpu.cuda:
+        env["d2h_gbps"], env["h2d_gbps"] = link_bandwidth()
+    with scratch_folder(args.save_dir, prefix="gpu-") as folder:
+        if "disk" in modes:
+            env["disk_write_gbps"], env["disk_read_gbps"] = raw_bandwidth(
+                folder, 2 << 30, 8 << 20, 4
+            )
+        engines: dict[str, OffloadEngine] = {}
+        ctx: dict[str, Callable[[], AbstractContextManager[Any]]] = {"none": nullcontext}
+        for mode in ("cpu", "disk"):
+            if mode in modes:
+                cfg = OffloadConfig(
+                    target=mode,
+                    save_dir=folder if mode == "disk" else None,
+                    prefetch_depth=args.depth_prefetch,
+                    max_pending_write_bytes=args.max_pending_mb << 20,
+                    min_offload_bytes=args.min_offload_bytes,
+                )
+                twin = None if gpu.cuda else RoutingDevice([SpanCopyDevice("cpu")])
+                eng = engines[mode] = OffloadEngine(cfg, device=twin)
+                ctx[mode] = lambda e=eng: _hooks(e.pack, e.unpack)
+        if "save_on_cpu" in modes:
+            ctx["save_on_cpu"] = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)
+        if "ondemand" in modes:
+            od = OnDemandHooks()
+            ctx["ondemand"] = lambda: _hooks(od.pack, od.unpack)
+
+        models = {m: copy.deepcopy(base) for m in modes}
+        opts = {m: torch.optim.SGD(models[m].parameters(), lr=1e-4) for m in modes}
+
+        def step(mode: str, *, update: bool = True) -> tuple[float, int, int, list[torch.Tensor]]:
+            model = models[mode]
+            gpu.sync()
+            gpu.reset_peak()
+            start_mem = gpu.allocated()
+            t0 = time.perf_counter()
+            with ctx[mode]():
+                loss = model(tokens, targets)
+                gpu.sync()
+                fwd_peak = gpu.peak() - start_mem
+                loss.backward()
+            del loss
+            grads = [p.grad.detach().clone() for p in model.parameters()] if not update else []
+            if update:
+                opts[mode].step()
+            opts[mode].zero_grad(set_to_none=True)
+            gpu.sync()
+            dt = time.perf_counter() - t0
+            return dt, fwd_peak, gpu.peak() - start_mem, grads
+
+        # Exactness: round 0 without an update, every mode against none (and none twice).
+        _, _, _, ref = step("none", update=False)
+        _, _, _, again = step("none", update=False)
+        reproducible = all(torch.equal(a, b) for a, b in zip(ref, again, strict=True))
+        exact: dict[str, str] = {"none": "ref" if reproducible else "model not reproducible"}
+        for mode in modes[1:]:
+            _, _, _, g = step(mode, update=False)
+            same = all(torch.equal(a, b) for a, b in zip(ref, g, strict=True))
+            exact[mode] = ("yes" if same else "NO") if reproducible else "n/a (model)"
+        del ref, again
+
+        samples: dict[str, list[tuple[float, int, int]]] = {m: [] for m in modes}
+        before = {m: e.stats() for m, e in engines.items()}
+        for r in range(args.warmup + args.steps):
+            if r == args.warmup:
+                before = {m: e.stats() for m, e in engines.items()}
+            order = modes[r % len(modes) :] + modes[: r % len(modes)]
+            for mode in order:
+                dt, fwd, peak, _ = step(mode)
+                if r >= args.warmup:
+                    samples[mode].append((dt, fwd, peak))
+        rows = []
+        for mode in modes:
+            s = samples[mode]
+            extra: dict[str, Any] = {}
+            if mode in engines:
+                a, b = before[mode], engines[mode].stats()
+                n = args.steps
+                hits, misses = (
+                    b.prefetch_hits - a.prefetch_hits,
+                    b.prefetch_misses - a.prefetch_misses,
+                )
+                extra = dict(
+                    bytes_offloaded_per_step=(b.bytes_offloaded - a.bytes_offloaded) / n,
+                    hit_rate=hits / (hits + misses) if hits + misses else 0.0,
+                    stall_seconds_per_step=(b.stall_seconds - a.stall_seconds) / n,
+                    pack_wait_seconds_per_step=(b.pack_wait_seconds - a.pack_wait_seconds) / n,
+                )
+            rows.append(
+                GpuRow(
+                    mode,
+                    tuple(x[0] for x in s),
+                    tuple(x[1] for x in s),
+                    tuple(x[2] for x in s),
+                    exact[mode],
+                    **extra,
+                )
+            )
+        for e in engines.values():
+            e.close()
+    return rows, env
+
+
+def table(rows: list[GpuRow], env: dict[str, float], args: argparse.Namespace) -> str:
+    ref = rows[0]
+    name = "CPU (twin)" if args.twin else torch.cuda.get_device_name()
+    lines = [
+        f"model: {args.dtype} width {args.width} depth {args.depth} heads {args.heads} "
+        f"attention {args.attention}, batch {args.batch} x {args.seq} tokens; "
+        f"{args.steps} timed rounds after {args.warmup} warmup; "
+        f"{name} torch {torch.__version__}",
+        (
+            "link: D2H {d2h_gbps:.1f} GB/s, H2D {h2d_gbps:.1f} GB/s".format(**env)
+            if "d2h_gbps" in env
+            else "link: not measured (CPU twin)"
+        )
+        + (
+            "; disk: write {disk_write_gbps:.2f} GB/s, read {disk_read_gbps:.2f} GB/s".format(**env)
+            if "disk_write_gbps" in env
+            else ""
+        ),
+        f"{'mode':<12} {'step ms':>8} {'ratio':>6} {'fwd peak GB':>11} {'cut':>5} "
+        f"{'step peak GB':>12} {'GB/step':>8} {'hit':>5} {'stall ms':>8} {'exact':>6}",
+    ]
+    for r in rows:
+        cut = 1 - r.fwd_peak / ref.fwd_peak if ref.fwd_peak else 0.0
+        gb = (
+            f"{r.bytes_offloaded_per_step / 1e9:8.2f}" if r.bytes_offloaded_per_step else f"{'':>8}"
+        )
+        hit = f"{r.hit_rate:5.2f}" if r.hit_rate is not None else f"{'':>5}"
+        stall = (
+            f"{r.stall_seconds_per_step * 1e3:8.1f}"
+            if r.stall_seconds_per_step is not None
+            else f"{'':>8}"
+        )
+        lines.append(
+            f"{r.mode:<12} {r.median_step_s * 1e3:8.1f} {r.median_step_s / ref.median_step_s:6.2f} "
+            f"{r.fwd_peak / 1e9:11.2f} {cut:5.0%} {r.step_peak / 1e9:12.2f} {gb} {hit} {stall} "
+            f"{r.exact:>6}"
+        )
+    cpu = next((r for r in rows if r.bytes_offloaded_per_step), None)
+    if cpu is not None and "d2h_gbps" in env:
+        vol = cpu.bytes_offloaded_per_step
+        lines.append(
+            f"bound for {vol / 1e9:.2f} GB/step: link {vol / env['d2h_gbps'] / 1e9 * 1e3:.0f} ms "
+            f"D2H + {vol / env['h2d_gbps'] / 1e9 * 1e3:.0f} ms H2D (each overlappable with "
+            f"compute; none's whole step is {ref.median_step_s * 1e3:.0f} ms)"
+            + (
+                f"; disk {vol / env['disk_write_gbps'] / 1e9 * 1e3:.0f} ms write + "
+                f"{vol / env['disk_read_gbps'] / 1e9 * 1e3:.0f} ms read"
+                if "disk_write_gbps" in env
+                else ""
+            )
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--attention", choices=("explicit", "sdpa"), default="sdpa")
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--depth-prefetch", type=int, default=4, help="prefetch_depth of the engine")
+    p.add_argument("--max-pending-mb", type=int, default=64, help="max_pending_write_bytes in MiB")
+    p.add_argument("--min-offload-bytes", type=int, default=1 << 16, help="min_offload_bytes")
+    p.add_argument("--save-dir", default=None, help="parent folder for the disk mode's slabs")
+    p.add_argument("--disk-probe-mb", type=int, default=2048, help="bytes the disk probe moves")
+    p.add_argument("--json", default=None, help="write the rows and environment here")
+    p.add_argument("--twin", action="store_true", help="run on the CPU through the CPU twin")
+    args = p.parse_args(argv)
+    if not args.twin and not torch.cuda.is_available():
+        print("bench/gpu.py needs a CUDA device", file=sys.stderr)
+        return 2
+    rows, env = run(args)
+    print(table(rows, env, args), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "args": vars(args),
+                    "env": env,
+                    "device": "CPU (twin)" if args.twin else torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "rows": [
+                        dataclasses.asdict(r) | {"median_step_s": r.median_step_s} for r in rows
+                    ],
+                },
+                f,
+                indent=1,
+            )
+    return 1 if any(r.exact == "NO" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
