@@ -41,6 +41,15 @@ tensor equal in value, shape, strides, dtype and device.
 # a dead weak reference can never match a new storage. The version counter
 # (shared by all views of a tensor) catches in-place updates between two saves.
 #
+# NOTE [whole storage]
+# Views that overlap without one containing the other defeat containment
+# dedup: attention's q, k and v are strided views of one fused qkv output, each
+# spanning nearly all of it from a different first element, and would be
+# offloaded three times. A view that covers at least half of its storage takes
+# the whole storage as its record's span instead: the others then lie inside it
+# and share the record. The cost is at most twice the view's own bytes, and
+# only for a view that already spans half its storage.
+#
 # NOTE [write tail]
 # When backward starts, the last tensors forward saved are the first it needs,
 # and their writes are often still queued behind the others. Writing them and
@@ -522,7 +531,7 @@ class OffloadEngine:
             self._stats.add(tensors_kept=1)
             return _Kept(t)
         storage = t.untyped_storage()
-        start, nbytes = view_span(t)
+        vstart, vbytes = view_span(t)
         version = t._version
         itemsize = t.element_size()
         shape, stride = tuple(t.shape), t.stride()
@@ -535,13 +544,17 @@ class OffloadEngine:
                     and entry.storage() is storage
                     and entry.owner() is owner_t
                     and entry.version == version
-                    and entry.start <= start
-                    and start + nbytes <= entry.end
-                    and (start - entry.start) % itemsize == 0
+                    and entry.start <= vstart
+                    and vstart + vbytes <= entry.end
+                    and (vstart - entry.start) % itemsize == 0
                 ):
                     self._stats.add(dedup_hits=1)
-                    view = ViewMeta(t.dtype, shape, stride, start - entry.start)
+                    view = ViewMeta(t.dtype, shape, stride, vstart - entry.start)
                     return _Handle(rec, view, entry.owner, version)
+        start, nbytes = vstart, vbytes
+        whole = storage.nbytes()
+        if nbytes < whole <= 2 * nbytes:  # NOTE [whole storage]
+            start, nbytes = 0, whole
         host, base, fence = self._device.to_host(storage, start, nbytes)
         span = Span(nbytes, (host.data_ptr() + base) % 4096)
         store = self._store
@@ -557,7 +570,7 @@ class OffloadEngine:
             if extent is None:
                 self._note_no_space("the slab reservation failed")
                 return _Kept(t)
-        view = ViewMeta(t.dtype, shape, stride, 0)
+        view = ViewMeta(t.dtype, shape, stride, vstart - start)
         owner = weakref.ref(owner_t)
         # Bytes still read from t's own memory can change under it (NOTE [version check]).
         copying = host is storage or fence is not None

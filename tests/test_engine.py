@@ -831,3 +831,24 @@ def test_disk_cap_falls_back_to_memory_with_one_warning(save_dir: Path) -> None:
     assert stats.fallbacks > 0 and stats.peak_disk_bytes_in_use > 0
     assert stats.peak_disk_bytes_reserved <= 1 << 17
     assert len([w for w in record if w.category is OffloadFallbackWarning]) == 1
+
+
+def test_overlapping_views_share_the_whole_storage(save_dir: Path) -> None:
+    """NOTE [whole storage]: q, k, v of a fused projection are written once, not three times."""
+    x = torch.randn(4, 64, 96, requires_grad=True)
+
+    def step() -> torch.Tensor:
+        qkv = x * 1
+        q, k, v = qkv.view(4, 64, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        return (q * k + k * v).sum()  # mul saves its operands: views, not copies
+
+    step().backward()
+    ref, x.grad = x.grad, None
+    with _engine(save_dir) as engine:
+        loss = step()
+        engine.flush()
+        stats = engine.stats()
+        assert stats.tensors_offloaded == 1 and stats.dedup_hits == 3
+        assert stats.bytes_offloaded == x.numel() * 4  # qkv's storage, once
+        loss.backward()
+    assert torch.equal(x.grad, ref)
