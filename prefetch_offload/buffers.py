@@ -18,97 +18,106 @@
 # NOTE [pinned pool]
 # The CUDA path stages every copy through page-locked (pinned) host memory:
 # only from pinned memory is a copy truly asynchronous. Pinning costs
-# milliseconds per call, so the same pool class keeps pinned blocks for reuse:
-# each block is an anonymous mapping registered with ``cudaHostRegister`` once,
-# and unregistered when it is unmapped. Its idle cap follows its use: idle
+# milliseconds per call, so the same pool class keeps pinned blocks for reuse.
+# Pinned blocks come from PyTorch's own pinned allocator (``torch.empty(...,
+# pin_memory=True)``), which also keeps what this pool lets go cached for the
+# next context, and which fails cleanly (raising, with CUDA's error state
+# cleared) where registering memory ourselves could leave a stale CUDA error
+# for the next kernel launch to trip over. Its idle cap follows its use: idle
 # blocks are kept up to the most bytes that were ever leased at once (the next
-# step needs the same blocks again), and every idle block is released at close.
-# A block whose registration fails is used unpinned (copies are then
+# step needs the same blocks again), and idle blocks are dropped at close. A
+# block that cannot be pinned is replaced by pageable memory (copies are then
 # synchronous, still correct) and counted.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import mmap
 import threading
 import weakref
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-__all__ = ["CudaPinner", "HostBufferPool", "Pinner"]
+__all__ = ["Block", "HostBufferPool", "mapped_block", "pinned_block"]
 
 _GRAIN = 64 << 10  # size classes: multiples of 64 KiB
+_PAGE = 4096
 
 
-class Pinner(Protocol):
-    """Page-locks host memory (NOTE [pinned pool])."""
+class Block:
+    """One page-aligned host block: ``buffer`` (writable), ``size``, ``pinned``."""
 
-    def pin(self, address: int, nbytes: int) -> bool:
-        """Page-lock ``[address, address + nbytes)``; False if that failed."""
-        ...
+    __slots__ = ("buffer", "owner", "pinned", "size")
 
-    def unpin(self, address: int) -> None:
-        """Undo a successful :meth:`pin` of the range starting at ``address``."""
-        ...
-
-
-class CudaPinner:
-    """Registers host ranges with the CUDA driver (``cudaHostRegister``, portable)."""
-
-    def pin(self, address: int, nbytes: int) -> bool:
-        return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1)) == 0
-
-    def unpin(self, address: int) -> None:
-        torch.cuda.cudart().cudaHostUnregister(address)
-
-
-class _Block:
-    __slots__ = ("address", "map", "pinned", "size")
-
-    def __init__(self, size: int, pinner: Pinner | None) -> None:
-        self.map = mmap.mmap(-1, size)
+    def __init__(self, buffer: Any, size: int, *, pinned: bool, owner: Any = None) -> None:
+        self.buffer = buffer
         self.size = size
-        view = ctypes.c_char.from_buffer(self.map)
-        self.address = ctypes.addressof(view)
-        del view  # the export would keep the mapping from closing
-        self.pinned = pinner is not None and pinner.pin(self.address, size)
+        self.pinned = pinned
+        self.owner = owner  # what keeps the memory alive (a mapping or a pinned tensor)
 
-    def release(self, pinner: Pinner | None) -> None:
-        if self.pinned and pinner is not None:
-            pinner.unpin(self.address)
-            self.pinned = False
-        try:
-            self.map.close()
-        except BufferError:
-            pass  # still exported somewhere: unmapped when the last export goes
+    def release(self) -> None:
+        """Give the memory back (safe once no tensor uses the block)."""
+        owner, self.owner, self.buffer = self.owner, None, None
+        if isinstance(owner, mmap.mmap):
+            try:
+                owner.close()
+            except BufferError:
+                pass  # still exported somewhere: unmapped when the last export goes
+
+
+def mapped_block(size: int) -> Block:
+    """An anonymous mapping: page-aligned, pageable."""
+    m = mmap.mmap(-1, size)
+    return Block(m, size, pinned=False, owner=m)
+
+
+def pinned_block(size: int) -> Block:
+    """Pinned memory from PyTorch's allocator (NOTE [pinned pool]); pageable if that fails."""
+    try:
+        t = torch.empty((size,), dtype=torch.uint8, pin_memory=True)
+        if t.data_ptr() % _PAGE:  # cudaHostAlloc gives whole pages; O_DIRECT needs them
+            t = torch.empty((size + _PAGE,), dtype=torch.uint8, pin_memory=True)
+    except RuntimeError:
+        return mapped_block(size)
+    array = t.numpy()
+    lead = (-t.data_ptr()) % _PAGE
+    return Block(array[lead : lead + size], size, pinned=True, owner=t)
 
 
 class HostBufferPool:
     """Page-aligned host buffers by size class, recycled when their storage dies.
 
     Args:
-        max_idle_bytes: idle bytes kept for reuse. With a ``pinner`` the cap is at
-            least the most bytes ever leased at once (NOTE [pinned pool]).
-        pinner: page-locks new blocks; None for plain (pageable) memory.
+        max_idle_bytes: idle bytes kept for reuse.
+        allocate: makes a block of the given size (default: an anonymous mapping).
+        follow_peak: keep idle blocks up to the most bytes ever leased at once,
+            if that is more than ``max_idle_bytes`` (NOTE [pinned pool]).
     """
 
-    def __init__(self, max_idle_bytes: int, *, pinner: Pinner | None = None) -> None:
+    def __init__(
+        self,
+        max_idle_bytes: int,
+        *,
+        allocate: Callable[[int], Block] = mapped_block,
+        follow_peak: bool = False,
+    ) -> None:
         self.max_idle_bytes = max_idle_bytes
-        self.pinner = pinner
+        self.allocate = allocate
+        self.follow_peak = follow_peak
         self._lock = threading.Lock()
-        self._idle: dict[int, list[_Block]] = {}
+        self._idle: dict[int, list[Block]] = {}
         self._idle_bytes = 0
-        self._returned: collections.deque[_Block] = collections.deque()
+        self._returned: collections.deque[Block] = collections.deque()
         self._closed = False
         self.hits = 0
         self.misses = 0
         #: Bytes leased and not yet returned, and the most at once.
         self.leased_bytes = 0
         self.peak_leased_bytes = 0
-        #: Blocks that could not be pinned (used as pageable memory).
+        #: Blocks that were asked pinned and came back pageable.
         self.pin_failures = 0
 
     @property
@@ -138,17 +147,25 @@ class HostBufferPool:
             self.leased_bytes += size
             self.peak_leased_bytes = max(self.peak_leased_bytes, self.leased_bytes)
         if block is None:
-            block = _Block(size, self.pinner)
-            if self.pinner is not None and not block.pinned:
+            block = self.allocate(size)
+            if self.allocate is pinned_block and not block.pinned:
                 self.pin_failures += 1
-        out = torch.frombuffer(block.map, dtype=torch.uint8)
-        weakref.finalize(out.untyped_storage(), self._returned.append, block)
-        return out, memoryview(block.map)[:nbytes]
+        out = torch.frombuffer(block.buffer, dtype=torch.uint8)
+        weakref.finalize(out.untyped_storage(), self._give_back, block)
+        return out, memoryview(block.buffer)[:nbytes]
+
+    def _give_back(self, block: Block) -> None:
+        # Runs when a leased storage dies, in any thread (or the collector): no locks.
+        if self._closed:
+            self.leased_bytes -= block.size
+            block.release()
+        else:
+            self._returned.append(block)
 
     def _cap(self) -> int:
         if self._closed:
             return 0
-        if self.pinner is not None:
+        if self.follow_peak:
             return max(self.max_idle_bytes, self.peak_leased_bytes)
         return self.max_idle_bytes
 
@@ -168,7 +185,7 @@ class HostBufferPool:
                 self._idle.setdefault(block.size, []).append(block)
                 self._idle_bytes += block.size
         for block in drop:
-            block.release(self.pinner)
+            block.release()
 
     def trim(self) -> None:
         """Release every idle block."""
@@ -178,10 +195,10 @@ class HostBufferPool:
             self._idle_bytes = 0
         for blocks in idle.values():
             for block in blocks:
-                block.release(self.pinner)
+                block.release()
 
     def close(self) -> None:
         """Release every idle block now, and every leased one when it is returned."""
         with self._lock:
             self._closed = True
-        self.trim()
+        self.trim()  # also releases blocks returned before close

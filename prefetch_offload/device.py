@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from .buffers import CudaPinner, HostBufferPool
+from .buffers import HostBufferPool, mapped_block, pinned_block
 from .streams import CopyStreams, CudaStreams, Fence, ThreadStreams
 
 __all__ = [
@@ -74,11 +74,14 @@ class DeviceLayer:
         nbytes: int,
         device: torch.device,
         after: Fence | None = None,
+        align: int = 0,
     ) -> Placed:
         """Host bytes (complete once ``after`` is done) as a span on ``device``.
 
-        Safe to call from an IO thread. Call :meth:`use` on the thread that hands
-        the result to autograd, before it does.
+        The span starts at an address that is ``align`` modulo 512, where the
+        original did (kernels pick code paths by alignment: bit-identical results
+        need the same one). Safe to call from an IO thread. Call :meth:`use` on
+        the thread that hands the result to autograd, before it does.
         """
         raise NotImplementedError
 
@@ -114,6 +117,7 @@ class HostDevice(DeviceLayer):
         nbytes: int,
         device: torch.device,
         after: Fence | None = None,
+        align: int = 0,
     ) -> Placed:
         return storage, base, after
 
@@ -133,8 +137,11 @@ class SpanCopyDevice(DeviceLayer):
         self.device_type = device_type
         self.max_inflight_bytes = max_inflight_bytes
         self.twin_delay = twin_delay
-        pinner = CudaPinner() if device_type == "cuda" else None
-        self.pool = HostBufferPool(_PINNED_IDLE_BYTES, pinner=pinner)
+        self.pool = HostBufferPool(
+            _PINNED_IDLE_BYTES,
+            allocate=pinned_block if device_type == "cuda" else mapped_block,
+            follow_peak=True,
+        )
         self._streams: dict[torch.device, CopyStreams] = {}
 
     def streams(self, device: torch.device) -> CopyStreams:
@@ -166,9 +173,10 @@ class SpanCopyDevice(DeviceLayer):
         nbytes: int,
         device: torch.device,
         after: Fence | None = None,
+        align: int = 0,
     ) -> Placed:
-        out, fence = self.streams(device).h2d(_bytes(storage, base, nbytes), after)
-        return out.untyped_storage(), 0, fence
+        out, fence = self.streams(device).h2d(_bytes(storage, base, nbytes), after, align)
+        return out.untyped_storage(), out.storage_offset() + align, fence
 
     def use(self, storage: torch.UntypedStorage, fence: Fence | None) -> None:
         self.streams(storage.device).use(_bytes(storage, 0, storage.nbytes()), fence)
@@ -209,8 +217,9 @@ class RoutingDevice(DeviceLayer):
         nbytes: int,
         device: torch.device,
         after: Fence | None = None,
+        align: int = 0,
     ) -> Placed:
-        return self._by_type[device.type].to_device(storage, base, nbytes, device, after)
+        return self._by_type[device.type].to_device(storage, base, nbytes, device, after, align)
 
     def use(self, storage: torch.UntypedStorage, fence: Fence | None) -> None:
         self._by_type[storage.device.type].use(storage, fence)

@@ -248,6 +248,7 @@ class _Record:
 
     __slots__ = (
         "__weakref__",
+        "align",
         "crcs",
         "device",
         "engine",
@@ -298,6 +299,8 @@ class _Record:
         # The span in host memory while its bytes are not safely on disk.
         self.source: Resident | None = source
         self.device = device
+        # The span's address modulo 512 on its device, kept when it is copied back.
+        self.align = 0
         # Whether the device's memory is host memory (CPU tensors): no copies either way.
         self.host_only = engine._device.identity(device)
         self.seq = seq
@@ -580,6 +583,7 @@ class OffloadEngine:
                 self, span, extent, (host, base, fence), t.device, self._seq, view, saved, version
             )
             self._seq += 1
+            rec.align = (storage.data_ptr() + start) % 512
             self._scheduler.register(rec)
             entry = _DedupEntry(storage, owner, version, start, start + nbytes, rec)
             rec.key = storage.data_ptr()
@@ -860,7 +864,9 @@ class OffloadEngine:
             if fut is None and source is not None:
                 # In host memory: the tensor itself (CPU), or a host copy to bring back.
                 self._stats.add(**{"prefetch_hits" if rec.host_only else "prefetch_misses": 1})
-                placed = self._device.to_device(*source[:2], rec.span.nbytes, rec.device, source[2])
+                placed = self._device.to_device(
+                    *source[:2], rec.span.nbytes, rec.device, source[2], rec.align
+                )
             else:
                 placed = self._collect(rec, fut)
             rec.restored = (weakref.ref(placed[0]), placed[1], placed[2])
@@ -898,7 +904,7 @@ class OffloadEngine:
 
     def _read_job(self, rec: _Record) -> Any:
         # The job must not reference the record: the record holds the job's future.
-        extent, span, crcs, device = rec.extent, rec.span, rec.crcs, rec.device
+        extent, span, crcs, device, align = rec.extent, rec.span, rec.crcs, rec.device, rec.align
         store, chunk, stats = self._store, self.config.chunk_bytes, self._stats
         lease = self._device.lease_for(device) or self._read_pool.lease
         to_device = self._device.to_device
@@ -918,7 +924,7 @@ class OffloadEngine:
                             "span: the slab file changed after it was written",
                         )
             stats.add(bytes_read=span.nbytes)
-            return to_device(buf.untyped_storage(), base, span.nbytes, device)
+            return to_device(buf.untyped_storage(), base, span.nbytes, device, None, align)
 
         return job
 
@@ -943,6 +949,7 @@ class OffloadEngine:
                         cand.span.nbytes,
                         cand.device,
                         source[2],
+                        cand.align,
                     )
                     cand.prefetch = fut = IOFuture(job)
                     copies.append(fut)

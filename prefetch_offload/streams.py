@@ -75,10 +75,11 @@ class Fence:
 
 
 class _CudaFence(Fence):
-    __slots__ = ("_done", "event")
+    __slots__ = ("_done", "device", "event")
 
-    def __init__(self, event: torch.cuda.Event) -> None:
+    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
         self.event = event
+        self.device = device
         self._done = False
 
     def done(self) -> bool:
@@ -88,7 +89,9 @@ class _CudaFence(Fence):
 
     def wait(self) -> None:
         if not self._done:
-            self.event.synchronize()
+            # Often on an IO thread: name the device, or CUDA makes a context on device 0.
+            with torch.cuda.device(self.device):
+                self.event.synchronize()
             self._done = True
 
 
@@ -186,14 +189,17 @@ class CopyStreams:
         inflight.add(fence, n, dst, src)
         return fence
 
-    def h2d(self, src: torch.Tensor, after: Fence | None) -> tuple[torch.Tensor, Fence]:
-        """A new device tensor holding host bytes ``src``, filled once ``after`` is done.
+    def h2d(
+        self, src: torch.Tensor, after: Fence | None, pad: int = 0
+    ) -> tuple[torch.Tensor, Fence]:
+        """A new device tensor whose bytes from ``pad`` on are host bytes ``src``,
+        filled once ``after`` is done.
 
         ``src`` stays alive until the copy is done. Pass the result to :meth:`use`
         before the compute stream reads it.
         """
         self.poll()
-        out, fence = self._h2d(src, after)
+        out, fence = self._h2d(src, after, pad)
         self._h2d_inflight.add(fence, src.numel(), src)
         return out, fence
 
@@ -218,7 +224,7 @@ class CopyStreams:
     def _d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
         raise NotImplementedError
 
-    def _h2d(self, src: torch.Tensor, after: Fence | None) -> tuple[torch.Tensor, Fence]:
+    def _h2d(self, src: torch.Tensor, after: Fence | None, pad: int) -> tuple[torch.Tensor, Fence]:
         raise NotImplementedError
 
 
@@ -233,6 +239,23 @@ class CudaStreams(CopyStreams):
         self._d2h_stream = torch.cuda.Stream(device)
         self._h2d_stream = torch.cuda.Stream(device)
 
+    # IO threads call these too: every CUDA call runs with the device named, or
+    # CUDA would make a context on device 0 for that thread.
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
+        with torch.cuda.device(self.device):
+            return super().d2h(dst, src)
+
+    def h2d(
+        self, src: torch.Tensor, after: Fence | None, pad: int = 0
+    ) -> tuple[torch.Tensor, Fence]:
+        with torch.cuda.device(self.device):
+            return super().h2d(src, after, pad)
+
+    def poll(self) -> None:
+        with torch.cuda.device(self.device):
+            super().poll()
+
     def _d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
         side = self._d2h_stream
         side.wait_stream(torch.cuda.current_stream(self.device))  # read at every call
@@ -240,22 +263,21 @@ class CudaStreams(CopyStreams):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(side)
-        return _CudaFence(event)
+        return _CudaFence(event, self.device)
 
-    def _h2d(self, src: torch.Tensor, after: Fence | None) -> tuple[torch.Tensor, Fence]:
+    def _h2d(self, src: torch.Tensor, after: Fence | None, pad: int) -> tuple[torch.Tensor, Fence]:
         side = self._h2d_stream
-        # May run on an IO thread: name the device, and allocate on the side stream.
-        with torch.cuda.device(self.device), torch.cuda.stream(side):
+        with torch.cuda.stream(side):  # allocated on the side stream (NOTE [copy streams])
             if after is not None and not after.done():
                 if isinstance(after, _CudaFence):
                     side.wait_event(after.event)
                 else:
                     after.wait()
-            out = torch.empty((src.numel(),), dtype=torch.uint8, device=self.device)
-            out.copy_(src, non_blocking=True)
+            out = torch.empty((pad + src.numel(),), dtype=torch.uint8, device=self.device)
+            out[pad:].copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(side)
-        return out, _CudaFence(event)
+        return out, _CudaFence(event, self.device)
 
     def use(self, t: torch.Tensor, fence: Fence | None) -> None:
         current = torch.cuda.current_stream(t.device)
@@ -339,10 +361,13 @@ class ThreadStreams(CopyStreams):
         self._d2h_worker.put(_copy_job(dst, src, fence, None))
         return fence
 
-    def _h2d(self, src: torch.Tensor, after: Fence | None) -> tuple[torch.Tensor, Fence]:
-        out = torch.empty((src.numel(),), dtype=torch.uint8)
+    def _h2d(self, src: torch.Tensor, after: Fence | None, pad: int) -> tuple[torch.Tensor, Fence]:
+        # Placed like the CUDA caching allocator places blocks: 512-byte aligned.
+        raw = torch.empty((pad + src.numel() + 512,), dtype=torch.uint8)
+        lead = (-raw.data_ptr()) % 512
+        out = raw[lead : lead + pad + src.numel()]
         fence = _ThreadFence()
-        self._h2d_worker.put(_copy_job(out, src, fence, after))
+        self._h2d_worker.put(_copy_job(out[pad:], src, fence, after))
         return out, fence
 
     def use(self, t: torch.Tensor, fence: Fence | None) -> None:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import gc
+import mmap
 
 import torch
 
-from prefetch_offload.buffers import HostBufferPool
+from prefetch_offload.buffers import Block, HostBufferPool, pinned_block
 
 
 def test_blocks_are_page_aligned_and_sized_up() -> None:
@@ -44,48 +45,62 @@ def test_idle_cap_and_trim() -> None:
     assert pool.idle_bytes == 0
 
 
-class _FakePinner:
-    def __init__(self, fail: bool = False) -> None:
-        self.fail = fail
-        self.pinned: set[int] = set()
-        self.calls = 0
+class _Counting:
+    """A block factory that counts the blocks it made and the ones still alive."""
 
-    def pin(self, address: int, nbytes: int) -> bool:
-        self.calls += 1
-        if self.fail:
-            return False
-        assert address % 4096 == 0 and nbytes % 4096 == 0
-        self.pinned.add(address)
-        return True
+    def __init__(self) -> None:
+        self.made = 0
+        self.alive: set[int] = set()
 
-    def unpin(self, address: int) -> None:
-        self.pinned.remove(address)
+    def __call__(self, size: int) -> Block:
+        self.made += 1
+        m = mmap.mmap(-1, size)
+        alive = self.alive
+
+        class Counted(Block):
+            __slots__ = ()
+
+            def release(self) -> None:
+                alive.discard(id(self))
+                super().release()
+
+        block = Counted(m, size, pinned=False, owner=m)
+        alive.add(id(block))
+        return block
 
 
-def test_pinned_pool_pins_once_and_keeps_up_to_its_peak() -> None:
-    """NOTE [pinned pool]: a step's blocks are re-used by the next step, not re-pinned."""
-    pinner = _FakePinner()
-    pool = HostBufferPool(0, pinner=pinner)
+def test_pinned_style_pool_reuses_blocks_and_keeps_up_to_its_peak() -> None:
+    """NOTE [pinned pool]: a step's blocks are re-used by the next step, not re-made."""
+    factory = _Counting()
+    pool = HostBufferPool(0, allocate=factory, follow_peak=True)
     for _ in range(3):  # three "steps" of the same four tensors
         step = [pool.lease(300_000)[0] for _ in range(4)]
         del step
         gc.collect()
-    assert pinner.calls == 4 and len(pinner.pinned) == 4
-    assert pool.misses == 4 and pool.hits == 8
+    assert factory.made == 4 and pool.misses == 4 and pool.hits == 8
     assert pool.idle_bytes == pool.peak_leased_bytes == 4 * 320 * 1024
     kept = pool.lease(300_000)[0]
     pool.close()
-    assert len(pinner.pinned) == 1  # idle blocks unpinned at close; the leased one later
+    assert len(factory.alive) == 1  # idle blocks released at close; the leased one later
     del kept
     gc.collect()
-    assert pool.idle_bytes == 0  # re-files the returned block: released, the pool is closed
-    assert not pinner.pinned
+    assert not factory.alive  # returned after close: released at once, not parked
 
 
-def test_pin_failure_is_counted_and_the_block_still_works() -> None:
-    pool = HostBufferPool(1 << 20, pinner=_FakePinner(fail=True))
+def test_pinned_block_falls_back_to_pageable_without_cuda() -> None:
+    block = pinned_block(1 << 16)
+    if torch.cuda.is_available():
+        assert block.pinned
+    else:  # torch raises for pin_memory without CUDA: a pageable block instead
+        assert not block.pinned
+    t = torch.frombuffer(block.buffer, dtype=torch.uint8)
+    assert t.data_ptr() % 4096 == 0 and t.numel() == 1 << 16
+
+
+def test_failed_pin_is_counted() -> None:
+    pool = HostBufferPool(1 << 20, allocate=pinned_block)
     t, region = pool.lease(5000)
     region[:3] = b"abc"
     region.release()
     assert bytes(t[:3].tolist()) == b"abc"
-    assert pool.pin_failures == 1
+    assert pool.pin_failures == (0 if torch.cuda.is_available() else 1)
