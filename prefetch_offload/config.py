@@ -57,6 +57,10 @@ class OffloadConfig:
     min_offload_bytes: int = 1 << 16
     # Cap on bytes queued for writing; pack waits when it is reached. Trades memory for speed.
     max_pending_write_bytes: int = 64 << 20
+    # Cap on device-to-host copy bytes in flight (CUDA tensors): past it, pack waits for
+    # the oldest copy. Bounds the device memory copies hold when the link is slower than
+    # compute; too low a cap keeps the host from running ahead of the GPU.
+    max_inflight_copy_bytes: int = 1 << 30
     # Request size, in bytes (multiple of 4096): reads use requests of at most this;
     # writes split a tensor into near-equal requests of this to twice this size.
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -106,6 +110,12 @@ class OffloadConfig:
             self.max_pending_write_bytes,
             1,
             "Use a byte count such as 64 << 20.",
+        )
+        _check_int(
+            "max_inflight_copy_bytes",
+            self.max_inflight_copy_bytes,
+            1,
+            "Use a byte count such as 1 << 30.",
         )
         for name in ("chunk_bytes", "slab_bytes"):
             value = getattr(self, name)

@@ -103,6 +103,7 @@ def offload_context(
     io_workers: int = 2,
     min_offload_bytes: int = 1 << 16,
     max_pending_write_bytes: int = 64 << 20,
+    max_inflight_copy_bytes: int = 1 << 30,
     chunk_bytes: int = 8 << 20,
     slab_bytes: int = 256 << 20,
     io_method: str = "auto",
@@ -120,6 +121,7 @@ def offload_context(
         io_workers: background IO threads.
         min_offload_bytes: smaller saved tensors stay in memory.
         max_pending_write_bytes: cap on bytes queued for writing; pack waits at the cap.
+        max_inflight_copy_bytes: cap on GPU-to-host copy bytes in flight; pack waits at it.
         chunk_bytes: IO request size (multiple of 4096; writes use up to twice it).
         slab_bytes: size of each preallocated slab file (multiple of 4096).
         io_method: "auto", "direct" (O_DIRECT), "buffered" or "mmap".
@@ -146,6 +148,7 @@ def offload_context(
         io_workers=io_workers,
         min_offload_bytes=min_offload_bytes,
         max_pending_write_bytes=max_pending_write_bytes,
+        max_inflight_copy_bytes=max_inflight_copy_bytes,
         chunk_bytes=chunk_bytes,
         slab_bytes=slab_bytes,
         io_method=io_method,  # type: ignore[arg-type]

@@ -92,6 +92,10 @@ class DeviceLayer:
         """Host buffers to read ``device``'s spans into (None: the engine's own pool)."""
         return None
 
+    def copy_wait_seconds(self) -> float:
+        """Seconds packs waited at the cap on device-to-host bytes in flight."""
+        return 0.0
+
     def close(self) -> None:
         """Wait for every copy in flight and release idle host buffers.
 
@@ -184,8 +188,7 @@ class SpanCopyDevice(DeviceLayer):
     def lease_for(self, device: torch.device) -> Lease | None:
         return self.pool.lease
 
-    def throttle_seconds(self) -> float:
-        """Seconds packs waited at the cap on D2H bytes in flight."""
+    def copy_wait_seconds(self) -> float:
         return sum(s.throttle_seconds for s in list(self._streams.values()))
 
     def close(self) -> None:
@@ -226,6 +229,9 @@ class RoutingDevice(DeviceLayer):
 
     def lease_for(self, device: torch.device) -> Lease | None:
         return self._by_type[device.type].lease_for(device)
+
+    def copy_wait_seconds(self) -> float:
+        return sum(layer.copy_wait_seconds() for layer in self.layers)
 
     def close(self) -> None:
         for layer in self.layers:

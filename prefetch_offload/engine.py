@@ -180,7 +180,8 @@ def _split(nbytes: int, chunk: int) -> list[int]:
 # two adjacent nodes saved the same span (nll_loss and log_softmax both save the
 # log-probabilities) the second would find the restored copy already gone and
 # read it again. The engine keeps the last few restored spans alive: a bounded
-# cost (this many spans, during backward only: the next pack lets them go) that
+# cost (this many spans, during backward only: they are let go when the backward
+# pass ends, through an autograd final callback, or at the next pack) that
 # removes those repeated reads.
 _RECENT_SPANS = 3
 # Cap on idle read buffers kept for reuse during backward (NOTE [read buffer pool]).
@@ -435,7 +436,7 @@ class OffloadEngine:
             )
             self._finalizer = weakref.finalize(self, self._store.close)
         self._device = device or default_device_layer(
-            config.target, max_inflight_bytes=config.max_pending_write_bytes
+            config.target, max_inflight_bytes=config.max_inflight_copy_bytes
         )
         # Records whose device-to-host copy may still run, oldest first (NOTE [version check]).
         self._copying: collections.deque[tuple[Fence, weakref.ref[_Record]]] = collections.deque()
@@ -462,6 +463,7 @@ class OffloadEngine:
             maxlen=_RECENT_SPANS
         )
         self._in_backward = False
+        self._end_queued = False  # NOTE [recently restored]: a final callback is queued
         self._skipped: list[weakref.ref[_Record]] = []  # NOTE [write tail]
         self._read_pool = HostBufferPool(_POOL_IDLE_BYTES)
         # ``pool`` lets tests run the inline reference pool instead of threads.
@@ -494,6 +496,7 @@ class OffloadEngine:
                 peak_disk_bytes_reserved=store.peak_reserved_bytes,
                 peak_disk_bytes_in_use=store.peak_used_bytes,
             )
+        self._stats.set(copy_wait_seconds=self._device.copy_wait_seconds())
         return self._stats.snapshot()
 
     def flush(self) -> None:
@@ -835,6 +838,8 @@ class OffloadEngine:
         if not self._in_backward:
             self._in_backward = True
             self._skip_tail_writes()
+        if not self._end_queued:
+            self._queue_end_of_backward()
         if self._dead:
             self._drain_dead()
         if self._copying:
@@ -848,6 +853,18 @@ class OffloadEngine:
         self._prefetch_after(rec)
         storage, base = self._materialize(rec)
         return make_view(storage, base, packed.view)
+
+    def _queue_end_of_backward(self) -> None:
+        """Let the recently restored spans go when this backward pass ends."""
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        except RuntimeError:
+            return  # unpacked outside a backward pass (e.g. grad_fn._saved_self)
+        self._end_queued = True
+
+    def _end_of_backward(self) -> None:
+        self._end_queued = False
+        self._recent.clear()
 
     def _materialize(self, rec: _Record) -> tuple[torch.UntypedStorage, int]:
         """The record's span on its device, ready for the current stream: shared, in

@@ -43,6 +43,8 @@ class OffloadStats:
     stall_seconds: float = 0.0
     # Seconds pack calls spent waiting because the write queue was at its byte cap.
     pack_wait_seconds: float = 0.0
+    # Seconds pack calls spent waiting because device-to-host copies were at their cap.
+    copy_wait_seconds: float = 0.0
     # Tensors that could not be written (full disk, disk cap, IO error) and stayed in memory.
     fallbacks: int = 0
     # Queued writes dropped because backward needed the tensor first (it stayed in memory).

@@ -183,9 +183,7 @@ class _SavesAndChecksAlignment(torch.autograd.Function):
 
 @pytest.mark.parametrize("target", ["cpu", "disk"])
 @pytest.mark.parametrize("flush", [False, True])
-def test_twin_restored_views_keep_their_alignment(
-    save_dir: Path, target: str, flush: bool
-) -> None:
+def test_twin_restored_views_keep_their_alignment(save_dir: Path, target: str, flush: bool) -> None:
     """Kernels choose code paths by pointer alignment; a restored view must not change it."""
     x = torch.randn(1 << 16, requires_grad=True)
     with _twin(target, save_dir, delay=0.001) as (engine, _):

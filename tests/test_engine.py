@@ -852,3 +852,26 @@ def test_overlapping_views_share_the_whole_storage(save_dir: Path) -> None:
         assert stats.bytes_offloaded == x.numel() * 4  # qkv's storage, once
         loss.backward()
     assert torch.equal(x.grad, ref)
+
+
+def test_restored_spans_are_let_go_when_backward_ends(save_dir: Path) -> None:
+    """NOTE [recently restored]: nothing restored outlives the backward pass."""
+    x = torch.randn(1 << 16, requires_grad=True)
+    with _engine(save_dir) as engine:
+        y = (x * 2).sin()
+        engine.flush()
+        refs: list[weakref.ref[torch.UntypedStorage]] = []
+        y.grad_fn.register_hook(lambda *_: refs.append(weakref.ref(engine._recent[-1])))
+        y.sum().backward()
+        gc.collect()
+        assert refs and refs[0]() is None and not engine._recent
+        y2 = (x * 3).sin()
+        y2.sum().backward(retain_graph=True)
+        y2.sum().backward()  # a second pass queues its own callback
+        assert not engine._recent
+    got, x.grad = x.grad, None
+    (x * 2).sin().sum().backward()
+    y2 = (x * 3).sin()
+    y2.sum().backward(retain_graph=True)
+    y2.sum().backward()
+    assert torch.equal(got, x.grad)
