@@ -87,6 +87,15 @@ def _sleepy_step(x: torch.Tensor) -> torch.Tensor:
     for i in range(4):
         torch.cuda._sleep(20_000_000)  # queued GPU work: the next copies run late
         y = (x * (i + 2)).sin()  # saves x * (i + 2); freed, its block reused, next round
+
+        def slow_grad(g: torch.Tensor) -> torch.Tensor:
+            # In backward: the compute stream is busy while prefetches land, and a
+            # same-size allocation would take a block handed back too early.
+            torch.cuda._sleep(20_000_000)
+            torch.full_like(g, float("nan"))
+            return g
+
+        y.register_hook(slow_grad)
         loss = loss + y.sum()
         scratch = torch.full_like(x, float("nan"))  # likely takes the freed block
         del y, scratch
@@ -95,56 +104,60 @@ def _sleepy_step(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("target", ["cpu", "disk"])
-def test_cuda_race_with_queued_gpu_work(save_dir: Path, target: str) -> None:
-    """Long GPU work queued before each copy: a too-early free or reuse corrupts values."""
+@pytest.mark.parametrize("depth", [0, 4])
+def test_cuda_race_with_queued_gpu_work(save_dir: Path, target: str, depth: int) -> None:
+    """Long GPU work queued around each copy: a too-early free or reuse corrupts values."""
     x = torch.randn(1 << 22, device="cuda", requires_grad=True)
     _sleepy_step(x).backward()
     expected, x.grad = x.grad, None
-    with offload_context(target, min_offload_bytes=0, **_kw(target, save_dir)):
-        loss = _sleepy_step(x)
-
-        def slow_backward_hook(g: torch.Tensor) -> torch.Tensor:
-            torch.cuda._sleep(20_000_000)  # compute stream busy while prefetches land
-            return g
-
-        x.register_hook(slow_backward_hook)
-        loss.backward()
+    kw = _kw(target, save_dir)
+    with offload_context(target, prefetch_depth=depth, min_offload_bytes=0, **kw):
+        _sleepy_step(x).backward()
     assert torch.equal(x.grad, expected)
 
 
 @pytest.mark.parametrize("target", ["cpu", "disk"])
-def test_cuda_on_a_side_compute_stream(save_dir: Path, target: str) -> None:
-    """The current stream is read at every hook call, not cached."""
+def test_cuda_compute_stream_changes_between_steps(save_dir: Path, target: str) -> None:
+    """The current stream is read at every hook call: one engine, default then side stream."""
+    model, tokens, targets = _setup()
+    ref = copy.deepcopy(model)
     stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        model, tokens, targets = _setup()
-        ref = copy.deepcopy(model)
-        ref(tokens, targets).backward()
-        with offload_context(target, min_offload_bytes=0, **_kw(target, save_dir)):
+    with offload_context(target, min_offload_bytes=0, **_kw(target, save_dir)):
+        model(tokens, targets).backward()  # the engine's copy streams are made here
+        model.zero_grad(set_to_none=True)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             model(tokens, targets).backward()
+    with torch.cuda.stream(stream):
+        ref(tokens, targets).backward()  # the reference, on the same stream, no offload
     torch.cuda.synchronize()
     assert _same(_grads(model), _grads(ref))
 
 
-def test_cuda_checkpoint_recompute(save_dir: Path) -> None:
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_cuda_checkpoint_recompute(save_dir: Path, reentrant: bool) -> None:
+    """Reentrant checkpoint saves block inputs through the hooks and recomputes in backward."""
     model, tokens, targets = _setup()
     ref = copy.deepcopy(model)
 
     def run(m: TinyTransformer) -> torch.Tensor:
         x = m.embed(tokens)
         for block in m.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
+            x = checkpoint(block, x, use_reentrant=reentrant)
         logits = m.head(m.norm(x))
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     run(ref).backward()
-    with offload_context("disk", save_dir=str(save_dir), min_offload_bytes=0):
+    with offload_context("disk", save_dir=str(save_dir), min_offload_bytes=0) as engine:
         run(model).backward()
     assert _same(_grads(model), _grads(ref))
+    assert engine.stats().tensors_offloaded > 0
 
 
-def test_cuda_no_host_sync_in_hooks(save_dir: Path) -> None:
-    """Target cpu: pack and unpack only queue copies and query events."""
+def test_cuda_no_host_sync_in_hooks(save_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Target cpu, steady state: pack and unpack only queue copies and query events."""
+    from prefetch_offload import streams
+
     model, tokens, targets = _setup()
     model(tokens, targets).backward()
     torch.cuda.synchronize()
@@ -155,14 +168,29 @@ def test_cuda_no_host_sync_in_hooks(save_dir: Path) -> None:
         pytest.skip(f"the model itself synchronizes on this build: {exc}")
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    with offload_context("cpu", min_offload_bytes=0, max_pending_write_bytes=1 << 30):
-        model(tokens, targets).backward()  # first step: streams and pinned blocks
+    engine = OffloadEngine(OffloadConfig(target="cpu", min_offload_bytes=0))
+    layer = _layer(engine)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+            model(tokens, targets).backward()  # first step: streams and pinned blocks
         torch.cuda.synchronize()
+        gc.collect()
+        misses = layer.pool.misses
+
+        def no_wait(self: object) -> None:
+            raise AssertionError("a hook waited on a copy on the host")
+
+        monkeypatch.setattr(streams._CudaFence, "wait", no_wait)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            model(tokens, targets).backward()
+            with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+                model(tokens, targets).backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        monkeypatch.undo()
+        assert layer.pool.misses == misses  # no new pinned allocation in steady state
+    finally:
+        engine.close()
 
 
 def _layer(engine: OffloadEngine) -> SpanCopyDevice:
@@ -213,9 +241,10 @@ def test_cuda_peak_memory_drops_by_the_offloaded_bytes(save_dir: Path) -> None:
         model.zero_grad(set_to_none=True)
         return peak, engine
 
-    forward_peak(lambda: offload_context("cpu", min_offload_bytes=0))  # warm the pool
+    small = {"min_offload_bytes": 0, "max_inflight_copy_bytes": 16 << 20}
+    forward_peak(lambda: offload_context("cpu", **small))  # PyTorch's pinned cache warms up
     plain, _ = forward_peak(lambda: offload_context(None))
-    peak, engine = forward_peak(lambda: offload_context("cpu", min_offload_bytes=0))
+    peak, engine = forward_peak(lambda: offload_context("cpu", **small))
     saved = engine.stats().bytes_offloaded
     assert peak < 0.5 * plain
     assert plain - peak >= 0.5 * saved

@@ -138,14 +138,17 @@ def test_io_methods_and_pools_agree(save_dir: Path, io_method: str, inline: bool
     assert engine.stats().bytes_read > 0
 
 
-def test_checkpoint_non_reentrant(save_dir: Path) -> None:
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint(save_dir: Path, reentrant: bool) -> None:
+    """Non-reentrant: the frame keeps block inputs. Reentrant: block inputs go through the
+    hooks, and the recompute packs and unpacks again inside backward."""
     model = _model()
     tokens, targets = make_batch(4, 32, vocab=64)
 
     def step(m: TinyTransformer) -> None:
         x = m.embed(tokens)
         for block in m.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
+            x = checkpoint(block, x, use_reentrant=reentrant)
         logits = m.head(m.norm(x))
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
 
