@@ -181,6 +181,7 @@ class Knobs:
     io_workers: int = _CONFIG_DEFAULTS["io_workers"]
     max_pending_write_bytes: int = _CONFIG_DEFAULTS["max_pending_write_bytes"]
     min_offload_bytes: int = _CONFIG_DEFAULTS["min_offload_bytes"]
+    chunk_bytes: int = _CONFIG_DEFAULTS["chunk_bytes"]
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Knobs:
@@ -225,6 +226,7 @@ def make_context(mode: str, save_dir: Path, knobs: Knobs) -> AbstractContextMana
             io_workers=knobs.io_workers,
             min_offload_bytes=knobs.min_offload_bytes,
             max_pending_write_bytes=knobs.max_pending_write_bytes,
+            chunk_bytes=knobs.chunk_bytes,
         )
     if mode == "seed":
         return SeedDiskHooks(str(save_dir / "seed"), knobs.min_offload_bytes)
@@ -332,6 +334,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         default=_CONFIG_DEFAULTS["min_offload_bytes"],
         help="smallest saved tensor sent to disk, for both disk and seed",
+    )
+    p.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=_CONFIG_DEFAULTS["chunk_bytes"],
+        help="write batch and read request size",
     )
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write JSON here")
     # Internal: run one mode's memory probe in this process and print its JSON.

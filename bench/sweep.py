@@ -187,6 +187,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="smallest saved tensor sent to disk",
     )
     p.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=_DEFAULTS.chunk_bytes,
+        help="write batch and read request size",
+    )
+    p.add_argument(
         "--no-mem-probe",
         dest="mem_probe",
         action="store_false",
@@ -221,7 +227,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _plan(args: argparse.Namespace) -> list[tuple[str, step.Knobs]]:
     """(group, knobs) for every cell, grid first; pending points the grid has are dropped."""
-    base = step.Knobs(min_offload_bytes=args.min_offload_bytes)
+    base = step.Knobs(min_offload_bytes=args.min_offload_bytes, chunk_bytes=args.chunk_bytes)
     cells = [
         ("grid", dataclasses.replace(base, prefetch_depth=d, io_workers=w))
         for d in args.prefetch_depths
@@ -285,7 +291,7 @@ def _probe(
     pending: list[Cell], shape: step.Shape, args: argparse.Namespace, run_dir: Path
 ) -> tuple[list[Cell], dict[str, Any]]:
     """Add probed activation memory to the pending cells; also return the raw probes."""
-    base = step.Knobs(min_offload_bytes=args.min_offload_bytes)
+    base = step.Knobs(min_offload_bytes=args.min_offload_bytes, chunk_bytes=args.chunk_bytes)
     requests = [("none", base)] + [
         ("disk", dataclasses.replace(base, max_pending_write_bytes=c.max_pending_write_bytes))
         for c in pending

@@ -20,7 +20,7 @@ __all__ = [
 
 TARGETS: tuple[str | None, ...] = (None, "cpu", "disk")
 IO_METHODS: tuple[str, ...] = ("auto", "direct", "buffered", "mmap")
-DEFAULT_CHUNK_BYTES = 8 << 20
+DEFAULT_CHUNK_BYTES = 32 << 20
 _ALIGN = 4096
 
 IOMethod = Literal["auto", "direct", "buffered", "mmap"]
@@ -61,8 +61,9 @@ class OffloadConfig:
     # the oldest copy. Bounds the device memory copies hold when the link is slower than
     # compute; too low a cap keeps the host from running ahead of the GPU.
     max_inflight_copy_bytes: int = 1 << 30
-    # Request size, in bytes (multiple of 4096): reads use requests of at most this;
-    # writes split a tensor into near-equal requests of this to twice this size.
+    # Request size, in bytes (multiple of 4096): writes gather queued tensors into
+    # batches of about this size (at most half of max_pending_write_bytes), written with
+    # one vectored write per run of adjacent extents; reads use requests of at most this.
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     # Size of each preallocated slab file, in bytes (multiple of 4096).
     slab_bytes: int = 256 << 20

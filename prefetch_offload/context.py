@@ -104,7 +104,7 @@ def offload_context(
     min_offload_bytes: int = 1 << 16,
     max_pending_write_bytes: int = 64 << 20,
     max_inflight_copy_bytes: int = 1 << 30,
-    chunk_bytes: int = 8 << 20,
+    chunk_bytes: int = 32 << 20,
     slab_bytes: int = 256 << 20,
     io_method: str = "auto",
     disk_bytes_limit: int | None = None,
@@ -122,7 +122,7 @@ def offload_context(
         min_offload_bytes: smaller saved tensors stay in memory.
         max_pending_write_bytes: cap on bytes queued for writing; pack waits at the cap.
         max_inflight_copy_bytes: cap on GPU-to-host copy bytes in flight; pack waits at it.
-        chunk_bytes: IO request size (multiple of 4096; writes use up to twice it).
+        chunk_bytes: write batch and read request size (multiple of 4096).
         slab_bytes: size of each preallocated slab file (multiple of 4096).
         io_method: "auto", "direct" (O_DIRECT), "buffered" or "mmap".
         disk_bytes_limit: cap on slab bytes; past it tensors stay in memory.

@@ -187,6 +187,9 @@ _RECENT_SPANS = 3
 # Cap on idle read buffers kept for reuse during backward (NOTE [read buffer pool]).
 _POOL_IDLE_BYTES = 256 << 20
 
+# A record queued for writing: its pieces (views of its host bytes) and its copy's fence.
+_Pending = tuple["_Record", list[memoryview], Fence | None]
+
 # A span in memory: bytes [base, base + nbytes) of an untyped storage, there once
 # its fence (if any) is done (NOTE [copy streams]).
 Resident = Placed
@@ -445,8 +448,11 @@ class OffloadEngine:
         self._pending_write_bytes = 0
         # Write jobs in submission order (NOTE [record lifetime]: flush waits on them).
         self._write_futs: collections.deque[IOFuture[None]] = collections.deque()
-        # Each record's write requests, oldest record first, that backward may still skip.
-        self._tail: collections.deque[tuple[list[IOFuture[None]], weakref.ref[_Record]]] = (
+        # The open write batch: records queued but not yet submitted (NOTE [write batches]).
+        self._open: list[_Pending] = []
+        self._open_bytes = 0
+        # Submitted batches, oldest first, that backward may still skip (NOTE [write tail]).
+        self._tail: collections.deque[tuple[IOFuture[None], list[weakref.ref[_Record]]]] = (
             collections.deque()
         )
         self._stats = StatsCounter()
@@ -646,9 +652,17 @@ class OffloadEngine:
     def _queue_write(
         self, rec: _Record, host: torch.UntypedStorage, base: int, fence: Fence | None
     ) -> None:
+        """Add ``rec`` to the open write batch (NOTE [write batches])."""
         nbytes = rec.span.extent_bytes
-        chunk = self.config.chunk_bytes
         cap = self.config.max_pending_write_bytes
+        batch = None
+        with self._lock:
+            if self._pending_write_bytes and self._pending_write_bytes + nbytes > cap:
+                batch = self._take_batch()  # the bytes being waited for may be in it
+        if batch:
+            self._submit_batch(batch)
+        pieces = _split(nbytes, self.config.chunk_bytes)
+        src = source_buffer(host, base, rec.span)
         with self._lock:
             if self._pending_write_bytes and self._pending_write_bytes + nbytes > cap:
                 start = time.perf_counter()
@@ -657,54 +671,84 @@ class OffloadEngine:
                 self._stats.add(pack_wait_seconds=time.perf_counter() - start)
             self._pending_write_bytes += nbytes
             self._stats.set_max("peak_pending_write_bytes", self._pending_write_bytes)
-            bounds = _split(nbytes, chunk)
-            rec.writes_left = len(bounds) - 1
+            rec.writes_left = 1
             if self.config.verify:  # NOTE [checksums]
-                rec.crcs = [(lo, hi, 0) for lo, hi in itertools.pairwise(bounds)]
-        src = source_buffer(host, base, rec.span)
-        write = self._write
-        submitted = [
-            self._pool.submit(functools.partial(write, rec, i, lo, src[lo:hi], fence), WRITE)
-            for i, (lo, hi) in enumerate(itertools.pairwise(bounds))
-        ]
+                rec.crcs = [(lo, hi, 0) for lo, hi in itertools.pairwise(pieces)]
+            views = [src[lo:hi] for lo, hi in itertools.pairwise(pieces)]
+            self._open.append((rec, views, fence))
+            self._open_bytes += nbytes
+            target = min(self.config.chunk_bytes, max(cap // 2, 1))
+            batch = self._take_batch() if self._open_bytes >= target else None
+        if batch:
+            self._submit_batch(batch)
+
+    def _take_batch(self) -> list[_Pending]:
+        """The open batch, emptied (call under the lock)."""
+        batch, self._open, self._open_bytes = self._open, [], 0
+        return batch
+
+    def _submit_batch(self, batch: list[_Pending]) -> None:
+        fut = self._pool.submit(functools.partial(self._write_batch, batch), WRITE)
         with self._lock:
             futs = self._write_futs
             while futs and futs[0].done():
                 futs.popleft()
-            futs.extend(submitted)
+            futs.append(fut)
             tail = self._tail  # NOTE [write tail]
-            while tail and tail[0][0][-1].done():
+            while tail and tail[0][0].done():
                 tail.popleft()
-            tail.append((submitted, weakref.ref(rec)))
+            tail.append((fut, [weakref.ref(rec) for rec, _, _ in batch]))
 
-    def _write(self, rec: _Record, i: int, off: int, view: memoryview, fence: Fence | None) -> None:
-        """IO job: write request ``i``; the last one of a record publishes the outcome."""
-        exc: BaseException | None = None
-        try:
-            assert rec.extent is not None and self._store is not None
-            if fence is not None:
-                fence.wait()  # the host copy must be complete (NOTE [copy streams])
-            crcs = rec.crcs
-            if crcs is not None:  # NOTE [checksums]: the span's bytes in this request
-                lo, hi, _ = crcs[i]
-                a, b = _span_part(rec.span, lo, hi)
-                crcs[i] = (lo, hi, zlib.crc32(view[a - lo : b - lo]))
-            with _profiler_range("prefetch_offload::write"):
-                self._store.write(rec.extent, off, view)
-        except BaseException as e:  # every failure must reach the bookkeeping below
-            exc = e
-        finally:
-            view.release()
+    def _write_batch(self, batch: list[_Pending]) -> None:
+        """IO job: write a batch, adjacent extents with one vectored write each."""
+        store = self._store
+        assert store is not None
+        runs: list[list[_Pending]] = []
+        for item in batch:
+            rec = item[0]
+            assert rec.extent is not None
+            if runs:
+                last = runs[-1][-1][0].extent
+                assert last is not None
+                if last.slab == rec.extent.slab and last.offset + last.length == rec.extent.offset:
+                    runs[-1].append(item)
+                    continue
+            runs.append([item])
+        for run in runs:
+            exc: BaseException | None = None
+            try:
+                views: list[memoryview] = []
+                for rec, pieces, fence in run:
+                    if fence is not None:
+                        fence.wait()  # the host copy must be complete (NOTE [copy streams])
+                    crcs = rec.crcs
+                    if crcs is not None:  # NOTE [checksums]: the span's bytes in each piece
+                        for i, (lo, hi, _) in enumerate(crcs):
+                            a, b = _span_part(rec.span, lo, hi)
+                            crcs[i] = (lo, hi, zlib.crc32(pieces[i][a - lo : b - lo]))
+                    views.extend(pieces)
+                first = run[0][0].extent
+                assert first is not None
+                with _profiler_range("prefetch_offload::write"):
+                    store.write(first, 0, views if len(views) > 1 else views[0])
+            except BaseException as e:  # every failure must reach the bookkeeping below
+                exc = e
+            finally:
+                for _, pieces, _ in run:
+                    for view in pieces:
+                        view.release()
+            for rec, _, _ in run:
+                self._write_done(rec, exc)
+
+    def _write_done(self, rec: _Record, exc: BaseException | None) -> None:
+        """Publish the outcome of ``rec``'s write."""
         with self._lock:
-            rec.writes_left -= 1
-            if exc is not None and rec.write_error is None:
-                rec.write_error = exc
-            if rec.writes_left:
-                return
+            if rec.writes_left == 0:
+                return  # skipped meanwhile (NOTE [write tail])
+            rec.writes_left = 0
             self._pending_write_bytes -= rec.span.extent_bytes
             self._writes_idle.notify_all()
-            failed = rec.write_error
-            if failed is None:
+            if exc is None:
                 saved = rec.saved
                 if saved is not None and saved._version != rec.version:
                     rec.tainted = True  # NOTE [version check]: modified before it was written
@@ -713,45 +757,43 @@ class OffloadEngine:
                 rec.source = None  # NOTE [record lifetime]: the activation can go now
                 self._stats.add(tensors_offloaded=1, bytes_offloaded=rec.span.nbytes)
                 return
+            rec.write_error = exc
             extent, rec.extent = rec.extent, None
         if extent is not None:
             self._store.free(extent)  # type: ignore[union-attr]
-        self._write_failed(rec, failed)
+        self._write_failed(rec, exc)
 
     def _skip_tail_writes(self) -> None:
-        """Drop queued writes that backward would read right back (NOTE [write tail])."""
+        """Drop writes that backward would read right back (NOTE [write tail])."""
         freed: list[Extent] = []
-        unfinished: list[IOFuture[None]] = []
         skipped: list[_Record] = []
+
+        def skip(rec: _Record) -> None:
+            rec.writes_left = 0
+            self._pending_write_bytes -= rec.span.extent_bytes
+            skipped.append(rec)
+            if rec.extent is not None:
+                freed.append(rec.extent)
+                rec.extent = None
+
         with self._lock:
+            for rec, pieces, _ in self._take_batch():  # never submitted
+                for view in pieces:
+                    view.release()
+                skip(rec)
             tail = self._tail
             while tail:
-                futs, ref = tail.pop()  # newest first
-                rec = ref()
-                if rec is None:
-                    break
-                # Claim the record's requests, last first (workers take them first first).
-                claimed = []
-                for fut in reversed(futs):
-                    if not fut.claim():
-                        break
-                    claimed.append(fut)
-                if len(claimed) < len(futs):
-                    unfinished = claimed  # a worker started this record: finish it below
-                    break  # writes run in order: everything older has started too
-                for fut in claimed:
-                    fut.abandon()
-                rec.writes_left = 0
-                self._pending_write_bytes -= rec.span.extent_bytes
-                skipped.append(rec)
-                if rec.extent is not None:
-                    freed.append(rec.extent)
-                    rec.extent = None
+                fut, refs = tail.pop()  # newest first
+                if not fut.claim():
+                    break  # a worker started it; writes run in order: older ones too
+                fut.abandon()
+                for ref in refs:
+                    rec = ref()
+                    if rec is not None and rec.writes_left:
+                        skip(rec)
             tail.clear()  # older writes have started: none left to skip
             self._writes_idle.notify_all()
             self._skipped.extend(weakref.ref(r) for r in skipped)
-        for fut in unfinished:
-            fut.run()  # this thread claimed them, so it writes them
         if freed:
             assert self._store is not None
             for extent in freed:
@@ -782,7 +824,11 @@ class OffloadEngine:
             self._queue_write(rec, *source)
 
     def _wait_writes(self) -> None:
-        """Wait until every write job has finished and dropped its record."""
+        """Submit the open batch; wait until every write job has finished."""
+        with self._lock:
+            batch = self._take_batch()
+        if batch:
+            self._submit_batch(batch)
         futs = self._write_futs
         while True:
             with self._lock:

@@ -28,6 +28,7 @@ import os
 import secrets
 import tempfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,8 @@ __all__ = [
 
 _O_TMPFILE = getattr(os, "O_TMPFILE", 0)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+# Buffers per vectored write (Linux IOV_MAX).
+_IOV_MAX = 1024
 
 
 def open_scratch_file(directory: str, *, direct: bool) -> int:
@@ -313,19 +316,30 @@ class SlabStore:
 
     # -- byte movers ------------------------------------------------------------------
 
-    def write(self, extent: Extent, offset: int, data: memoryview) -> None:
-        """Write ``data`` at ``offset`` bytes into ``extent`` (page-aligned for "direct")."""
+    def write(self, extent: Extent, offset: int, data: memoryview | Sequence[memoryview]) -> None:
+        """Write ``data`` at ``offset`` bytes into ``extent`` (page-aligned for "direct").
+
+        A sequence of buffers is written back to back with one vectored write; it
+        may run on past ``extent`` into the extents that follow it in the slab
+        (the caller knows they are adjacent, NOTE [write batches] in engine.py).
+        """
         slab = self._slabs[extent.slab]
         pos = extent.offset + offset
+        views = [data] if isinstance(data, memoryview) else list(data)
         if slab.mm is not None:
-            dst = np.frombuffer(slab.mm, dtype=np.uint8, count=len(data), offset=pos)
-            np.copyto(dst, np.frombuffer(data, dtype=np.uint8))
+            for view in views:
+                dst = np.frombuffer(slab.mm, dtype=np.uint8, count=len(view), offset=pos)
+                np.copyto(dst, np.frombuffer(view, dtype=np.uint8))
+                pos += len(view)
             return
-        view = data
-        while view:
-            n = os.pwrite(slab.fd, view, pos)
-            view = view[n:]
+        while views:
+            n = os.pwritev(slab.fd, views[:_IOV_MAX], pos)
             pos += n
+            while views and n >= len(views[0]):  # drop what was written
+                n -= len(views[0])
+                views.pop(0)
+            if n:
+                views[0] = views[0][n:]
 
     def read(self, extent: Extent, offset: int, out: memoryview) -> None:
         """Fill ``out`` from ``offset`` bytes into ``extent``."""

@@ -21,6 +21,8 @@ import torch
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 TINY_SHAPE = ["--width", "32", "--depth", "2", "--heads", "2", "--batch", "2", "--seq", "16"]
 TINY = [*TINY_SHAPE, "--min-offload-bytes", "0", "--steps", "2", "--warmup", "0"]
+# Write batches small enough for the tiny model's tensors to reach the disk.
+SMALL_BATCHES = ["--chunk-bytes", "16384"]
 MiB = 1 << 20
 
 
@@ -66,7 +68,7 @@ def test_step_main_every_mode_is_exact(
 ) -> None:
     step = _load("step")
     scratch, out = tmp_path / "scratch", tmp_path / "step.json"
-    argv = [*TINY, "--no-mem-probe", "--save-dir", str(scratch), "--json", str(out)]
+    argv = [*TINY, *SMALL_BATCHES, "--no-mem-probe", "--save-dir", str(scratch), "--json", str(out)]
     assert step.main(argv) == 0
     assert _empty(scratch), list(scratch.iterdir())
     text = capsys.readouterr().out
@@ -98,7 +100,8 @@ def test_step_main_every_mode_is_exact(
 def test_step_main_memory_probes(tmp_path: Path, cwd: Path) -> None:
     step = _load("step")
     scratch, out = tmp_path / "scratch", tmp_path / "step.json"
-    argv = [*TINY, "--modes", "none,disk", "--mem-rounds", "0", "--pending-sweep", "1,64"]
+    argv = [*TINY, *SMALL_BATCHES, "--modes", "none,disk", "--mem-rounds", "0"]
+    argv += ["--pending-sweep", "1,64"]
     argv += ["--probe-jobs", "3", "--save-dir", str(scratch), "--json", str(out)]
     assert step.main(argv) == 0
     assert _empty(scratch), list(scratch.iterdir())
@@ -178,7 +181,8 @@ def test_sweep_plan_reuses_grid_cells() -> None:
 def test_sweep_main(tmp_path: Path, cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
     sweep = _load("sweep")
     scratch, out = tmp_path / "scratch", tmp_path / "sweep.json"
-    argv = [*TINY, "--prefetch-depths", "0,2", "--io-workers", "1", "--pending-mib", "1"]
+    argv = [*TINY, *SMALL_BATCHES, "--prefetch-depths", "0,2", "--io-workers", "1"]
+    argv += ["--pending-mib", "1"]
     argv += ["--probe-jobs", "2", "--save-dir", str(scratch), "--json", str(out)]
     assert sweep.main(argv) == 0
     assert _empty(scratch), list(scratch.iterdir())
@@ -205,7 +209,8 @@ def test_sweep_plot(tmp_path: Path, cwd: Path) -> None:
     pytest.importorskip("matplotlib")
     sweep = _load("sweep")
     png = tmp_path / "plots" / "sweep.png"
-    argv = [*TINY, "--prefetch-depths", "0,1", "--io-workers", "1", "--pending-mib", "1"]
+    argv = [*TINY, *SMALL_BATCHES, "--prefetch-depths", "0,1", "--io-workers", "1"]
+    argv += ["--pending-mib", "1"]
     argv += ["--no-mem-probe", "--save-dir", str(tmp_path / "s"), "--plot", str(png)]
     assert sweep.main(argv) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -241,7 +246,8 @@ def test_gpu_main_on_the_cpu_twin(tmp_path: Path, cwd: Path) -> None:
     """bench/gpu.py end to end on the CPU twin: every mode runs and is exact."""
     gpu = _load("gpu")
     out = tmp_path / "gpu.json"
-    argv = [*TINY, "--twin", "--attention", "explicit", "--dtype", "fp32", "--vocab", "64"]
+    argv = [*TINY, *SMALL_BATCHES, "--twin", "--attention", "explicit", "--dtype", "fp32"]
+    argv += ["--vocab", "64"]
     argv += ["--disk-probe-mb", "8", "--save-dir", str(tmp_path / "s"), "--json", str(out)]
     assert gpu.main(argv) == 0
     res = json.loads(out.read_text())

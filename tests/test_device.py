@@ -31,6 +31,7 @@ def _twin(
     kw.setdefault("min_offload_bytes", 0)
     if target == "disk":
         kw["save_dir"] = str(save_dir)
+        kw.setdefault("chunk_bytes", 16384)  # small write batches: the tiny model's go to disk
     layer = SpanCopyDevice(
         "cpu", twin_delay=delay, max_inflight_bytes=kw.get("max_pending_write_bytes", 64 << 20)
     )

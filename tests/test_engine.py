@@ -58,6 +58,8 @@ def _reference(model: torch.nn.Module, fn: Callable[[torch.nn.Module], None]) ->
 def _engine(save_dir: Path, *, inline: bool = False, **kw: Any) -> Iterator[OffloadEngine]:
     """An engine with its hooks installed, built directly (lets tests pick the pool)."""
     kw.setdefault("min_offload_bytes", 0)
+    if inline:  # the reference path: each record written as it is packed
+        kw.setdefault("chunk_bytes", 4096)
     cfg = OffloadConfig(target="disk", save_dir=str(save_dir), **kw)
     engine = OffloadEngine(cfg, pool=InlineIOPool() if inline else None)
     try:
@@ -878,3 +880,63 @@ def test_restored_spans_are_let_go_when_backward_ends(save_dir: Path) -> None:
     y2.sum().backward(retain_graph=True)
     y2.sum().backward()
     assert torch.equal(got, x.grad)
+
+
+def _spy_writes(engine: OffloadEngine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record how many buffers each slab write carried."""
+    calls: list[int] = []
+    real = engine._store.write
+
+    def spy(extent: Any, offset: int, data: Any) -> None:
+        calls.append(1 if isinstance(data, memoryview) else len(data))
+        real(extent, offset, data)
+
+    monkeypatch.setattr(engine._store, "write", spy)
+    return calls
+
+
+def test_write_batches_merge_adjacent_records(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [write batches]: records queued together go out in one vectored write."""
+    x = torch.randn(1 << 16, requires_grad=True)  # 256 KiB
+    with _engine(save_dir, chunk_bytes=1 << 20) as engine:
+        calls = _spy_writes(engine, monkeypatch)
+        ys = [(x * (i + 2)).sin() for i in range(8)]  # 8 saved tensors of 256 KiB
+        engine.flush()
+        stats = engine.stats()
+        assert stats.tensors_offloaded == 8
+        assert len(calls) < 8 and max(calls) > 1  # batches of adjacent records
+        sum(y.sum() for y in ys).backward()
+    ref = x.grad.clone()
+    x.grad = None
+    sum((x * (i + 2)).sin().sum() for i in range(8)).backward()
+    assert torch.equal(ref, x.grad)
+
+
+def test_open_batch_is_never_written_when_backward_comes_first(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [write tail]: the batch still open when backward starts stays in memory."""
+    x = torch.randn(1 << 14, requires_grad=True)
+    with _engine(save_dir) as engine:  # default 8 MiB batches: these never fill one
+        calls = _spy_writes(engine, monkeypatch)
+        loss = sum((x * (i + 2)).sin().sum() for i in range(4))
+        loss.backward()
+        stats = engine.stats()
+    assert calls == [] and stats.writes_skipped == 4 and stats.tensors_offloaded == 0
+    assert stats.bytes_read == 0
+
+
+def test_write_cap_submits_the_open_batch(save_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cap below the batch size must not deadlock pack: the batch goes out at cap / 2."""
+    x = torch.randn(1 << 15, requires_grad=True)  # 128 KiB per saved tensor
+    cap = 300 << 10
+    with _engine(save_dir, max_pending_write_bytes=cap) as engine:
+        _delay(engine, monkeypatch, "write", 0.01)
+        ys = [(x * (i + 2)).sin() for i in range(12)]
+        stats = engine.stats()
+        assert stats.peak_pending_write_bytes <= cap + (128 << 10)
+        assert stats.pack_wait_seconds > 0
+        sum(y.sum() for y in ys).backward()
+    assert engine.stats().tensors_offloaded > 0

@@ -44,7 +44,9 @@ def test_full_disk_falls_back_to_memory_with_exact_gradients(tmp_path: Path) -> 
     with _tmpfs(tmp_path / "small", "16m") as small:
         with (
             pytest.warns(OffloadFallbackWarning, match=str(small)) as record,
-            offload_context("disk", str(small), min_offload_bytes=0, slab_bytes=1 << 20) as engine,
+            offload_context(
+                "disk", str(small), min_offload_bytes=0, slab_bytes=1 << 20, chunk_bytes=1 << 14
+            ) as engine,
         ):
             model(tokens, targets).backward()
         assert list(small.iterdir()) == []

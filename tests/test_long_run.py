@@ -29,7 +29,9 @@ def test_long_run_is_flat_and_exact(save_dir: Path) -> None:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
     batches = [make_batch(4, 32, vocab=64, seed=s) for s in range(4)]
     samples: list[tuple[int, int, int]] = []
-    with offload_context("disk", save_dir, min_offload_bytes=0, slab_bytes=1 << 20) as engine:
+    with offload_context(
+        "disk", save_dir, min_offload_bytes=0, slab_bytes=1 << 20, chunk_bytes=1 << 14
+    ) as engine:
         for step in range(STEPS):
             for m, o in ((model, opt), (ref, ref_opt)):
                 o.zero_grad(set_to_none=True)
