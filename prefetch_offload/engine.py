@@ -30,6 +30,16 @@ tensor equal in value, shape, strides, dtype and device.
 # from a pool, but a block returns to it only when its storage has died, that
 # is, when no tensor uses it (NOTE [read buffer pool]).
 #
+# NOTE [views built by the reader]
+# Building a tensor from a storage (``torch.empty(0).set_(...)``) releases the
+# GIL, and on a machine whose cores compute is keeping busy, getting it back in
+# the hook thread can wait behind an IO thread that was preempted while holding
+# it: measured at a third of a millisecond per unpack here, most of the unpack
+# hook's time. So the IO thread that reads a record also builds the record's
+# first saved view over the buffer it filled, and unpack hands that tensor out
+# when the first view is the one asked for (once: later views, and later passes,
+# build their own).
+#
 # NOTE [dedup]
 # The same storage is often saved several times: one tensor by several ops (a
 # layer's input feeds q, k and v), or several views of it (softmax saves the
@@ -193,6 +203,9 @@ _Pending = tuple["_Record", list[memoryview], Fence | None]
 # A span in memory: bytes [base, base + nbytes) of an untyped storage, there once
 # its fence (if any) is done (NOTE [copy streams]).
 Resident = Placed
+# A fetch's result: the span, and the record's first view over it when the fetching
+# thread could build it (NOTE [views built by the reader]).
+Fetched = tuple[Resident, "torch.Tensor | None"]
 
 
 def _version_error(what: str, now: int, then: int) -> OffloadError:
@@ -313,7 +326,7 @@ class _Record:
         self.on_disk = False
         self.writes_left = 0
         self.write_error: BaseException | None = None
-        self.prefetch: IOFuture[Resident] | None = None
+        self.prefetch: IOFuture[Fetched] | None = None
         # The span on its device, while any view handed to autograd keeps it alive.
         self.restored: tuple[weakref.ref[torch.UntypedStorage], int, Fence | None] | None = None
 
@@ -897,7 +910,9 @@ class OffloadEngine:
             self._pass_no += 1
         packed.pass_no = rec.pass_no = self._pass_no
         self._prefetch_after(rec)
-        storage, base = self._materialize(rec)
+        storage, base, built = self._materialize(rec)
+        if built is not None and packed.view is rec.view0:
+            return built  # NOTE [views built by the reader]
         return make_view(storage, base, packed.view)
 
     def _queue_end_of_backward(self) -> None:
@@ -912,10 +927,11 @@ class OffloadEngine:
         self._end_queued = False
         self._recent.clear()
 
-    def _materialize(self, rec: _Record) -> tuple[torch.UntypedStorage, int]:
+    def _materialize(self, rec: _Record) -> tuple[torch.UntypedStorage, int, torch.Tensor | None]:
         """The record's span on its device, ready for the current stream: shared, in
-        memory, prefetched, or copied and read now."""
+        memory, prefetched, or copied and read now; and the first view, if built."""
         placed = rec.resident()
+        built = None
         if placed is not None:
             self._stats.add(prefetch_hits=1)
         else:
@@ -931,15 +947,15 @@ class OffloadEngine:
                     *source[:2], rec.span.nbytes, rec.device, source[2], rec.align
                 )
             else:
-                placed = self._collect(rec, fut)
+                placed, built = self._collect(rec, fut)
             rec.restored = (weakref.ref(placed[0]), placed[1], placed[2])
             if not self._closed:
                 self._recent.append(placed[0])  # NOTE [recently restored]
         storage, base, fence = placed
         self._device.use(storage, fence)  # NOTE [copy streams]
-        return storage, base
+        return storage, base, built
 
-    def _collect(self, rec: _Record, fut: IOFuture[Resident] | None) -> Resident:
+    def _collect(self, rec: _Record, fut: IOFuture[Fetched] | None) -> Fetched:
         """The read's result, counting a hit if it was ready and stall time if not."""
         if fut is not None and fut.done():
             self._stats.add(prefetch_hits=1)
@@ -956,7 +972,7 @@ class OffloadEngine:
         finally:
             self._stats.add(prefetch_misses=1, stall_seconds=time.perf_counter() - start)
 
-    def _read_result(self, rec: _Record, fut: IOFuture[Resident]) -> Resident:
+    def _read_result(self, rec: _Record, fut: IOFuture[Fetched]) -> Fetched:
         try:
             return fut.result()
         except OSError as exc:
@@ -968,12 +984,13 @@ class OffloadEngine:
     def _read_job(self, rec: _Record) -> Any:
         # The job must not reference the record: the record holds the job's future.
         extent, span, crcs, device, align = rec.extent, rec.span, rec.crcs, rec.device, rec.align
+        meta = rec.view0
         store, chunk, stats = self._store, self.config.chunk_bytes, self._stats
         lease = self._device.lease_for(device) or self._read_pool.lease
         to_device = self._device.to_device
         assert extent is not None and store is not None
 
-        def job() -> Resident:
+        def job() -> Fetched:
             buf, base, region = new_read_buffer(span, lease)
             with region, _profiler_range("prefetch_offload::read"):
                 for off in range(0, span.extent_bytes, chunk):
@@ -987,7 +1004,10 @@ class OffloadEngine:
                             "span: the slab file changed after it was written",
                         )
             stats.add(bytes_read=span.nbytes)
-            return to_device(buf.untyped_storage(), base, span.nbytes, device, None, align)
+            placed = to_device(buf.untyped_storage(), base, span.nbytes, device, None, align)
+            if placed[2] is not None:  # still being copied: built after use() instead
+                return placed, None
+            return placed, make_view(placed[0], placed[1], meta)
 
         return job
 
@@ -996,7 +1016,7 @@ class OffloadEngine:
         disk on the IO threads, copies from host memory to the device right here."""
         if self.config.prefetch_depth == 0:
             return
-        copies: list[IOFuture[Resident]] = []
+        copies: list[IOFuture[Fetched]] = []
         with self._lock:
             if self._closed:  # set under this lock before the pool shuts down
                 return
@@ -1007,7 +1027,7 @@ class OffloadEngine:
                     cand.prefetch = self._pool.submit(self._read_job(cand), READ)
                 else:  # a host copy (needs_read is False for host-only records)
                     job = functools.partial(
-                        self._device.to_device,
+                        self._copy_job,
                         *source[:2],
                         cand.span.nbytes,
                         cand.device,
@@ -1020,6 +1040,17 @@ class OffloadEngine:
         for fut in copies:  # only queues the copy (NOTE [copy streams])
             if fut.claim():
                 fut.run()
+
+    def _copy_job(
+        self,
+        storage: torch.UntypedStorage,
+        base: int,
+        nbytes: int,
+        device: torch.device,
+        after: Fence | None,
+        align: int,
+    ) -> Fetched:
+        return self._device.to_device(storage, base, nbytes, device, after, align), None
 
     # -- lifetime -------------------------------------------------------------------------
 
