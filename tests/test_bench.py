@@ -257,3 +257,26 @@ def test_gpu_main_on_the_cpu_twin(tmp_path: Path, cwd: Path) -> None:
     assert rows["cpu"]["bytes_offloaded_per_step"] > 0
     assert rows["disk"]["bytes_offloaded_per_step"] > 0
     assert _empty(tmp_path / "s")
+
+
+# -- bench/ab.py -------------------------------------------------------------------------
+
+
+def test_ab_main_tiny(tmp_path: Path, cwd: Path) -> None:
+    ab = _load("ab")
+    out = tmp_path / "ab.json"
+    argv = [*TINY_SHAPE, "--rounds", "2", "--warmup", "1", "--save-dir", str(tmp_path / "s")]
+    argv += ["--config", 'small:{"chunk_bytes": 16384, "min_offload_bytes": 0}']
+    argv += ["--config", 'big:{"min_offload_bytes": 0}', "--json", str(out)]
+    assert ab.main(argv) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == ["none", "small", "big"] and rows["none"]["ratio"] == 1.0
+    assert rows["small"]["mb_per_step"] > 0  # small batches reach the disk
+    assert rows["big"]["mb_per_step"] == 0 and rows["big"]["skipped_per_step"] > 0
+    assert _empty(tmp_path / "s")
+
+
+def test_ab_rejects_a_bad_config() -> None:
+    ab = _load("ab")
+    with pytest.raises(SystemExit):
+        ab.main(["--config", "x:{not json"])

@@ -1,0 +1,167 @@
+"""Compare engine settings side by side: none and several disk configurations, interleaved.
+
+One process trains one copy of the benchmark transformer per configuration
+(same weights, same batch) and runs one step of each per round, in an order
+rotated by the round, so that drift hits all alike. Each engine lives for the
+whole run (its hooks are installed around each of its steps). Per
+configuration: median step time, its ratio to ``none``, MB offloaded, writes
+skipped and hit rate per step, and the process's CPU time per step (user and
+system, from ``getrusage`` around each step: the cost the IO adds on a machine
+whose cores compute keeps busy).
+
+Example (the chunk_bytes comparison in docs/tuning.md):
+    .venv/bin/python bench/ab.py --config 'c8:{"chunk_bytes": 8388608}' \\
+        --config 'c32:{"chunk_bytes": 33554432}' --rounds 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _common import scratch_folder
+
+from prefetch_offload import OffloadConfig, OffloadEngine
+from prefetch_offload.testing import TinyTransformer, make_batch
+
+
+def _config(spec: str) -> tuple[str, dict[str, Any]]:
+    name, sep, body = spec.partition(":")
+    if not name or name == "none":
+        raise argparse.ArgumentTypeError(f"--config needs NAME:JSON with NAME not 'none': {spec!r}")
+    try:
+        knobs = json.loads(body) if sep and body else {}
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--config {name}: bad JSON ({exc})") from exc
+    if not isinstance(knobs, dict):
+        raise argparse.ArgumentTypeError(f"--config {name}: JSON must be an object")
+    return name, knobs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--config",
+        type=_config,
+        action="append",
+        default=[],
+        metavar="NAME:JSON",
+        help="a disk configuration: OffloadConfig keywords as JSON (repeatable)",
+    )
+    p.add_argument("--rounds", type=int, default=12, help="timed rounds (default 12)")
+    p.add_argument("--warmup", type=int, default=2, help="uncounted rounds first (default 2)")
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--save-dir", default=None, help="parent of the run's scratch folder")
+    p.add_argument("--json", default=None, help="also write the rows here")
+    args = p.parse_args(argv)
+    configs: dict[str, dict[str, Any] | None] = {"none": None}
+    for name, knobs in args.config or [("disk", {})]:
+        configs[name] = knobs
+    torch.manual_seed(0)
+    base = TinyTransformer(width=args.width, depth=args.depth, heads=args.heads)
+    tokens, targets = make_batch(args.batch, args.seq)
+    rows = []
+    with scratch_folder(args.save_dir, prefix="ab-") as folder:
+        engines: dict[str, OffloadEngine] = {}
+        for name, knobs in configs.items():
+            if knobs is not None:
+                cfg = OffloadConfig(target="disk", save_dir=folder, **knobs)
+                engines[name] = OffloadEngine(cfg)
+        models = {n: copy.deepcopy(base) for n in configs}
+        opts = {n: torch.optim.SGD(models[n].parameters(), lr=1e-3) for n in configs}
+        samples: dict[str, list[tuple[float, float, float]]] = {n: [] for n in configs}
+        names = list(configs)
+        before = {}
+        try:
+            for r in range(args.warmup + args.rounds):
+                if r == args.warmup:
+                    before = {n: e.stats() for n, e in engines.items()}
+                for n in names[r % len(names) :] + names[: r % len(names)]:
+                    u0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+                    engine = engines.get(n)
+                    model = models[n]
+                    if engine is None:
+                        model(tokens, targets).backward()
+                    else:
+                        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+                            model(tokens, targets).backward()
+                    opts[n].step()
+                    opts[n].zero_grad(set_to_none=True)
+                    dt, u1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+                    if r >= args.warmup:
+                        cpu = (u1.ru_utime - u0.ru_utime, u1.ru_stime - u0.ru_stime)
+                        samples[n].append((dt, *cpu))
+            ref = statistics.median(s[0] for s in samples["none"])
+            for n in names:
+                step = statistics.median(s[0] for s in samples[n])
+                row: dict[str, Any] = {
+                    "name": n,
+                    "knobs": configs[n],
+                    "step_s": step,
+                    "ratio": step / ref,
+                    "user_s": statistics.fmean(s[1] for s in samples[n]),
+                    "sys_s": statistics.fmean(s[2] for s in samples[n]),
+                }
+                if n in engines:
+                    a, b = before[n], engines[n].stats()
+                    hits = b.prefetch_hits - a.prefetch_hits
+                    total = hits + b.prefetch_misses - a.prefetch_misses
+                    row |= {
+                        "mb_per_step": (b.bytes_offloaded - a.bytes_offloaded) / 1e6 / args.rounds,
+                        "skipped_per_step": (b.writes_skipped - a.writes_skipped) / args.rounds,
+                        "hit_rate": hits / total if total else 0.0,
+                    }
+                rows.append(row)
+        finally:
+            for e in engines.values():
+                e.close()
+    differ = [
+        n
+        for n in names[1:]
+        if not all(
+            torch.equal(a, b)
+            for a, b in zip(models[n].parameters(), models["none"].parameters(), strict=True)
+        )
+    ]
+    print(
+        f"{'config':<10} {'step ms':>8} {'ratio':>6} {'user ms':>8} {'sys ms':>7} "
+        f"{'MB/step':>8} {'skipped':>7} {'hit':>5}"
+    )
+    for row in rows:
+        extra = (
+            f"{row['mb_per_step']:8.0f} {row['skipped_per_step']:7.1f} {row['hit_rate']:5.2f}"
+            if "mb_per_step" in row
+            else ""
+        )
+        print(
+            f"{row['name']:<10} {row['step_s'] * 1e3:8.1f} {row['ratio']:6.3f} "
+            f"{row['user_s'] * 1e3:8.0f} {row['sys_s'] * 1e3:7.0f} {extra}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if differ:
+        print(f"NOT bit-identical to none: {', '.join(differ)}", file=sys.stderr)
+        return 1
+    print("check: final parameters of every configuration are bit-identical to 'none'")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
