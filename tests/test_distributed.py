@@ -46,8 +46,10 @@ def _rank(rank: int, world: int, port: int, save_dir: str | None, out: str) -> N
                 with offload_context(
                     "disk", save_dir, min_offload_bytes=0, chunk_bytes=1 << 14
                 ) as engine:
-                    model(tokens, targets).backward()
-                assert engine.stats().tensors_offloaded > 0
+                    loss = model(tokens, targets)
+                    engine.flush()  # on disk before backward: the reads are exercised
+                    loss.backward()
+                assert engine.stats().tensors_offloaded > 0 and engine.stats().bytes_read > 0
             opt.step()
         if rank == 0:
             torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, out)
