@@ -280,3 +280,18 @@ def test_ab_rejects_a_bad_config() -> None:
     ab = _load("ab")
     with pytest.raises(SystemExit):
         ab.main(["--config", "x:{not json"])
+
+
+# -- bench/cputime.py --------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+@pytest.mark.parametrize("mode", ["none", "disk"])
+def test_cputime_main_tiny(tmp_path: Path, cwd: Path, mode: str) -> None:
+    cputime = _load("cputime")
+    out = tmp_path / "cpu.json"
+    argv = [*TINY_SHAPE, "--mode", mode, "--steps", "2", "--warmup", "1"]
+    assert cputime.main([*argv, "--save-dir", str(tmp_path / "s"), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["mode"] == mode and res["step_s"] > 0
+    assert _empty(tmp_path / "s")
