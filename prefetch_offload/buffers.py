@@ -37,7 +37,9 @@
 # blocks are kept up to the most bytes that were ever leased at once (the next
 # step needs the same blocks again), and idle blocks are dropped at close. A
 # block that cannot be pinned is replaced by pageable memory (copies are then
-# synchronous, still correct) and counted.
+# synchronous, still correct) and counted. PyTorch's pinned allocator rounds
+# each allocation up to a power of two, so target "cpu" may hold up to twice
+# the offloaded bytes in pinned host memory.
 """
 
 from __future__ import annotations
