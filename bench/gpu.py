@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depth-prefetch", type=int, default=4, help="prefetch_depth of the engine")
     p.add_argument("--max-pending-mb", type=int, default=64, help="max_pending_write_bytes in MiB")
     p.add_argument("--min-offload-bytes", type=int, default=1 << 16, help="min_offload_bytes")
-    p.add_argument("--chunk-bytes", type=int, default=32 << 20, help="chunk_bytes of the engine")
+    p.add_argument("--chunk-bytes", type=int, default=16 << 20, help="chunk_bytes of the engine")
     p.add_argument("--save-dir", default=None, help="parent folder for the disk mode's slabs")
     p.add_argument("--disk-probe-mb", type=int, default=2048, help="bytes the disk probe moves")
     p.add_argument("--json", default=None, help="write the rows and environment here")

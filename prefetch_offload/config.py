@@ -20,7 +20,7 @@ __all__ = [
 
 TARGETS: tuple[str | None, ...] = (None, "cpu", "disk")
 IO_METHODS: tuple[str, ...] = ("auto", "direct", "buffered", "mmap")
-DEFAULT_CHUNK_BYTES = 32 << 20
+DEFAULT_CHUNK_BYTES = 16 << 20
 _ALIGN = 4096
 
 IOMethod = Literal["auto", "direct", "buffered", "mmap"]

@@ -104,7 +104,7 @@ def offload_context(
     min_offload_bytes: int = 1 << 16,
     max_pending_write_bytes: int = 64 << 20,
     max_inflight_copy_bytes: int = 1 << 30,
-    chunk_bytes: int = 32 << 20,
+    chunk_bytes: int = 16 << 20,
     slab_bytes: int = 256 << 20,
     io_method: str = "auto",
     disk_bytes_limit: int | None = None,

@@ -926,6 +926,8 @@ class OffloadEngine:
     def _end_of_backward(self) -> None:
         self._end_queued = False
         self._recent.clear()
+        # NOTE [read buffer pool]: nothing idle is kept into the next forward.
+        self._read_pool.trim()
 
     def _materialize(self, rec: _Record) -> tuple[torch.UntypedStorage, int, torch.Tensor | None]:
         """The record's span on its device, ready for the current stream: shared, in
