@@ -60,17 +60,30 @@ tensor equal in value, shape, strides, dtype and device.
 # and share the record. The cost is at most twice the view's own bytes, and
 # only for a view that already spans half its storage.
 #
+# NOTE [write batches]
+# The kernel's CPU cost per byte of O_DIRECT falls with request size, and on a
+# machine whose cores compute keeps busy that CPU is step time. So pack does not
+# hand each record to the IO threads: records join an open batch, which is
+# submitted as one job once it holds ``chunk_bytes`` (at most half of
+# ``max_pending_write_bytes``, so that a full cap always has a submitted batch
+# to wait for), when the cap is reached, at flush() and at exit. The job waits
+# for each record's host copy (NOTE [copy streams]), then writes every run of
+# extents that are adjacent in one slab with one vectored write straight from
+# the records' own pages, and publishes each record's outcome (a failed run
+# fails exactly its records). Bytes in the open batch count as pending, so the
+# cap still bounds what forward holds.
+#
 # NOTE [write tail]
 # When backward starts, the last tensors forward saved are the first it needs,
 # and their writes are often still queued behind the others. Writing them and
 # reading them straight back would cost twice their bytes for nothing: at the
-# first unpack after a forward, every write that no IO thread has started yet
-# is cancelled, its extent freed, and its tensor stays in memory (it already
-# was: that memory is what max_pending_write_bytes bounds) until backward
-# consumes it. Records are taken newest first, each only if every one of its
-# requests can be claimed before a worker starts it; the first record a worker
-# has started ends the scan (writes run in submission order), and the requests
-# of it that were claimed are written by the unpack thread itself.
+# first unpack after a forward, the open batch (never submitted) and every
+# submitted batch that no IO thread has started yet are dropped, their extents
+# freed, and their tensors stay in memory (they already were: that memory is
+# what max_pending_write_bytes bounds) until backward consumes them. Batches are
+# taken newest first; the first one a worker has started ends the scan (writes
+# run in submission order). Skipped records still alive when forward resumes
+# are queued again (``_requeue_skipped``).
 #
 # NOTE [checksums]
 # With ``verify=True`` each write request records the CRC-32 of the span bytes
