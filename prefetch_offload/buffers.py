@@ -12,8 +12,9 @@
 # writes it (NOTE [copies keep their buffers] in streams.py). Returned blocks
 # go through a deque (append is safe from any thread, including the garbage
 # collector) and are re-filed at the next lease. ``trim`` unmaps idle blocks:
-# the engine trims the read pool at the start of each forward so it holds
-# nothing while activations are being produced.
+# the engine trims the read pool when a backward pass ends (an autograd final
+# callback) and again at the start of each forward, so it holds nothing while
+# activations are being produced.
 #
 # NOTE [huge pages]
 # Python's ``mmap.mmap(-1, n)`` is a *shared* anonymous mapping (shmem), which
