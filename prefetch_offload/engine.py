@@ -18,7 +18,9 @@ tensor equal in value, shape, strides, dtype and device.
 # saved tensor, not at unpack, and ``backward(retain_graph=True)`` can read it
 # again. Records hold the engine strongly: a graph built inside the context
 # stays usable after it exits, and the slab files close when the last record
-# and the last user reference to the engine are gone.
+# and the last user reference to the engine are gone. A record still in the open
+# write batch (NOTE [write batches]) is held by the batch until it is submitted
+# or skipped, even if its graph was dropped: at most one batch of bytes.
 #
 # NOTE [memory handed to autograd]
 # Unpack returns a view either of the original storage (its write had not
@@ -219,6 +221,12 @@ Resident = Placed
 # A fetch's result: the span, and the record's first view over it when the fetching
 # thread could build it (NOTE [views built by the reader]).
 Fetched = tuple[Resident, "torch.Tensor | None"]
+
+
+def _graph_task_id() -> int:
+    """The running backward's graph task id (-1 outside backward; -2 if torch lacks it)."""
+    fn = getattr(torch._C, "_current_graph_task_id", None)
+    return fn() if fn is not None else -2
 
 
 def _version_error(what: str, now: int, then: int) -> OffloadError:
@@ -495,7 +503,8 @@ class OffloadEngine:
             maxlen=_RECENT_SPANS
         )
         self._in_backward = False
-        self._end_queued = False  # NOTE [recently restored]: a final callback is queued
+        # NOTE [recently restored]: the graph task whose end a final callback awaits.
+        self._end_task: int | None = None
         self._skipped: list[weakref.ref[_Record]] = []  # NOTE [write tail]
         self._read_pool = HostBufferPool(_POOL_IDLE_BYTES)
         # ``pool`` lets tests run the inline reference pool instead of threads.
@@ -560,6 +569,7 @@ class OffloadEngine:
             )
         if self._in_backward:  # forward again
             self._in_backward = False
+            self._end_task = None  # in case that backward raised (no final callback)
             if self._skipped:
                 self._requeue_skipped()
             self._recent.clear()  # NOTE [recently restored]
@@ -742,9 +752,11 @@ class OffloadEngine:
             runs.append([item])
         for run in runs:
             exc: BaseException | None = None
+            culprit = run[0][0]  # the record to name if the run fails
             try:
                 views: list[memoryview] = []
                 for rec, pieces, fence in run:
+                    culprit = rec
                     if fence is not None:
                         fence.wait()  # the host copy must be complete (NOTE [copy streams])
                     crcs = rec.crcs
@@ -755,6 +767,7 @@ class OffloadEngine:
                     views.extend(pieces)
                 first = run[0][0].extent
                 assert first is not None
+                culprit = run[0][0]
                 with _profiler_range("prefetch_offload::write"):
                     store.write(first, 0, views if len(views) > 1 else views[0])
             except BaseException as e:  # every failure must reach the bookkeeping below
@@ -764,9 +777,11 @@ class OffloadEngine:
                     for view in pieces:
                         view.release()
             for rec, _, _ in run:
-                self._write_done(rec, exc)
+                self._write_done(rec, exc, culprit)
 
-    def _write_done(self, rec: _Record, exc: BaseException | None) -> None:
+    def _write_done(
+        self, rec: _Record, exc: BaseException | None, culprit: _Record | None = None
+    ) -> None:
         """Publish the outcome of ``rec``'s write."""
         with self._lock:
             if rec.writes_left == 0:
@@ -787,7 +802,7 @@ class OffloadEngine:
             extent, rec.extent = rec.extent, None
         if extent is not None:
             self._store.free(extent)  # type: ignore[union-attr]
-        self._write_failed(rec, exc)
+        self._write_failed(culprit or rec, exc)
 
     def _skip_tail_writes(self) -> None:
         """Drop writes that backward would read right back (NOTE [write tail])."""
@@ -810,13 +825,16 @@ class OffloadEngine:
             tail = self._tail
             while tail:
                 fut, refs = tail.pop()  # newest first
+                # Strong references first: abandoning the job drops the batch, the
+                # only thing that may still keep a dropped graph's records alive.
+                recs = [ref() for ref in refs]
                 if not fut.claim():
                     break  # a worker started it; writes run in order: older ones too
                 fut.abandon()
-                for ref in refs:
-                    rec = ref()
+                for rec in recs:
                     if rec is not None and rec.writes_left:
                         skip(rec)
+                del recs
             tail.clear()  # older writes have started: none left to skip
             self._writes_idle.notify_all()
             self._skipped.extend(weakref.ref(r) for r in skipped)
@@ -910,7 +928,7 @@ class OffloadEngine:
         if not self._in_backward:
             self._in_backward = True
             self._skip_tail_writes()
-        if not self._end_queued:
+        if _graph_task_id() != self._end_task:
             self._queue_end_of_backward()
         if self._dead:
             self._drain_dead()
@@ -929,15 +947,19 @@ class OffloadEngine:
         return make_view(storage, base, packed.view)
 
     def _queue_end_of_backward(self) -> None:
-        """Let the recently restored spans go when this backward pass ends."""
+        """Let the recently restored spans go when this backward pass ends.
+
+        Keyed by graph task: autograd runs no final callbacks for a backward that
+        raised, so the next backward must queue its own.
+        """
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         except RuntimeError:
             return  # unpacked outside a backward pass (e.g. grad_fn._saved_self)
-        self._end_queued = True
+        self._end_task = _graph_task_id()
 
     def _end_of_backward(self) -> None:
-        self._end_queued = False
+        self._end_task = None
         self._recent.clear()
         # NOTE [read buffer pool]: nothing idle is kept into the next forward.
         self._read_pool.trim()

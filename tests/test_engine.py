@@ -940,3 +940,35 @@ def test_write_cap_submits_the_open_batch(save_dir: Path, monkeypatch: pytest.Mo
         assert stats.pack_wait_seconds > 0
         sum(y.sum() for y in ys).backward()
     assert engine.stats().tensors_offloaded > 0
+
+
+def test_skipped_batch_of_a_dropped_graph_releases_its_bytes(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queued batch whose graph was dropped is skipped at the next backward, and its
+    bytes leave the pending count (else the write cap would block pack for good)."""
+    x = torch.randn(1 << 16, requires_grad=True)
+    with _engine(save_dir, io_workers=1, chunk_bytes=4096) as engine:
+        _delay(engine, monkeypatch, "write", 0.05)  # writes queue up behind a slow one
+        dropped = [(x * (i + 2)).sin() for i in range(6)]
+        del dropped  # forward 1's graph is gone while its batches wait
+        gc.collect()
+        (x * 9).sin().sum().backward()  # the first unpack skips the queued batches
+        engine.flush()
+        assert engine._pending_write_bytes == 0
+        assert engine.stats().writes_skipped > 0
+
+
+def test_a_backward_that_raises_does_not_stop_end_of_backward_cleanup(save_dir: Path) -> None:
+    """Autograd runs no final callbacks for a failed backward; the next one queues its own."""
+    x = torch.randn(1 << 14, requires_grad=True)
+    with _engine(save_dir) as engine:
+        y = x * 2
+        z = y.sin()
+        y.mul_(3)  # in place after save: backward raises
+        with pytest.raises(OffloadError):
+            z.sum().backward()
+        w = (x * 4).sin()
+        engine.flush()
+        w.sum().backward()
+        assert engine._end_task is None and not engine._recent
