@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import step as step_bench
 from _common import scratch_folder
 
 from prefetch_offload import OffloadConfig, OffloadEngine
@@ -62,11 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rounds", type=int, default=12, help="timed rounds (default 12)")
     p.add_argument("--warmup", type=int, default=2, help="uncounted rounds first (default 2)")
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
+    step_bench.add_shape_args(p, step_bench.Shape())  # the benchmark transformer of bench/step.py
     p.add_argument("--save-dir", default=None, help="parent of the run's scratch folder")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
@@ -74,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, knobs in args.config or [("disk", {})]:
         configs[name] = knobs
     torch.manual_seed(0)
-    base = TinyTransformer(width=args.width, depth=args.depth, heads=args.heads)
-    tokens, targets = make_batch(args.batch, args.seq)
+    shape = step_bench.Shape.from_args(args)
+    base = TinyTransformer(width=shape.width, depth=shape.depth, heads=shape.heads)
+    tokens, targets = make_batch(shape.batch, shape.seq)
     rows = []
     with scratch_folder(args.save_dir, prefix="ab-") as folder:
         engines: dict[str, OffloadEngine] = {}

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import step as step_bench
 from _common import scratch_folder
 
 from prefetch_offload import offload_context
@@ -53,11 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=("none", "disk"), default="disk")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
+    step_bench.add_shape_args(p, step_bench.Shape())  # the benchmark transformer of bench/step.py
     p.add_argument("--save-dir", default=None, help="parent of the run's scratch folder")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
@@ -65,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         print("bench/cputime.py needs Linux /proc", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    model = TinyTransformer(width=args.width, depth=args.depth, heads=args.heads)
-    tokens, targets = make_batch(args.batch, args.seq)
+    shape = step_bench.Shape.from_args(args)
+    model = TinyTransformer(width=shape.width, depth=shape.depth, heads=shape.heads)
+    tokens, targets = make_batch(shape.batch, shape.seq)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     with scratch_folder(args.save_dir, prefix="cputime-") as folder:
         target = None if args.mode == "none" else "disk"

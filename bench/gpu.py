@@ -43,16 +43,18 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+from torch.autograd.graph import saved_tensors_hooks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -150,9 +152,6 @@ class _Gpu:
     def peak(self) -> int:
         return torch.cuda.max_memory_allocated() if self.cuda else 0
 
-    def name(self) -> str:
-        return torch.cuda.get_device_name() if self.cuda else "CPU (twin)"
-
 
 def _math_attention(cuda: bool) -> AbstractContextManager[Any]:
     if not cuda:
@@ -160,14 +159,6 @@ def _math_attention(cuda: bool) -> AbstractContextManager[Any]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel(SDPBackend.MATH)
-
-
-@contextmanager
-def _hooks(
-    pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]
-) -> Iterator[None]:
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
 
 
 def run(args: argparse.Namespace) -> tuple[list[GpuRow], dict[str, float]]:
@@ -210,12 +201,12 @@ def run(args: argparse.Namespace) -> tuple[list[GpuRow], dict[str, float]]:
                 )
                 twin = None if gpu.cuda else RoutingDevice([SpanCopyDevice("cpu")])
                 eng = engines[mode] = OffloadEngine(cfg, device=twin)
-                ctx[mode] = lambda e=eng: _hooks(e.pack, e.unpack)
+                ctx[mode] = functools.partial(saved_tensors_hooks, eng.pack, eng.unpack)
         if "save_on_cpu" in modes:
             ctx["save_on_cpu"] = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)
         if "ondemand" in modes:
             od = OnDemandHooks()
-            ctx["ondemand"] = lambda: _hooks(od.pack, od.unpack)
+            ctx["ondemand"] = functools.partial(saved_tensors_hooks, od.pack, od.unpack)
 
         models = {m: copy.deepcopy(base) for m in modes}
         opts = {m: torch.optim.SGD(models[m].parameters(), lr=1e-4) for m in modes}

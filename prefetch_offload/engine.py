@@ -223,10 +223,8 @@ Resident = Placed
 Fetched = tuple[Resident, "torch.Tensor | None"]
 
 
-def _graph_task_id() -> int:
-    """The running backward's graph task id (-1 outside backward; -2 if torch lacks it)."""
-    fn = getattr(torch._C, "_current_graph_task_id", None)
-    return fn() if fn is not None else -2
+# The running backward's graph task id (-1 outside backward; -2 if torch lacks it).
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -2)
 
 
 def _version_error(what: str, now: int, then: int) -> OffloadError:
@@ -585,7 +583,8 @@ class OffloadEngine:
         shape, stride = tuple(t.shape), t.stride()
         owner_t = t._base if t._base is not None else t
         with self._lock:
-            for entry in self._dedup.get(storage.data_ptr(), ()):
+            key = storage.data_ptr()
+            for entry in self._dedup.get(key, ()):
                 rec = entry.record()
                 if (
                     rec is not None
@@ -628,10 +627,10 @@ class OffloadEngine:
                 self, span, extent, (host, base, fence), t.device, self._seq, view, saved, version
             )
             self._seq += 1
-            rec.align = (storage.data_ptr() + start) % 512
+            rec.align = (key + start) % 512
             self._scheduler.register(rec)
             entry = _DedupEntry(storage, owner, version, start, start + nbytes, rec)
-            rec.key = storage.data_ptr()
+            rec.key = key
             self._dedup.setdefault(rec.key, []).append(entry)
             if fence is not None:
                 self._copying.append((fence, weakref.ref(rec)))
@@ -989,7 +988,8 @@ class OffloadEngine:
             if not self._closed:
                 self._recent.append(placed[0])  # NOTE [recently restored]
         storage, base, fence = placed
-        self._device.use(storage, fence)  # NOTE [copy streams]
+        if fence is not None:  # a copy to the device (CPU storages have none)
+            self._device.use(storage, fence)  # NOTE [copy streams]
         return storage, base, built
 
     def _collect(self, rec: _Record, fut: IOFuture[Fetched] | None) -> Fetched:
