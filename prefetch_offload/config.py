@@ -12,6 +12,7 @@ from typing import Literal
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_INFLIGHT_COPY_BYTES",
     "IO_METHODS",
     "TARGETS",
     "OffloadConfig",
@@ -21,6 +22,7 @@ __all__ = [
 TARGETS: tuple[str | None, ...] = (None, "cpu", "disk")
 IO_METHODS: tuple[str, ...] = ("auto", "direct", "buffered", "mmap")
 DEFAULT_CHUNK_BYTES = 16 << 20
+DEFAULT_INFLIGHT_COPY_BYTES = 1 << 30
 _ALIGN = 4096
 
 IOMethod = Literal["auto", "direct", "buffered", "mmap"]
@@ -60,7 +62,7 @@ class OffloadConfig:
     # Cap on device-to-host copy bytes in flight (CUDA tensors): past it, pack waits for
     # the oldest copy. Bounds the device memory copies hold when the link is slower than
     # compute; too low a cap keeps the host from running ahead of the GPU.
-    max_inflight_copy_bytes: int = 1 << 30
+    max_inflight_copy_bytes: int = DEFAULT_INFLIGHT_COPY_BYTES
     # Request size, in bytes (multiple of 4096): writes gather queued tensors into
     # batches of about this size (at most half of max_pending_write_bytes), written with
     # one vectored write per run of adjacent extents; reads use requests of at most this.

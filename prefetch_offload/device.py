@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from .buffers import HostBufferPool, mapped_block, pinned_block
+from .config import DEFAULT_INFLIGHT_COPY_BYTES
 from .streams import CopyStreams, CudaStreams, Fence, ThreadStreams
 
 __all__ = [
@@ -136,7 +137,11 @@ class SpanCopyDevice(DeviceLayer):
     """
 
     def __init__(
-        self, device_type: str, *, max_inflight_bytes: int = 64 << 20, twin_delay: float = 0.0
+        self,
+        device_type: str,
+        *,
+        max_inflight_bytes: int = DEFAULT_INFLIGHT_COPY_BYTES,
+        twin_delay: float = 0.0,
     ) -> None:
         self.device_type = device_type
         self.max_inflight_bytes = max_inflight_bytes
@@ -238,7 +243,9 @@ class RoutingDevice(DeviceLayer):
             layer.close()
 
 
-def default_device_layer(target: str, *, max_inflight_bytes: int = 64 << 20) -> DeviceLayer:
+def default_device_layer(
+    target: str, *, max_inflight_bytes: int = DEFAULT_INFLIGHT_COPY_BYTES
+) -> DeviceLayer:
     """The layer an engine uses for ``target``: "cpu" moves only CUDA tensors (CPU
     tensors are host memory already); "disk" takes CPU and CUDA tensors."""
     layers: list[DeviceLayer] = [SpanCopyDevice("cuda", max_inflight_bytes=max_inflight_bytes)]

@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from .config import DEFAULT_INFLIGHT_COPY_BYTES
 from .errors import OffloadError
 
 __all__ = ["CopyStreams", "CudaStreams", "Fence", "ThreadStreams"]
@@ -351,7 +352,9 @@ class ThreadStreams(CopyStreams):
         max_inflight_bytes: cap on D2H bytes in flight (NOTE [copies keep their buffers]).
     """
 
-    def __init__(self, *, delay: float = 0.0, max_inflight_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self, *, delay: float = 0.0, max_inflight_bytes: int = DEFAULT_INFLIGHT_COPY_BYTES
+    ) -> None:
         super().__init__(max_inflight_bytes=max_inflight_bytes)
         self._d2h_worker = _Worker("prefetch_offload-twin-d2h", delay)
         self._h2d_worker = _Worker("prefetch_offload-twin-h2d", delay)
