@@ -53,6 +53,10 @@ def _rank(rank: int, world: int, port: int, save_dir: str | None, out: str) -> N
             opt.step()
         if rank == 0:
             torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, out)
+        # Both ranks done before either tears gloo down: without it, a rank could
+        # abort ("terminate called without an active exception") about 1 run in 10,
+        # with or without offload.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
