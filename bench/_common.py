@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import queue
 import shutil
 import statistics
 import tempfile
@@ -23,6 +24,7 @@ import torch
 
 __all__ = [
     "MB",
+    "IOReplay",
     "RssSampler",
     "SeedDiskHooks",
     "StepResult",
@@ -31,6 +33,7 @@ __all__ = [
     "malloc_trim",
     "read_rss_bytes",
     "scratch_folder",
+    "steal_seconds",
 ]
 
 MB = float(1 << 20)
@@ -288,6 +291,134 @@ class SeedDiskHooks:
             self._remove(path)
 
 
+# -- the cost of the IO alone -------------------------------------------------------------
+
+
+def steal_seconds() -> float | None:
+    """CPU time the hypervisor took from this machine's CPUs so far (all CPUs, seconds).
+
+    The ``steal`` field of ``/proc/stat``'s ``cpu`` line: time a virtual CPU was
+    ready to run but the host ran something else, such as its own side of this
+    guest's disk IO. None where the kernel does not report it.
+    """
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+
+
+class IOReplay:
+    """The disk mode's bytes moved with no hooks and no engine: what the IO alone costs.
+
+    A control for ``bench/step.py``: training runs exactly as without offload
+    while one side thread writes ``nbytes`` per step, in ``chunk``-byte requests
+    from ordinary page-aligned memory (4 KiB pages, like activations), during
+    forward, then reads them back into huge-page blocks (the engine's read
+    buffers, NOTE [huge pages]) in ``read_chunk``-byte requests during backward.
+    Requests use O_DIRECT where the folder allows it, as the engine does. The
+    step calls :meth:`forward_started`, :meth:`backward_started` and
+    :meth:`wait`; the step time includes the replay's reads that outlast
+    backward. On a machine whose cores compute fills, the ratio of this mode to
+    ``none`` is the step time no engine moving these bytes through this disk
+    can beat (the kernel's and the hypervisor's cost of the IO); ``disk``
+    divided by it is what the engine adds.
+    """
+
+    def __init__(self, folder: str, nbytes: int, *, chunk: int, read_chunk: int = 4 << 20) -> None:
+        if nbytes < 0 or chunk < _PAGE_SIZE or read_chunk < _PAGE_SIZE:
+            raise ValueError("IOReplay needs nbytes >= 0 and requests of at least one page")
+        self.folder = folder
+        self.chunk = chunk - chunk % _PAGE_SIZE
+        self.read_chunk = read_chunk - read_chunk % _PAGE_SIZE
+        self.nbytes = -(-nbytes // _PAGE_SIZE) * _PAGE_SIZE
+        self.bytes_written = 0
+        self.bytes_read = 0
+        self._fd = -1
+        self._cmds: queue.Queue[str | None] = queue.Queue()
+        self._done: queue.Queue[BaseException | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._source: memoryview | None = None
+        self._blocks: list[Any] = []
+
+    def __enter__(self) -> IOReplay:
+        from prefetch_offload.buffers import mapped_block
+        from prefetch_offload.slab import direct_io_supported, open_scratch_file
+
+        os.makedirs(self.folder, exist_ok=True)
+        self._fd = open_scratch_file(self.folder, direct=direct_io_supported(self.folder))
+        os.posix_fallocate(self._fd, 0, max(self.nbytes, _PAGE_SIZE))
+        raw = torch.full((self.nbytes + _PAGE_SIZE,), 7, dtype=torch.uint8)
+        lead = (-raw.data_ptr()) % _PAGE_SIZE
+        self._source = memoryview(raw[lead : lead + self.nbytes].numpy())
+        self._blocks = [mapped_block(self.read_chunk) for _ in range(2)]
+        self._thread = threading.Thread(target=self._main, name="bench-ioreplay", daemon=True)
+        self._thread.start()
+        return self
+
+    def forward_started(self) -> None:
+        """Queue this step's writes."""
+        self._cmds.put("write")
+
+    def backward_started(self) -> None:
+        """Queue this step's reads (they start once the writes are done)."""
+        self._cmds.put("read")
+
+    def wait(self) -> None:
+        """Wait until this step's writes and reads are done; re-raise their error."""
+        for _ in range(2):
+            err = self._done.get()
+            if err is not None:
+                raise err
+
+    def _main(self) -> None:
+        while (cmd := self._cmds.get()) is not None:
+            try:
+                if cmd == "write":
+                    self._write()
+                else:
+                    self._read()
+                self._done.put(None)
+            except BaseException as exc:
+                self._done.put(exc)
+
+    def _write(self) -> None:
+        assert self._source is not None
+        for off in range(0, self.nbytes, self.chunk):
+            piece = self._source[off : off + self.chunk]
+            if os.pwritev(self._fd, [piece], off) != len(piece):
+                raise OSError(f"IOReplay: short write at offset {off}")
+            self.bytes_written += len(piece)
+
+    def _read(self) -> None:
+        for i, off in enumerate(range(0, self.nbytes, self.read_chunk)):
+            n = min(self.read_chunk, self.nbytes - off)
+            region = memoryview(self._blocks[i % 2].buffer)[:n]
+            if os.preadv(self._fd, [region], off) != n:
+                raise OSError(f"IOReplay: short read at offset {off}")
+            self.bytes_read += n
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._thread is not None:
+            self._cmds.put(None)
+            self._thread.join()
+            self._thread = None
+        for block in self._blocks:
+            block.release()
+        self._blocks, self._source = [], None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 # -- the result row ----------------------------------------------------------------------
 
 
@@ -313,6 +444,8 @@ class StepResult:
     # Memory rounds in the benchmark process, glibc's default allocator after
     # malloc_trim(0): peak RSS during forward minus RSS at forward start, per round.
     rss_default_bytes: tuple[int, ...] = ()
+    # Hypervisor steal (all CPUs, from /proc/stat) during each timed step, in seconds.
+    steal_seconds: tuple[float, ...] = ()
     # Engine counter deltas over the timed rounds (``disk`` only).
     bytes_offloaded: int | None = None
     prefetch_hits: int | None = None
@@ -399,6 +532,13 @@ class StepResult:
         return self.stall_seconds / self.steps
 
     @property
+    def steal_per_step(self) -> float | None:
+        """Mean CPU seconds the hypervisor took per timed step (None where unknown)."""
+        if not self.steal_seconds:
+            return None
+        return statistics.fmean(self.steal_seconds)
+
+    @property
     def pack_wait_per_step(self) -> float | None:
         """Seconds forward waited at the pending-write cap, per timed step."""
         if self.pack_wait_seconds is None or not self.steps:
@@ -408,7 +548,13 @@ class StepResult:
     def to_json(self) -> dict[str, Any]:
         """Raw fields plus the computed properties, JSON-ready."""
         out = asdict(self)
-        for name in ("step_seconds", "act_mem_bytes", "act_heap_bytes", "rss_default_bytes"):
+        for name in (
+            "step_seconds",
+            "act_mem_bytes",
+            "act_heap_bytes",
+            "rss_default_bytes",
+            "steal_seconds",
+        ):
             out[name] = list(getattr(self, name))
         for name in (
             "steps",
@@ -423,6 +569,7 @@ class StepResult:
             "offloaded_per_step",
             "hit_rate",
             "stall_per_step",
+            "steal_per_step",
             "pack_wait_per_step",
         ):
             out[name] = getattr(self, name)

@@ -7,7 +7,9 @@ whole run (its hooks are installed around each of its steps). Per
 configuration: median step time, its ratio to ``none``, MB offloaded, writes
 skipped and hit rate per step, and the process's CPU time per step (user and
 system, from ``getrusage`` around each step: the cost the IO adds on a machine
-whose cores compute keeps busy).
+whose cores compute keeps busy), and the CPU time the hypervisor took from the
+machine's CPUs during the step (``steal`` in ``/proc/stat``, all CPUs: on a VM,
+the host's side of the disk IO).
 
 Example (the chunk_bytes comparison in docs/tuning.md):
     .venv/bin/python bench/ab.py --config 'c8:{"chunk_bytes": 8388608}' \\
@@ -32,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import step as step_bench
-from _common import scratch_folder
+from _common import scratch_folder, steal_seconds
 
 from prefetch_offload import OffloadConfig, OffloadEngine
 from prefetch_offload.testing import TinyTransformer, make_batch
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                 engines[name] = OffloadEngine(cfg)
         models = {n: copy.deepcopy(base) for n in configs}
         opts = {n: torch.optim.SGD(models[n].parameters(), lr=1e-3) for n in configs}
-        samples: dict[str, list[tuple[float, float, float]]] = {n: [] for n in configs}
+        # (wall, user, system, hypervisor steal) seconds per step
+        samples: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n in configs}
         names = list(configs)
         before = {}
         try:
@@ -91,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 if r == args.warmup:
                     before = {n: e.stats() for n, e in engines.items()}
                 for n in names[r % len(names) :] + names[: r % len(names)]:
+                    s0 = steal_seconds()
                     u0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
                     engine = engines.get(n)
                     model = models[n]
@@ -102,9 +106,11 @@ def main(argv: list[str] | None = None) -> int:
                     opts[n].step()
                     opts[n].zero_grad(set_to_none=True)
                     dt, u1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+                    s1 = steal_seconds()
                     if r >= args.warmup:
                         cpu = (u1.ru_utime - u0.ru_utime, u1.ru_stime - u0.ru_stime)
-                        samples[n].append((dt, *cpu))
+                        steal = s1 - s0 if s0 is not None and s1 is not None else 0.0
+                        samples[n].append((dt, *cpu, steal))
             ref = statistics.median(s[0] for s in samples["none"])
             for n in names:
                 step = statistics.median(s[0] for s in samples[n])
@@ -115,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ratio": step / ref,
                     "user_s": statistics.fmean(s[1] for s in samples[n]),
                     "sys_s": statistics.fmean(s[2] for s in samples[n]),
+                    "steal_s": statistics.fmean(s[3] for s in samples[n]),
                 }
                 if n in engines:
                     a, b = before[n], engines[n].stats()
@@ -139,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(
         f"{'config':<10} {'step ms':>8} {'ratio':>6} {'user ms':>8} {'sys ms':>7} "
-        f"{'MB/step':>8} {'skipped':>7} {'hit':>5}"
+        f"{'steal ms':>8} {'MB/step':>8} {'skipped':>7} {'hit':>5}"
     )
     for row in rows:
         extra = (
@@ -149,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"{row['name']:<10} {row['step_s'] * 1e3:8.1f} {row['ratio']:6.3f} "
-            f"{row['user_s'] * 1e3:8.0f} {row['sys_s'] * 1e3:7.0f} {extra}"
+            f"{row['user_s'] * 1e3:8.0f} {row['sys_s'] * 1e3:7.0f} "
+            f"{row['steal_s'] * 1e3:8.0f} {extra}"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -82,6 +82,7 @@ from prefetch_offload.testing import TinyTransformer, make_batch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
 from _common import (
     MB,
+    IOReplay,
     RssSampler,
     SeedDiskHooks,
     StepResult,
@@ -89,6 +90,7 @@ from _common import (
     heap_in_use_bytes,
     malloc_trim,
     read_rss_bytes,
+    steal_seconds,
 )
 
 __all__ = [
@@ -117,10 +119,11 @@ __all__ = [
     "timed_delta",
 ]
 
-MODES: tuple[str, ...] = ("none", "disk", "seed", "save_on_cpu")
+MODES: tuple[str, ...] = ("none", "disk", "ioreplay", "seed", "save_on_cpu")
 LABELS: dict[str, str] = {
     "none": "no offload",
     "disk": "prefetch_offload, disk",
+    "ioreplay": "no hooks; disk's bytes by a bare thread",
     "seed": "seed: torch.save per tensor",
     "save_on_cpu": "torch save_on_cpu (CPU: no copy)",
 }
@@ -214,10 +217,15 @@ def build(
     return model, batches
 
 
-def make_context(mode: str, save_dir: Path, knobs: Knobs) -> AbstractContextManager[Any]:
-    """The context that turns ``mode`` on; ``disk`` and ``seed`` write under ``save_dir``."""
+def make_context(
+    mode: str, save_dir: Path, knobs: Knobs, *, replay_bytes: int = 0
+) -> AbstractContextManager[Any]:
+    """The context that turns ``mode`` on; ``disk``, ``ioreplay`` and ``seed`` write under
+    ``save_dir``. ``replay_bytes``: what ``ioreplay`` writes and reads per step."""
     if mode == "none":
         return contextlib.nullcontext()
+    if mode == "ioreplay":
+        return IOReplay(str(save_dir / "ioreplay"), replay_bytes, chunk=knobs.chunk_bytes)
     if mode == "disk":
         return offload_context(
             "disk",
@@ -364,6 +372,8 @@ class StepOut(NamedTuple):
     loss: float
     # RSS added by forward in a "memory" phase step (default allocator), else None.
     rss_default: int | None
+    # Hypervisor steal during the step, all CPUs (None where /proc/stat lacks it).
+    steal: float | None = None
 
 
 # What a worker's thread reports besides step results and exceptions.
@@ -456,6 +466,8 @@ class ModeWorker:
         tokens, targets = self.batches[round_index]
         gc.collect()
         rss_default: int | None = None
+        replay = self.handle if isinstance(self.handle, IOReplay) else None
+        steal0 = steal_seconds()
         if phase == "memory":
             malloc_trim()
             t0 = time.perf_counter()
@@ -466,12 +478,21 @@ class ModeWorker:
             rss_default = max(rss_end, sampler.peak_bytes) - rss_start
         else:
             t0 = time.perf_counter()
+            if replay is not None:
+                replay.forward_started()
             loss = self.model(tokens, targets)
-        loss.backward()
+        if replay is not None and phase != "memory":
+            replay.backward_started()
+            loss.backward()
+            replay.wait()
+        else:
+            loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
-        return StepOut(seconds=seconds, loss=loss.item(), rss_default=rss_default)
+        steal1 = steal_seconds()
+        steal = None if steal0 is None or steal1 is None else steal1 - steal0
+        return StepOut(seconds=seconds, loss=loss.item(), rss_default=rss_default, steal=steal)
 
 
 def _counters(handle: Any) -> dict[str, float]:
@@ -495,6 +516,7 @@ class RoundLog:
     """Per-mode results of :func:`run_rounds`, in round order."""
 
     times: dict[str, list[float]]  # timed rounds only
+    steal: dict[str, list[float]]  # timed rounds only, where the kernel reports steal
     rss_default: dict[str, list[int]]  # memory rounds only
     losses: dict[str, list[float]]  # every round
 
@@ -513,6 +535,7 @@ def run_rounds(
     modes = list(workers)
     out = RoundLog(
         times={m: [] for m in modes},
+        steal={m: [] for m in modes},
         rss_default={m: [] for m in modes},
         losses={m: [] for m in modes},
     )
@@ -530,6 +553,8 @@ def run_rounds(
                 out.losses[mode].append(step.loss)
                 if phase == "timed":
                     out.times[mode].append(step.seconds)
+                    if step.steal is not None:
+                        out.steal[mode].append(step.steal)
                 if step.rss_default is not None:
                     out.rss_default[mode].append(step.rss_default)
             if log is not None:
@@ -776,6 +801,7 @@ def _table(rows: Sequence[StepResult]) -> str:
         "offl MB/step",
         "hit rate",
         "stall s/step",
+        "steal s/step",
     )
     body = [
         (
@@ -790,6 +816,7 @@ def _table(rows: Sequence[StepResult]) -> str:
             fmt(r.offloaded_per_step, ".1f", 1 / MB),
             fmt(r.hit_rate, ".1f", 100, "%"),
             fmt(r.stall_per_step, ".4f"),
+            fmt(r.steal_per_step, ".3f"),
         )
         for r in rows
     ]
@@ -855,7 +882,12 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
     model, batches = build(shape, len(phases))
     saved_bytes = _saved_activation_bytes(model, batches[0])
     workers = {
-        m: ModeWorker(m, copy.deepcopy(model), batches, make_context(m, run_dir, knobs))
+        m: ModeWorker(
+            m,
+            copy.deepcopy(model),
+            batches,
+            make_context(m, run_dir, knobs, replay_bytes=saved_bytes),
+        )
         for m in modes
     }
     del model
@@ -869,7 +901,9 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
     probes: dict[str, dict[str, Any]] = {}
     pending: list[dict[str, Any]] = []
     if args.mem_probe:
-        requests = [(mode, knobs) for mode in modes]
+        # ioreplay runs none's training: its memory is none's, not worth a probe.
+        probed = [mode for mode in modes if mode != "ioreplay"]
+        requests = [(mode, knobs) for mode in probed]
         if "disk" in modes:
             requests += [
                 ("disk", dataclasses.replace(knobs, max_pending_write_bytes=value))
@@ -881,7 +915,7 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
         except (ProbeError, subprocess.TimeoutExpired) as exc:
             _log(f"error: {exc}")
             return 2
-        probes = {mode: results[i] for i, mode in enumerate(modes)}
+        probes = {mode: results[i] for i, mode in enumerate(probed)}
         by_cap = {
             k.max_pending_write_bytes: r
             for (m, k), r in zip(requests, results, strict=True)
@@ -921,6 +955,12 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
         print("heap MB: malloc bytes in use added by forward, at its end (same probe)")
     print("rss(default) MB: peak RSS added by forward in this process, glibc's default")
     print("  allocator after malloc_trim(0): also counts freed memory glibc keeps resident")
+    print("steal s/step: CPU time the hypervisor took from this VM's CPUs per step (/proc/stat)")
+    if "ioreplay" in modes:
+        print(
+            f"ioreplay: none's training while a side thread writes {saved_bytes / MB:.1f} MB "
+            "per step during forward and reads it back during backward (O_DIRECT)"
+        )
     print()
     print(_table(rows))
 
@@ -935,6 +975,9 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
     if target is not None:
         print()
         print(target["line"])
+    bound = _io_bound(rows)
+    if bound is not None:
+        print(bound["line"])
 
     problems = _check(modes, workers, log.losses)
     print()
@@ -959,6 +1002,7 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
             "memory_probes": probes,
             "pending_sweep": pending,
             "target": target,
+            "io_bound": bound,
             "losses": log.losses,
             "check": {"ok": not problems, "problems": problems},
         }
@@ -1014,6 +1058,26 @@ def _target(rows: Sequence[StepResult], knobs: Knobs) -> dict[str, Any] | None:
     return {"act_cut": disk.act_cut, "needed": TARGET_CUT, "met": met, "line": line}
 
 
+def _io_bound(rows: Sequence[StepResult]) -> dict[str, Any] | None:
+    """What the IO alone costs (ioreplay vs none) against what disk costs, if both ran."""
+    by_mode = {r.mode: r for r in rows}
+    disk, replay = by_mode.get("disk"), by_mode.get("ioreplay")
+    if disk is None or replay is None or disk.ratio is None or replay.ratio is None:
+        return None
+    engine = disk.median_step_s / replay.median_step_s
+    line = (
+        f"io bound: the same bytes moved by a bare thread with no hooks (ioreplay) cost "
+        f"{replay.ratio:.2f}x of none; disk {disk.ratio:.2f}x, so the engine adds "
+        f"{engine:.2f}x beyond its IO"
+    )
+    return {
+        "ioreplay_ratio": replay.ratio,
+        "disk_ratio": disk.ratio,
+        "disk_over_ioreplay": engine,
+        "line": line,
+    }
+
+
 def _results(
     modes: list[str],
     workers: dict[str, ModeWorker],
@@ -1029,6 +1093,7 @@ def _results(
                 mode=mode,
                 label=LABELS[mode],
                 step_seconds=tuple(log.times[mode]),
+                steal_seconds=tuple(log.steal[mode]),
                 act_mem_bytes=tuple(probe.get("act_mem_bytes", ())),
                 act_heap_bytes=tuple(probe.get("act_heap_bytes", ())),
                 rss_default_bytes=tuple(log.rss_default[mode]),

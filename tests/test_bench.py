@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,6 +75,7 @@ def test_step_main_every_mode_is_exact(
     text = capsys.readouterr().out
     for column in ("act MB", "act cut", "heap MB", "rss(default) MB", "stall s/step"):
         assert column in text
+    assert "steal s/step" in text and "io bound:" in text
     assert "bit-identical" in text
 
     doc = json.loads(out.read_text())
@@ -95,6 +97,51 @@ def test_step_main_every_mode_is_exact(
     assert disk["stall_seconds"] >= 0.0
     assert rows["seed"]["bytes_offloaded"] is None  # engine counters are disk's only
     assert doc["memory_probes"] == {} and doc["target"] is None
+    bound = doc["io_bound"]
+    assert bound["ioreplay_ratio"] == rows["ioreplay"]["ratio"]
+    assert bound["disk_over_ioreplay"] == pytest.approx(
+        disk["median_step_s"] / rows["ioreplay"]["median_step_s"]
+    )
+    if step.steal_seconds() is not None:  # Linux: one steal sample per timed step
+        assert all(len(r["steal_seconds"]) == 2 for r in rows.values())
+        assert all(r["steal_per_step"] >= 0 for r in rows.values())
+
+
+def test_ioreplay_moves_its_bytes_each_step_and_leaves_nothing(tmp_path: Path) -> None:
+    common = _load("_common")
+    folder = tmp_path / "replay"
+    nbytes = 3 * 65536 + 100  # not a whole number of requests: the last one is short
+    with common.IOReplay(str(folder), nbytes, chunk=65536, read_chunk=16384) as replay:
+        for step in range(1, 3):
+            replay.forward_started()
+            replay.backward_started()
+            replay.wait()
+            rounded = 4 * 65536 - 65536 + 4096  # nbytes rounded up to whole pages
+            assert replay.bytes_written == replay.bytes_read == step * rounded
+    assert not list(folder.iterdir())  # the file had no name, or lost it at once
+
+
+def test_ioreplay_raises_its_thread_error_at_wait(tmp_path: Path) -> None:
+    common = _load("_common")
+    replay = common.IOReplay(str(tmp_path / "replay"), 65536, chunk=65536)
+    with replay:
+        real, replay._fd = replay._fd, os.open(os.devnull, os.O_RDONLY)
+        try:
+            replay.forward_started()  # a write to a read-only descriptor: EBADF
+            replay.backward_started()
+            with pytest.raises(OSError):
+                replay.wait()
+        finally:
+            os.close(replay._fd)
+            replay._fd = real
+
+
+def test_ioreplay_rejects_bad_sizes(tmp_path: Path) -> None:
+    common = _load("_common")
+    with pytest.raises(ValueError, match="at least one page"):
+        common.IOReplay(str(tmp_path), 4096, chunk=100)
+    with pytest.raises(ValueError, match="nbytes"):
+        common.IOReplay(str(tmp_path), -1, chunk=65536)
 
 
 def test_step_main_memory_probes(tmp_path: Path, cwd: Path) -> None:
@@ -273,6 +320,7 @@ def test_ab_main_tiny(tmp_path: Path, cwd: Path) -> None:
     assert list(rows) == ["none", "small", "big"] and rows["none"]["ratio"] == 1.0
     assert rows["small"]["mb_per_step"] > 0  # small batches reach the disk
     assert rows["big"]["mb_per_step"] == 0 and rows["big"]["skipped_per_step"] > 0
+    assert all(r["steal_s"] >= 0 for r in rows.values())
     assert _empty(tmp_path / "s")
 
 
