@@ -21,7 +21,7 @@ __all__ = [
 
 TARGETS: tuple[str | None, ...] = (None, "cpu", "disk")
 IO_METHODS: tuple[str, ...] = ("auto", "direct", "buffered", "mmap")
-DEFAULT_CHUNK_BYTES = 16 << 20
+DEFAULT_CHUNK_BYTES = 8 << 20
 DEFAULT_INFLIGHT_COPY_BYTES = 1 << 30
 _ALIGN = 4096
 

@@ -11,7 +11,12 @@ from typing import Any
 
 import torch
 
-from .config import OffloadConfig, validate_offload_config
+from .config import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_INFLIGHT_COPY_BYTES,
+    OffloadConfig,
+    validate_offload_config,
+)
 from .engine import OffloadEngine, _NullEngine
 from .stats import OffloadStats
 
@@ -103,8 +108,8 @@ def offload_context(
     io_workers: int = 2,
     min_offload_bytes: int = 1 << 16,
     max_pending_write_bytes: int = 64 << 20,
-    max_inflight_copy_bytes: int = 1 << 30,
-    chunk_bytes: int = 16 << 20,
+    max_inflight_copy_bytes: int = DEFAULT_INFLIGHT_COPY_BYTES,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     slab_bytes: int = 256 << 20,
     io_method: str = "auto",
     disk_bytes_limit: int | None = None,

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import inspect
 import logging
 from pathlib import Path
 
 import pytest
 import torch
 
-from prefetch_offload import OffloadStats, offload_context, offload_context_from_config
+from prefetch_offload import (
+    OffloadConfig,
+    OffloadStats,
+    offload_context,
+    offload_context_from_config,
+)
 
 
 def test_none_target_is_a_no_op(save_dir: Path) -> None:
@@ -147,3 +154,12 @@ async def test_async_with_and_aflush(save_dir: Path) -> None:
     assert engine.closed
     assert torch.equal(x.grad, 2 * (x.detach() * 2).cos())
     assert engine.stats().bytes_read == (1 << 16) * 4
+
+
+def test_context_defaults_are_the_config_defaults() -> None:
+    """offload_context spells out every knob; its defaults must be OffloadConfig's."""
+    params = inspect.signature(offload_context).parameters
+    for field in dataclasses.fields(OffloadConfig):
+        if field.name in ("target", "save_dir"):
+            continue
+        assert params[field.name].default == field.default, field.name
