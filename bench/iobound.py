@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from prefetch_offload import offload_context
+from prefetch_offload.config import DEFAULT_CHUNK_BYTES
 from prefetch_offload.probe import raw_bandwidth
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefetch-depth", type=int, default=4)
     p.add_argument("--io-workers", type=int, default=2)
     p.add_argument("--max-pending-write-bytes", type=int, default=64 * MiB)
+    p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
     p.add_argument("--json", help="write the result to this file")
     args = p.parse_args(argv)
 
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             prefetch_depth=args.prefetch_depth,
             io_workers=args.io_workers,
             max_pending_write_bytes=args.max_pending_write_bytes,
+            chunk_bytes=args.chunk_bytes,
         ) as engine:
             for i in range(args.steps + 1):
                 w, r = raw_bandwidth(folder, min(total, 512 * MiB), 8 * MiB, 2)

@@ -1,12 +1,16 @@
 """Train the small transformer under each offload mode and compare step time and memory.
 
 Every mode trains its own copy of one model (same initial weights, same
-batches) on its own thread, and the threads are driven in lockstep: round ``r``
-runs one step of every mode, in an order rotated by ``r``, and only one step
-runs at any moment, so machine drift hits all modes alike. Each thread enters
-its mode's context once and keeps it open for the whole run, the way a user
-wraps ``trainer.train()`` (saved-tensor hooks are thread-local, so the open
-contexts do not see each other's steps).
+batches), all on the calling thread: round ``r`` runs one step of every mode,
+in an order rotated by ``r``, so machine drift hits all modes alike. Each mode
+sets up what lives for the whole run once (the engine and its IO threads, the
+seed's folder, ioreplay's file and thread) and installs its saved-tensor hooks
+around each of its own steps: exactly what ``offload_context`` does for a user
+who wraps ``trainer.train()`` (one engine, its hooks on the training thread),
+but with one training thread for every mode. (Until session 3 each mode ran on
+a thread of its own. Each such thread gets its own OpenMP team, whose workers
+spin while another mode's step runs: the same computation measured up to 10%
+apart between ``none`` and ``save_on_cpu``, which on the CPU are one thing.)
 
 Rounds come in three phases: ``--warmup`` rounds (not counted), ``--steps``
 timed rounds (step times and engine counters), then ``--mem-rounds``
@@ -60,15 +64,13 @@ import gc
 import json
 import os
 import platform
-import queue
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +78,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from prefetch_offload import OffloadConfig, offload_context
+from prefetch_offload import OffloadConfig, OffloadEngine
 from prefetch_offload.testing import TinyTransformer, make_batch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
@@ -98,6 +100,7 @@ __all__ = [
     "MODES",
     "Knobs",
     "ModeFailed",
+    "ModeSetup",
     "ModeWorker",
     "ProbeError",
     "RoundLog",
@@ -111,7 +114,7 @@ __all__ = [
     "machine_info",
     "machine_line",
     "main",
-    "make_context",
+    "make_mode",
     "parse_mib_list",
     "probe_many",
     "probe_memory",
@@ -217,18 +220,53 @@ def build(
     return model, batches
 
 
-def make_context(
-    mode: str, save_dir: Path, knobs: Knobs, *, replay_bytes: int = 0
-) -> AbstractContextManager[Any]:
-    """The context that turns ``mode`` on; ``disk``, ``ioreplay`` and ``seed`` write under
-    ``save_dir``. ``replay_bytes``: what ``ioreplay`` writes and reads per step."""
+def _no_hooks(handle: Any) -> AbstractContextManager[Any]:
+    return contextlib.nullcontext(handle)
+
+
+def _engine_hooks(engine: OffloadEngine) -> AbstractContextManager[Any]:
+    return torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack)
+
+
+def _own_hooks(hooks: SeedDiskHooks) -> AbstractContextManager[Any]:
+    return hooks
+
+
+def _save_on_cpu(handle: Any) -> AbstractContextManager[Any]:
+    return torch.autograd.graph.save_on_cpu(pin_memory=False)
+
+
+@dataclass(frozen=True)
+class ModeSetup:
+    """How a mode runs: ``run`` is entered once for the whole run and gives a handle
+    (the engine, the seed hooks, the replay, or None); ``step_hooks(handle)`` is
+    entered around each of the mode's steps, on the training thread."""
+
+    run: AbstractContextManager[Any]
+    step_hooks: Callable[[Any], AbstractContextManager[Any]] = _no_hooks
+
+
+@contextlib.contextmanager
+def _engine_run(config: OffloadConfig) -> Iterator[OffloadEngine]:
+    """One engine for the run, closed at its end (``offload_context`` minus the hooks)."""
+    engine = OffloadEngine(config)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def make_mode(mode: str, save_dir: Path, knobs: Knobs, *, replay_bytes: int = 0) -> ModeSetup:
+    """What turns ``mode`` on; ``disk``, ``ioreplay`` and ``seed`` write under ``save_dir``.
+    ``replay_bytes``: what ``ioreplay`` writes and reads per step."""
     if mode == "none":
-        return contextlib.nullcontext()
+        return ModeSetup(contextlib.nullcontext())
     if mode == "ioreplay":
-        return IOReplay(str(save_dir / "ioreplay"), replay_bytes, chunk=knobs.chunk_bytes)
+        replay = IOReplay(str(save_dir / "ioreplay"), replay_bytes, chunk=knobs.chunk_bytes)
+        return ModeSetup(replay)
     if mode == "disk":
-        return offload_context(
-            "disk",
+        config = OffloadConfig(
+            target="disk",
             save_dir=str(save_dir / "disk"),
             prefetch_depth=knobs.prefetch_depth,
             io_workers=knobs.io_workers,
@@ -236,10 +274,12 @@ def make_context(
             max_pending_write_bytes=knobs.max_pending_write_bytes,
             chunk_bytes=knobs.chunk_bytes,
         )
+        return ModeSetup(_engine_run(config), _engine_hooks)
     if mode == "seed":
-        return SeedDiskHooks(str(save_dir / "seed"), knobs.min_offload_bytes)
+        hooks = SeedDiskHooks(str(save_dir / "seed"), knobs.min_offload_bytes)
+        return ModeSetup(contextlib.nullcontext(hooks), _own_hooks)
     if mode == "save_on_cpu":
-        return torch.autograd.graph.save_on_cpu(pin_memory=False)
+        return ModeSetup(contextlib.nullcontext(), _save_on_cpu)
     raise ValueError(mode)
 
 
@@ -376,19 +416,15 @@ class StepOut(NamedTuple):
     steal: float | None = None
 
 
-# What a worker's thread reports besides step results and exceptions.
-_READY = "context entered"
-_EXITED = "context exited"
-
-
 class ModeWorker:
-    """One mode: a thread holding its context open, its model copy and its optimizer.
+    """One mode: its model copy, its optimizer, its run-long setup and its step hooks.
 
-    ``step`` hands the thread one step and waits for it, so the caller decides
-    which mode runs when. Counters (engine stats, seed file counts) are
-    snapshotted at the first step of each phase and after the context exits.
-    A step in phase ``"memory"`` trims the heap first and measures the RSS that
-    forward adds; other phases only time the step.
+    ``start`` enters the mode's run context, ``step`` runs one training step on
+    the calling thread inside the mode's step hooks, ``finish`` leaves the run
+    context (re-raising an error from it). Counters (engine stats, seed file
+    counts) are snapshotted at the first step of each phase and after the run
+    context exits. A step in phase ``"memory"`` trims the heap first and measures
+    the RSS that forward adds; other phases only time the step.
     """
 
     def __init__(
@@ -396,68 +432,50 @@ class ModeWorker:
         mode: str,
         model: torch.nn.Module,
         batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        context: AbstractContextManager[Any],
+        setup: ModeSetup,
     ) -> None:
         self.mode = mode
         self.model = model
         self.opt = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
         self.batches = batches
-        self.context = context
-        self.handle: Any = None  # what the context's __enter__ returned
+        self.setup = setup
+        self.handle: Any = None  # what the run context's __enter__ returned
         self.snapshots: dict[str, dict[str, float]] = {}
         self._phase = ""
-        self._cmd: queue.Queue[tuple[int, str] | None] = queue.Queue()
-        self._out: queue.Queue[StepOut | str | BaseException] = queue.Queue()
         self._alive = False
-        self._thread = threading.Thread(target=self._main, name=f"bench-{mode}", daemon=True)
 
     def start(self) -> None:
-        """Start the thread and wait until its context is open."""
-        self._thread.start()
+        """Enter the mode's run context."""
+        self.handle = self.setup.run.__enter__()
         self._alive = True
-        got = self._out.get()
-        if isinstance(got, BaseException):
-            self._alive = False
-            self._thread.join()
-            raise got
 
     def step(self, round_index: int, phase: str) -> StepOut:
-        """Run one training step on the thread; re-raises the step's exception."""
-        self._cmd.put((round_index, phase))
-        got = self._out.get()
-        if isinstance(got, BaseException):
-            self._alive = False
-            self._thread.join()
-            raise got
-        assert isinstance(got, StepOut)
-        return got
+        """Run one training step; an exception leaves the run context and propagates."""
+        try:
+            return self._step(round_index, phase)
+        except BaseException as exc:
+            self._leave(exc)
+            raise
 
     def finish(self) -> None:
-        """Exit the context on the thread and join it; re-raises an error from exit."""
+        """Leave the run context; re-raises an error from its exit."""
+        self._leave(None)
+
+    def _leave(self, exc: BaseException | None) -> None:
         if not self._alive:
             return
         self._alive = False
-        self._cmd.put(None)
-        got = self._out.get()
-        self._thread.join()
-        if isinstance(got, BaseException):
-            raise got
+        run = self.setup.run
+        if exc is None:
+            run.__exit__(None, None, None)
+        else:
+            with contextlib.suppress(Exception):
+                run.__exit__(type(exc), exc, exc.__traceback__)
+        self.snapshots["end"] = self.counters()
 
     def counters(self) -> dict[str, float]:
         """The mode's cumulative counters now (empty for modes without any)."""
         return _counters(self.handle)
-
-    def _main(self) -> None:
-        try:
-            with self.context as handle:
-                self.handle = handle
-                self._out.put(_READY)
-                while (cmd := self._cmd.get()) is not None:
-                    self._out.put(self._step(*cmd))
-            self.snapshots["end"] = self.counters()
-            self._out.put(_EXITED)
-        except BaseException as exc:
-            self._out.put(exc)
 
     def _step(self, round_index: int, phase: str) -> StepOut:
         if phase != self._phase:
@@ -468,25 +486,26 @@ class ModeWorker:
         rss_default: int | None = None
         replay = self.handle if isinstance(self.handle, IOReplay) else None
         steal0 = steal_seconds()
-        if phase == "memory":
-            malloc_trim()
-            t0 = time.perf_counter()
-            with RssSampler(SAMPLE_INTERVAL_S) as sampler:
-                rss_start = read_rss_bytes()
+        with self.setup.step_hooks(self.handle):
+            if phase == "memory":
+                malloc_trim()
+                t0 = time.perf_counter()
+                with RssSampler(SAMPLE_INTERVAL_S) as sampler:
+                    rss_start = read_rss_bytes()
+                    loss = self.model(tokens, targets)
+                    rss_end = read_rss_bytes()
+                rss_default = max(rss_end, sampler.peak_bytes) - rss_start
+            else:
+                t0 = time.perf_counter()
+                if replay is not None:
+                    replay.forward_started()
                 loss = self.model(tokens, targets)
-                rss_end = read_rss_bytes()
-            rss_default = max(rss_end, sampler.peak_bytes) - rss_start
-        else:
-            t0 = time.perf_counter()
-            if replay is not None:
-                replay.forward_started()
-            loss = self.model(tokens, targets)
-        if replay is not None and phase != "memory":
-            replay.backward_started()
-            loss.backward()
-            replay.wait()
-        else:
-            loss.backward()
+            if replay is not None and phase != "memory":
+                replay.backward_started()
+                loss.backward()
+                replay.wait()
+            else:
+                loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
@@ -694,14 +713,16 @@ def _memory_probe(args: argparse.Namespace) -> int:
         heap: list[int] = []
         rss_start: list[int] = []
         samples: list[int] = []
-        with make_context(mode, run_dir, Knobs.from_args(args)) as handle:
+        setup = make_mode(mode, run_dir, Knobs.from_args(args))
+        with setup.run as handle:
             for i, (tokens, targets) in enumerate(batches):
                 gc.collect()
-                with RssSampler(SAMPLE_INTERVAL_S) as sampler:
-                    r0, h0 = read_rss_bytes(), heap_in_use_bytes()
-                    loss = model(tokens, targets)
-                    r1, h1 = read_rss_bytes(), heap_in_use_bytes()
-                loss.backward()
+                with setup.step_hooks(handle):
+                    with RssSampler(SAMPLE_INTERVAL_S) as sampler:
+                        r0, h0 = read_rss_bytes(), heap_in_use_bytes()
+                        loss = model(tokens, targets)
+                        r1, h1 = read_rss_bytes(), heap_in_use_bytes()
+                    loss.backward()
                 _sgd_step(params)
                 del loss
                 if i < PROBE_WARMUP_STEPS:
@@ -886,7 +907,7 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
             m,
             copy.deepcopy(model),
             batches,
-            make_context(m, run_dir, knobs, replay_bytes=saved_bytes),
+            make_mode(m, run_dir, knobs, replay_bytes=saved_bytes),
         )
         for m in modes
     }

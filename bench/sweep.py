@@ -9,10 +9,10 @@ Cells:
   reused, not run twice).
 
 Each cell trains a fresh ``none`` and a fresh ``disk`` copy of the same model on
-the same batches with ``bench/step.py``'s machinery: one thread per mode holding
-its context open, the two driven in lockstep and interleaved round by round
-(the order alternates), so the cell's ratio compares two medians measured side
-by side. Every cell also checks that both copies end bit-identical.
+the same batches with ``bench/step.py``'s machinery: both on one thread, the
+engine set up once per cell and its hooks installed around each disk step,
+interleaved round by round (the order alternates), so the cell's ratio compares
+two medians measured side by side. Every cell also checks that both copies end bit-identical.
 
 ``max_pending_write_bytes`` is the knob that trades memory for speed (pack waits
 when that many bytes are queued for writing), so for the ``--pending-mib`` cells
@@ -252,7 +252,7 @@ def _run_cell(
 ) -> Cell:
     workers = {
         mode: step.ModeWorker(
-            mode, copy.deepcopy(model), batches, step.make_context(mode, cell_dir, knobs)
+            mode, copy.deepcopy(model), batches, step.make_mode(mode, cell_dir, knobs)
         )
         for mode in ("none", "disk")
     }

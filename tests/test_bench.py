@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -180,16 +181,49 @@ def test_run_rounds_reports_the_failing_mode() -> None:
     def pack(t: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("boom")
 
+    def hooks(_: object) -> contextlib.AbstractContextManager[object]:
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
     workers = {
-        "none": step.ModeWorker("none", model, batches, contextlib.nullcontext()),
+        "none": step.ModeWorker("none", model, batches, step.ModeSetup(contextlib.nullcontext())),
         "disk": step.ModeWorker(
-            "disk", model, batches, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            "disk", model, batches, step.ModeSetup(contextlib.nullcontext(), hooks)
         ),
     }
     with pytest.raises(step.ModeFailed) as info:
         step.run_rounds(workers, ["timed", "timed"])
     assert info.value.where == "mode 'disk' in round 1 (timed)"
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_modes_share_one_thread_and_see_only_their_own_steps() -> None:
+    """Every mode trains on the calling thread; a mode's hooks are installed for its
+    own steps only, and none is left installed after the run."""
+    step = _load("step")
+    shape = step.Shape(depth=1, width=16, heads=2, batch=1, seq=4)
+    model, batches = step.build(shape, 3)
+    packs: dict[str, list[int]] = {"a": [], "b": []}
+
+    def counting(name: str) -> object:
+        def hooks(_: object) -> contextlib.AbstractContextManager[object]:
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                packs[name].append(threading.get_ident())
+                return t
+
+            return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+        return hooks
+
+    workers = {
+        n: step.ModeWorker(n, model, batches, step.ModeSetup(contextlib.nullcontext(), counting(n)))
+        for n in ("a", "b")
+    }
+    step.run_rounds(workers, ["timed"] * 3)
+    assert packs["a"] and len(packs["a"]) == len(packs["b"])  # same model, same steps
+    assert set(packs["a"]) == set(packs["b"]) == {threading.get_ident()}
+    before = len(packs["a"]) + len(packs["b"])
+    model(*batches[0]).backward()  # no hooks left behind
+    assert len(packs["a"]) + len(packs["b"]) == before
 
 
 # -- bench/io.py -------------------------------------------------------------------------
