@@ -377,3 +377,20 @@ def test_cputime_main_tiny(tmp_path: Path, cwd: Path, mode: str) -> None:
     res = json.loads(out.read_text())
     assert res["mode"] == mode and res["step_s"] > 0
     assert _empty(tmp_path / "s")
+
+
+# -- bench/hostcost.py -------------------------------------------------------------------
+
+
+def test_hostcost_main_tiny(tmp_path: Path, cwd: Path) -> None:
+    hostcost = _load("hostcost")
+    out = tmp_path / "hostcost.json"
+    argv = ["--total-mib", "4", "--request-mib", "2", "--save-dir", str(tmp_path / "s")]
+    assert hostcost.main([*argv, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    seen = {(r["load"], r["buffer"], r["op"]) for r in rows}
+    assert seen == {
+        (a, b, c) for a in ("idle", "loaded") for b in ("4k", "huge") for c in ("write", "read")
+    }
+    assert all(r["gbps"] > 0 and r["cpu_ms_per_gb"] >= 0 for r in rows)
+    assert _empty(tmp_path / "s")
