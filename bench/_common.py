@@ -323,9 +323,9 @@ class IOReplay:
     step calls :meth:`forward_started`, :meth:`backward_started` and
     :meth:`wait`; the step time includes the replay's reads that outlast
     backward. On a machine whose cores compute fills, the ratio of this mode to
-    ``none`` is the step time no engine moving these bytes through this disk
-    can beat (the kernel's and the hypervisor's cost of the IO); ``disk``
-    divided by it is what the engine adds.
+    ``none`` is what moving these bytes this way costs a step (the kernel's
+    and, on a VM, the hypervisor's share of the IO), before any engine work;
+    ``disk`` divided by it is what the engine adds.
     """
 
     def __init__(self, folder: str, nbytes: int, *, chunk: int, read_chunk: int = 4 << 20) -> None:

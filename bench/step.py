@@ -484,7 +484,8 @@ class ModeWorker:
         tokens, targets = self.batches[round_index]
         gc.collect()
         rss_default: int | None = None
-        replay = self.handle if isinstance(self.handle, IOReplay) else None
+        # ioreplay moves its bytes in timed steps only (memory rounds measure none's RSS).
+        io = self.handle if isinstance(self.handle, IOReplay) and phase != "memory" else None
         steal0 = steal_seconds()
         with self.setup.step_hooks(self.handle):
             if phase == "memory":
@@ -497,15 +498,14 @@ class ModeWorker:
                 rss_default = max(rss_end, sampler.peak_bytes) - rss_start
             else:
                 t0 = time.perf_counter()
-                if replay is not None:
-                    replay.forward_started()
+                if io is not None:
+                    io.forward_started()
                 loss = self.model(tokens, targets)
-            if replay is not None and phase != "memory":
-                replay.backward_started()
-                loss.backward()
-                replay.wait()
-            else:
-                loss.backward()
+            if io is not None:
+                io.backward_started()
+            loss.backward()
+            if io is not None:
+                io.wait()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
