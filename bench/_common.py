@@ -368,11 +368,10 @@ class IOReplay:
         self._cmds.put("read")
 
     def wait(self) -> None:
-        """Wait until this step's writes and reads are done; re-raise their error."""
-        for _ in range(2):
-            err = self._done.get()
-            if err is not None:
-                raise err
+        """Wait until this step's writes and reads are done; re-raise the first error."""
+        errors = [err for err in (self._done.get(), self._done.get()) if err is not None]
+        if errors:
+            raise errors[0]
 
     def _main(self) -> None:
         while (cmd := self._cmds.get()) is not None:

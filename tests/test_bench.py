@@ -135,6 +135,9 @@ def test_ioreplay_raises_its_thread_error_at_wait(tmp_path: Path) -> None:
         finally:
             os.close(replay._fd)
             replay._fd = real
+        replay.forward_started()  # both failures were collected: the next step is clean
+        replay.backward_started()
+        replay.wait()
 
 
 def test_ioreplay_rejects_bad_sizes(tmp_path: Path) -> None:
