@@ -15,6 +15,7 @@ import shutil
 import statistics
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from types import TracebackType
@@ -326,9 +327,22 @@ class IOReplay:
     ``none`` is what moving these bytes this way costs a step (the kernel's
     and, on a VM, the hypervisor's share of the IO), before any engine work;
     ``disk`` divided by it is what the engine adds.
+
+    By default the requests go out back to back (a burst: the cheapest timing).
+    With ``spread=True`` they are paced evenly over the previous step's forward
+    (writes) and backward (reads), the way an offload engine's IO lands while
+    compute runs; the first step, with nothing to go by, is a burst.
     """
 
-    def __init__(self, folder: str, nbytes: int, *, chunk: int, read_chunk: int = 4 << 20) -> None:
+    def __init__(
+        self,
+        folder: str,
+        nbytes: int,
+        *,
+        chunk: int,
+        read_chunk: int = 4 << 20,
+        spread: bool = False,
+    ) -> None:
         if nbytes < 0 or chunk < _PAGE_SIZE or read_chunk < _PAGE_SIZE:
             raise ValueError("IOReplay needs nbytes >= 0 and requests of at least one page")
         self.folder = folder
@@ -337,8 +351,12 @@ class IOReplay:
         self.nbytes = -(-nbytes // _PAGE_SIZE) * _PAGE_SIZE
         self.bytes_written = 0
         self.bytes_read = 0
+        self.spread = spread
+        # Seconds the last forward and backward took (spread=True paces over them).
+        self._phase_s = [0.0, 0.0]
+        self._phase_start = 0.0
         self._fd = -1
-        self._cmds: queue.Queue[str | None] = queue.Queue()
+        self._cmds: queue.Queue[tuple[str, float] | None] = queue.Queue()
         self._done: queue.Queue[BaseException | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._source: memoryview | None = None
@@ -361,39 +379,58 @@ class IOReplay:
 
     def forward_started(self) -> None:
         """Queue this step's writes."""
-        self._cmds.put("write")
+        self._phase_start = time.perf_counter()
+        self._cmds.put(("write", self._phase_s[0] if self.spread else 0.0))
 
     def backward_started(self) -> None:
         """Queue this step's reads (they start once the writes are done)."""
-        self._cmds.put("read")
+        now = time.perf_counter()
+        self._phase_s[0], self._phase_start = now - self._phase_start, now
+        self._cmds.put(("read", self._phase_s[1] if self.spread else 0.0))
 
     def wait(self) -> None:
-        """Wait until this step's writes and reads are done; re-raise the first error."""
+        """Wait until this step's writes and reads are done; re-raise the first error.
+
+        Call it when backward has returned: the time since :meth:`backward_started`
+        is the backward that the next step's reads are spread over.
+        """
+        self._phase_s[1] = time.perf_counter() - self._phase_start
         errors = [err for err in (self._done.get(), self._done.get()) if err is not None]
         if errors:
             raise errors[0]
 
     def _main(self) -> None:
         while (cmd := self._cmds.get()) is not None:
+            op, over = cmd
             try:
-                if cmd == "write":
-                    self._write()
+                if op == "write":
+                    self._write(over)
                 else:
-                    self._read()
+                    self._read(over)
                 self._done.put(None)
             except BaseException as exc:
                 self._done.put(exc)
 
-    def _write(self) -> None:
+    @staticmethod
+    def _pace(start: float, over: float, k: int, n: int) -> None:
+        """Sleep until request ``k`` of ``n``'s share of ``over`` seconds from ``start``."""
+        if over > 0 and k:
+            time.sleep(max(0.0, start + over * k / n - time.perf_counter()))
+
+    def _write(self, over: float) -> None:
         assert self._source is not None
-        for off in range(0, self.nbytes, self.chunk):
+        start, n = time.perf_counter(), -(-self.nbytes // self.chunk)
+        for k, off in enumerate(range(0, self.nbytes, self.chunk)):
+            self._pace(start, over, k, n)
             piece = self._source[off : off + self.chunk]
             if os.pwritev(self._fd, [piece], off) != len(piece):
                 raise OSError(f"IOReplay: short write at offset {off}")
             self.bytes_written += len(piece)
 
-    def _read(self) -> None:
+    def _read(self, over: float) -> None:
+        start, count = time.perf_counter(), -(-self.nbytes // self.read_chunk)
         for i, off in enumerate(range(0, self.nbytes, self.read_chunk)):
+            self._pace(start, over, i, count)
             n = min(self.read_chunk, self.nbytes - off)
             region = memoryview(self._blocks[i % 2].buffer)[:n]
             if os.preadv(self._fd, [region], off) != n:

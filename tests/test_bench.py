@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -99,9 +100,10 @@ def test_step_main_every_mode_is_exact(
     assert rows["seed"]["bytes_offloaded"] is None  # engine counters are disk's only
     assert doc["memory_probes"] == {} and doc["target"] is None
     bound = doc["io_bound"]
-    assert bound["ioreplay_ratio"] == rows["ioreplay"]["ratio"]
-    assert bound["disk_over_ioreplay"] == pytest.approx(
-        disk["median_step_s"] / rows["ioreplay"]["median_step_s"]
+    assert bound["controls"] == {m: rows[m]["ratio"] for m in ("ioreplay", "iospread")}
+    assert bound["reference"] == "iospread"
+    assert bound["disk_over_reference"] == pytest.approx(
+        disk["median_step_s"] / rows["iospread"]["median_step_s"]
     )
     if step.steal_seconds() is not None:  # Linux: one steal sample per timed step
         assert all(len(r["steal_seconds"]) == 2 for r in rows.values())
@@ -120,6 +122,31 @@ def test_ioreplay_moves_its_bytes_each_step_and_leaves_nothing(tmp_path: Path) -
             rounded = 4 * 65536 - 65536 + 4096  # nbytes rounded up to whole pages
             assert replay.bytes_written == replay.bytes_read == step * rounded
     assert not list(folder.iterdir())  # the file had no name, or lost it at once
+
+
+@pytest.mark.parametrize("spread", [True, False])
+def test_iospread_paces_its_requests_over_the_last_step(tmp_path: Path, spread: bool) -> None:
+    common = _load("_common")
+    with common.IOReplay(
+        str(tmp_path / "replay"), 4 * 65536, chunk=65536, read_chunk=65536, spread=spread
+    ) as replay:
+        for phase_s in (0.0, 0.2):  # the second step's forward and backward take 0.2 s each
+            replay.forward_started()
+            time.sleep(phase_s)
+            replay.backward_started()
+            time.sleep(phase_s)
+            replay.wait()
+        t0 = time.perf_counter()
+        replay.forward_started()  # paced over the 0.2 s phases just measured, if spread
+        replay.backward_started()
+        replay.wait()
+        took = time.perf_counter() - t0
+    assert replay.bytes_written == replay.bytes_read == 3 * 4 * 65536
+    # 4 requests each way: paced, the last starts 3/4 of the way through each phase.
+    if spread:
+        assert took >= 2 * 0.2 * 3 / 4 - 0.01
+    else:
+        assert took < 0.2
 
 
 def test_ioreplay_raises_its_thread_error_at_wait(tmp_path: Path) -> None:
