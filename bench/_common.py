@@ -32,6 +32,7 @@ __all__ = [
     "filesystem_type",
     "heap_in_use_bytes",
     "malloc_trim",
+    "ordinary_pages",
     "read_rss_bytes",
     "scratch_folder",
     "steal_seconds",
@@ -312,6 +313,14 @@ def steal_seconds() -> float | None:
     return int(fields[8]) / os.sysconf("SC_CLK_TCK")
 
 
+def ordinary_pages(nbytes: int) -> memoryview:
+    """``nbytes`` page-aligned writable bytes from malloc: ordinary 4 KiB pages, as
+    activations are (the view keeps its memory alive)."""
+    raw = torch.full((nbytes + _PAGE_SIZE,), 7, dtype=torch.uint8)
+    lead = (-raw.data_ptr()) % _PAGE_SIZE
+    return memoryview(raw[lead : lead + nbytes].numpy())
+
+
 class IOReplay:
     """The disk mode's bytes moved with no hooks and no engine: what the IO alone costs.
 
@@ -369,9 +378,7 @@ class IOReplay:
         os.makedirs(self.folder, exist_ok=True)
         self._fd = open_scratch_file(self.folder, direct=direct_io_supported(self.folder))
         os.posix_fallocate(self._fd, 0, max(self.nbytes, _PAGE_SIZE))
-        raw = torch.full((self.nbytes + _PAGE_SIZE,), 7, dtype=torch.uint8)
-        lead = (-raw.data_ptr()) % _PAGE_SIZE
-        self._source = memoryview(raw[lead : lead + self.nbytes].numpy())
+        self._source = ordinary_pages(self.nbytes)
         self._blocks = [mapped_block(self.read_chunk) for _ in range(2)]
         self._thread = threading.Thread(target=self._main, name="bench-ioreplay", daemon=True)
         self._thread.start()

@@ -18,7 +18,7 @@ reads of one preallocated O_DIRECT file in ``--save-dir``:
 
 The ``loaded`` steal per GB times the bytes a step moves is what the IO costs a
 step on this machine before any engine overhead (``bench/step.py``'s ``ioreplay``
-mode measures the same in a real training step).
+and ``iospread`` modes measure the same in a real training step).
 
 Example:
     .venv/bin/python bench/hostcost.py --total-mib 1024 --json docs/results/hostcost.json
@@ -34,20 +34,16 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
-
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
 
-from _common import scratch_folder, steal_seconds
+from _common import ordinary_pages, scratch_folder, steal_seconds
 
 from prefetch_offload.buffers import Block, mapped_block
 from prefetch_offload.slab import direct_io_supported, open_scratch_file
 
 MiB = 1 << 20
-_HUGE = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -62,14 +58,13 @@ class CostRow:
     steal_ms_per_gb: float | None  # all CPUs; None where /proc/stat has no steal
 
 
-def _buffer(kind: str, size: int) -> tuple[memoryview, Any]:
-    """A page-aligned writable buffer of ``size`` bytes of the given kind, and its owner."""
+def _buffer(kind: str, size: int) -> tuple[memoryview, Block | None]:
+    """A page-aligned writable buffer of ``size`` bytes of the given kind, and the
+    block to release after it (huge pages only)."""
     if kind == "huge":
         block = mapped_block(size)
         return memoryview(block.buffer)[:size], block
-    raw = np.full(size + 2 * _HUGE, 7, dtype=np.uint8)  # malloc: ordinary 4 KiB pages
-    lead = (-raw.ctypes.data) % 4096
-    return memoryview(raw[lead : lead + size]), raw
+    return ordinary_pages(size), None
 
 
 def measure(folder: str, total: int, request: int, kinds: list[str], loaded: bool) -> list[CostRow]:
@@ -107,7 +102,7 @@ def measure(folder: str, total: int, request: int, kinds: list[str], loaded: boo
                     )
                 )
             del buf
-            if isinstance(owner, Block):
+            if owner is not None:
                 owner.release()
     finally:
         for s in spinners:

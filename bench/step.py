@@ -131,6 +131,8 @@ LABELS: dict[str, str] = {
     "seed": "seed: torch.save per tensor",
     "save_on_cpu": "torch save_on_cpu (CPU: no copy)",
 }
+# Modes that train as none does while a side thread moves disk's bytes (IOReplay).
+REPLAY_MODES = frozenset({"ioreplay", "iospread"})
 TORCH_THREADS = 2
 LEARNING_RATE = 1e-3
 SAMPLE_INTERVAL_S = 0.002
@@ -249,12 +251,15 @@ class ModeSetup:
 
 @contextlib.contextmanager
 def _engine_run(config: OffloadConfig) -> Iterator[OffloadEngine]:
-    """One engine for the run, closed at its end (``offload_context`` minus the hooks)."""
+    """One engine for the run, closed at its end (``offload_context`` minus the hooks):
+    a stored worker error is raised, unless another error is already propagating."""
     engine = OffloadEngine(config)
     try:
         yield engine
-    finally:
-        engine.close()
+    except BaseException:
+        engine.close(raise_errors=False)
+        raise
+    engine.close()
 
 
 def make_mode(mode: str, save_dir: Path, knobs: Knobs, *, replay_bytes: int = 0) -> ModeSetup:
@@ -262,7 +267,7 @@ def make_mode(mode: str, save_dir: Path, knobs: Knobs, *, replay_bytes: int = 0)
     ``replay_bytes``: what ``ioreplay`` writes and reads per step."""
     if mode == "none":
         return ModeSetup(contextlib.nullcontext())
-    if mode in ("ioreplay", "iospread"):
+    if mode in REPLAY_MODES:
         replay = IOReplay(
             str(save_dir / mode), replay_bytes, chunk=knobs.chunk_bytes, spread=mode == "iospread"
         )
@@ -926,7 +931,7 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
     pending: list[dict[str, Any]] = []
     if args.mem_probe:
         # ioreplay and iospread run none's training: their memory is none's.
-        probed = [mode for mode in modes if mode not in ("ioreplay", "iospread")]
+        probed = [mode for mode in modes if mode not in REPLAY_MODES]
         requests = [(mode, knobs) for mode in probed]
         if "disk" in modes:
             requests += [
@@ -980,7 +985,7 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
     print("rss(default) MB: peak RSS added by forward in this process, glibc's default")
     print("  allocator after malloc_trim(0): also counts freed memory glibc keeps resident")
     print("steal s/step: CPU time the hypervisor took from this VM's CPUs per step (/proc/stat)")
-    if "ioreplay" in modes or "iospread" in modes:
+    if REPLAY_MODES.intersection(modes):
         print(
             f"ioreplay: none's training while a side thread writes {saved_bytes / MB:.1f} MB "
             "per step during forward and reads it back during backward (O_DIRECT);"
