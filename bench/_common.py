@@ -327,8 +327,9 @@ class IOReplay:
     A control for ``bench/step.py``: training runs exactly as without offload
     while one side thread writes ``nbytes`` per step, in ``chunk``-byte requests
     from ordinary page-aligned memory (4 KiB pages, like activations), during
-    forward, then reads them back into huge-page blocks (the engine's read
-    buffers, NOTE [huge pages]) in ``read_chunk``-byte requests during backward.
+    forward, then reads them (or the first ``read_bytes`` of them) back into
+    huge-page blocks (the engine's read buffers, NOTE [huge pages]) in
+    ``read_chunk``-byte requests during backward.
     Requests use O_DIRECT where the folder allows it, as the engine does. The
     step calls :meth:`forward_started`, :meth:`backward_started` and
     :meth:`wait`; the step time includes the replay's reads that outlast
@@ -351,13 +352,20 @@ class IOReplay:
         chunk: int,
         read_chunk: int = 4 << 20,
         spread: bool = False,
+        read_bytes: int | None = None,
     ) -> None:
         if nbytes < 0 or chunk < _PAGE_SIZE or read_chunk < _PAGE_SIZE:
             raise ValueError("IOReplay needs nbytes >= 0 and requests of at least one page")
+        if read_bytes is not None and not 0 <= read_bytes <= nbytes:
+            raise ValueError("IOReplay needs 0 <= read_bytes <= nbytes (it reads what it wrote)")
         self.folder = folder
         self.chunk = chunk - chunk % _PAGE_SIZE
         self.read_chunk = read_chunk - read_chunk % _PAGE_SIZE
         self.nbytes = -(-nbytes // _PAGE_SIZE) * _PAGE_SIZE
+        # Bytes read back per step (default: all of them), whole pages.
+        self.read_nbytes = (
+            self.nbytes if read_bytes is None else -(-read_bytes // _PAGE_SIZE) * _PAGE_SIZE
+        )
         self.bytes_written = 0
         self.bytes_read = 0
         self.spread = spread
@@ -435,10 +443,10 @@ class IOReplay:
             self.bytes_written += len(piece)
 
     def _read(self, over: float) -> None:
-        start, count = time.perf_counter(), -(-self.nbytes // self.read_chunk)
-        for i, off in enumerate(range(0, self.nbytes, self.read_chunk)):
+        start, count = time.perf_counter(), -(-self.read_nbytes // self.read_chunk)
+        for i, off in enumerate(range(0, self.read_nbytes, self.read_chunk)):
             self._pace(start, over, i, count)
-            n = min(self.read_chunk, self.nbytes - off)
+            n = min(self.read_chunk, self.read_nbytes - off)
             region = memoryview(self._blocks[i % 2].buffer)[:n]
             if os.preadv(self._fd, [region], off) != n:
                 raise OSError(f"IOReplay: short read at offset {off}")

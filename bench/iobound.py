@@ -7,8 +7,15 @@ measured (``prefetch_offload.probe.raw_bandwidth``), and the step time is compar
 
     bound = bytes written / write bandwidth + bytes read / read bandwidth
 
-Rows alternate (raw measurement, offloaded steps, no-offload steps) so drift
-hits all of them. Example::
+The bound's bandwidth is measured with nothing else running, from huge-page
+buffers. A second reference shows what the same bytes cost in this workload:
+the no-offload step while one bare thread writes the disk mode's bytes from
+ordinary 4 KiB pages (as activations are) during forward and reads them back
+during backward (``ioreplay``, as in ``bench/step.py``: no hooks, no engine, one
+thread where the engine has ``--io-workers``, and reads that no compute waits
+for). Each round measures the raw bandwidth, then runs one step of each
+mode (disk, none, ioreplay) in an order rotated by the round, so drift hits
+all of them. Example::
 
     python bench/iobound.py --tensor-mib 16 --layers 32 --steps 5
 """
@@ -26,12 +33,12 @@ from pathlib import Path
 
 import torch
 
-from prefetch_offload import offload_context
+from prefetch_offload import OffloadConfig, OffloadEngine
 from prefetch_offload.config import DEFAULT_CHUNK_BYTES
 from prefetch_offload.probe import raw_bandwidth
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
-from _common import scratch_folder
+from _common import IOReplay, scratch_folder, steal_seconds
 
 MiB = 1 << 20
 
@@ -44,11 +51,19 @@ class IOBoundResult:
     layers: int
     step_seconds: float
     no_offload_seconds: float
+    #: no offload while a bare thread moves the disk mode's bytes (bench/step.py's ioreplay)
+    replay_seconds: float
     bytes_written: int
     bytes_read: int
+    #: bytes the replay writes, and reads back, per step (what disk did in its last warm-up step)
+    replay_bytes: int
+    replay_read_bytes: int
     write_gbps: float
     read_gbps: float
     stall_seconds: float
+    #: CPU time the hypervisor took per step (all CPUs; None where /proc/stat has none)
+    steal_seconds: float | None
+    replay_steal_seconds: float | None
 
     @property
     def bound_seconds(self) -> float:
@@ -63,12 +78,25 @@ class IOBoundResult:
         bound = self.bound_seconds
         return self.step_seconds / bound if bound > 0 else float("inf")
 
+    @property
+    def ratio_to_replay(self) -> float:
+        """Step time over the replay's: what the engine adds to moving its bytes."""
+        return self.step_seconds / self.replay_seconds
 
-def _step(x: torch.Tensor, layers: int) -> None:
+
+def _step(x: torch.Tensor, layers: int, replay: IOReplay | None = None) -> None:
+    """One training step; with ``replay``, its bytes move while forward and backward run."""
+    if replay is not None:
+        replay.forward_started()
     y = x * 1.0  # not a leaf, so the first ReLU's input chain is offloadable
     for _ in range(layers):
         y = torch.relu(y)  # saves its output: one tensor-sized save per layer
-    y.sum().backward()
+    loss = y.sum()
+    if replay is not None:
+        replay.backward_started()
+    loss.backward()
+    if replay is not None:
+        replay.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,50 +115,86 @@ def main(argv: list[str] | None = None) -> int:
     n = args.tensor_mib * MiB // 4
     torch.manual_seed(0)
     x = torch.randn(n, requires_grad=True)
-    steps, plain, writes, reads, stalls = [], [], [], [], []
-    raw_w, raw_r = [], []
     total = args.tensor_mib * args.layers * MiB
+    samples: dict[str, list[float]] = {"disk": [], "none": [], "ioreplay": []}
+    steal: dict[str, list[float]] = {k: [] for k in samples}
+    writes, reads, stalls, raw_w, raw_r = [], [], [], [], []
     with scratch_folder(args.save_dir, "iobound-") as folder:
-        with offload_context(
-            "disk",
-            folder,
+        config = OffloadConfig(
+            target="disk",
+            save_dir=folder,
             prefetch_depth=args.prefetch_depth,
             io_workers=args.io_workers,
             max_pending_write_bytes=args.max_pending_write_bytes,
             chunk_bytes=args.chunk_bytes,
-        ) as engine:
-            for i in range(args.steps + 1):
-                w, r = raw_bandwidth(folder, min(total, 512 * MiB), 8 * MiB, 2)
+        )
+        engine = OffloadEngine(config)
+        try:
+            # Warm-up: slab creation (first step), then the bytes the replay must move
+            # per step (second step: the steady state, with the write tail skipped).
+            for _ in range(2):
                 before = engine.stats()
-                start = time.perf_counter()
-                _step(x, args.layers)
+                with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+                    _step(x, args.layers)
                 engine.flush()
-                elapsed = time.perf_counter() - start
-                after = engine.stats()
-                if i == 0:
-                    continue  # warm-up: slab creation
-                steps.append(elapsed)
-                raw_w.append(w)
-                raw_r.append(r)
-                writes.append(after.bytes_offloaded - before.bytes_offloaded)
-                reads.append(after.bytes_read - before.bytes_read)
-                stalls.append(after.stall_seconds - before.stall_seconds)
-        for i in range(args.steps + 1):
-            start = time.perf_counter()
-            _step(x, args.layers)
-            if i:
-                plain.append(time.perf_counter() - start)
+            after = engine.stats()
+            replay_bytes = after.bytes_offloaded - before.bytes_offloaded
+            replay_read = min(after.bytes_read - before.bytes_read, replay_bytes)
+            with IOReplay(
+                str(Path(folder) / "replay"),
+                replay_bytes,
+                chunk=args.chunk_bytes,
+                read_chunk=args.chunk_bytes,
+                read_bytes=replay_read,
+            ) as replay:
+                _step(x, args.layers, replay)  # the replay's own warm-up
+                for i in range(args.steps):
+                    w, r = raw_bandwidth(folder, min(total, 512 * MiB), 8 * MiB, 2)
+                    raw_w.append(w)
+                    raw_r.append(r)
+                    order = ["disk", "none", "ioreplay"]
+                    for mode in order[i % 3 :] + order[: i % 3]:
+                        before = engine.stats()
+                        s0 = steal_seconds()
+                        start = time.perf_counter()
+                        if mode == "disk":
+                            with torch.autograd.graph.saved_tensors_hooks(
+                                engine.pack, engine.unpack
+                            ):
+                                _step(x, args.layers)
+                            engine.flush()
+                        else:
+                            _step(x, args.layers, replay if mode == "ioreplay" else None)
+                        samples[mode].append(time.perf_counter() - start)
+                        s1 = steal_seconds()
+                        if s0 is not None and s1 is not None:
+                            steal[mode].append(s1 - s0)
+                        if mode == "disk":
+                            after = engine.stats()
+                            writes.append(after.bytes_offloaded - before.bytes_offloaded)
+                            reads.append(after.bytes_read - before.bytes_read)
+                            stalls.append(after.stall_seconds - before.stall_seconds)
+        finally:
+            engine.close()
+
+    def _steal(mode: str) -> float | None:
+        return statistics.fmean(steal[mode]) if steal[mode] else None
 
     res = IOBoundResult(
         tensor_mib=args.tensor_mib,
         layers=args.layers,
-        step_seconds=statistics.median(steps),
-        no_offload_seconds=statistics.median(plain),
+        step_seconds=statistics.median(samples["disk"]),
+        no_offload_seconds=statistics.median(samples["none"]),
+        replay_seconds=statistics.median(samples["ioreplay"]),
         bytes_written=int(statistics.median(writes)),
         bytes_read=int(statistics.median(reads)),
+        replay_bytes=replay_bytes,
+        replay_read_bytes=replay_read,
         write_gbps=statistics.median(raw_w),
         read_gbps=statistics.median(raw_r),
         stall_seconds=statistics.median(stalls),
+        steal_seconds=_steal("disk"),
+        replay_steal_seconds=_steal("ioreplay"),
     )
     print(
         f"# {os.cpu_count()} cores, torch {torch.__version__}; {args.layers} ReLUs saving "
@@ -148,11 +212,26 @@ def main(argv: list[str] | None = None) -> int:
         f"step (disk) {res.step_seconds:.3f} s = {res.ratio_to_bound:.2f}x the bound; "
         f"no offload {res.no_offload_seconds:.3f} s; stall {res.stall_seconds:.3f} s/step"
     )
+    print(
+        f"ioreplay (no offload; a bare thread writes {res.replay_bytes / MiB:.0f} MiB and reads "
+        f"{res.replay_read_bytes / MiB:.0f} MiB) {res.replay_seconds:.3f} s = "
+        f"{res.replay_seconds / res.bound_seconds:.2f}x the bound; "
+        f"disk = {res.ratio_to_replay:.2f}x ioreplay"
+    )
+    if res.steal_seconds is not None and res.replay_steal_seconds is not None:
+        print(
+            f"steal s/step (hypervisor, all CPUs): disk {res.steal_seconds:.3f}, "
+            f"ioreplay {res.replay_steal_seconds:.3f}"
+        )
     if args.json:
         Path(args.json).write_text(
             json.dumps(
                 asdict(res)
-                | {"bound_seconds": res.bound_seconds, "ratio_to_bound": res.ratio_to_bound},
+                | {
+                    "bound_seconds": res.bound_seconds,
+                    "ratio_to_bound": res.ratio_to_bound,
+                    "ratio_to_replay": res.ratio_to_replay,
+                },
                 indent=2,
             )
         )
