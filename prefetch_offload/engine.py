@@ -52,6 +52,15 @@ tensor equal in value, shape, strides, dtype and device.
 # address alone: a freed tensor's address is reused by the next allocation, and
 # a dead weak reference can never match a new storage. The version counter
 # (shared by all views of a tensor) catches in-place updates between two saves.
+# Not every byte of a span is a saved element: the gaps of a strided view (x[::2]
+# spans x[1::2]) and the rest of a whole storage (NOTE [whole storage]) may still
+# be written legally through a tensor with a counter of its own (``x.data``, a
+# numpy or frombuffer alias of the same memory), unseen by the version check.
+# So once a CPU record's write has begun reading the tensor's memory (``frozen``),
+# a pack shares the record only if its span lies inside a dense view saved there
+# (``covered``), whose bytes autograd forbids changing; before that, the write
+# reads what every later save sees. (A device record's bytes are copied at its
+# first pack; they are not checked this way.)
 #
 # NOTE [whole storage]
 # Views that overlap without one containing the other defeat containment
@@ -103,6 +112,11 @@ tensor equal in value, shape, strides, dtype and device.
 # the version of the tensor that owns the saved view's version counter (its
 # base), weakly, and unpack raises the same error autograd would. If the owner
 # is gone, nothing can have modified it since.
+# A CPU record in memory hands out the saved tensor's own memory. Once written,
+# the record lets go of the tensor (``saved``) and cannot see that memory's
+# version any more, so that memory is never remembered as the record's restored
+# span: an alias sharing the dead owner's counter (``y.detach()``) may modify it
+# after the write, and a later unpack must read the written bytes instead.
 #
 # NOTE [no cycles]
 # When an op saves its own output, the tensor handed to pack holds the op's
@@ -289,6 +303,7 @@ class _Record:
         "device",
         "engine",
         "extent",
+        "frozen",
         "host_only",
         "key",
         "on_disk",
@@ -327,6 +342,8 @@ class _Record:
         self.saved = saved
         self.version = version
         self.tainted = False
+        # NOTE [dedup]: whether a write has begun reading the span from the tensor's memory.
+        self.frozen = False
         self.key = 0  # the dedup table key (storage address), set by pack
         # NOTE [checksums]: (lo, hi, crc32 of the span bytes in [lo, hi)) per write request.
         self.crcs: list[tuple[int, int, int]] | None = None
@@ -410,7 +427,7 @@ class _NullEngine:
 class _DedupEntry:
     """A live record's span within one storage (NOTE [dedup])."""
 
-    __slots__ = ("end", "owner", "record", "start", "storage", "version")
+    __slots__ = ("covered", "end", "owner", "record", "start", "storage", "version")
 
     def __init__(
         self,
@@ -429,6 +446,17 @@ class _DedupEntry:
         self.start = start
         self.end = end
         self.record = weakref.ref(rec)
+        # Byte ranges of dense views saved into the record (NOTE [dedup]).
+        self.covered: list[tuple[int, int]] = []
+
+    def is_covered(self, start: int, end: int) -> bool:
+        """Whether bytes ``[start, end)`` lie inside one dense view saved in the record."""
+        return any(lo <= start and end <= hi for lo, hi in self.covered)
+
+    def cover(self, start: int, end: int) -> None:
+        """Note a dense view of bytes ``[start, end)`` saved in the record."""
+        if not self.is_covered(start, end):
+            self.covered.append((start, end))
 
 
 class OffloadEngine:
@@ -582,6 +610,7 @@ class OffloadEngine:
         itemsize = t.element_size()
         shape, stride = tuple(t.shape), t.stride()
         owner_t = t._base if t._base is not None else t
+        dense = t.numel() * itemsize == vbytes  # no gaps: every spanned byte is an element
         with self._lock:
             key = storage.data_ptr()
             for entry in self._dedup.get(key, ()):
@@ -594,7 +623,10 @@ class OffloadEngine:
                     and entry.start <= vstart
                     and vstart + vbytes <= entry.end
                     and (vstart - entry.start) % itemsize == 0
+                    and (not rec.frozen or entry.is_covered(vstart, vstart + vbytes))
                 ):
+                    if dense:  # NOTE [dedup]: its bytes are saved elements now
+                        entry.cover(vstart, vstart + vbytes)
                     self._stats.add(dedup_hits=1)
                     view = ViewMeta(t.dtype, shape, stride, vstart - entry.start)
                     return _Handle(rec, view, entry.owner, version)
@@ -630,6 +662,8 @@ class OffloadEngine:
             rec.align = (key + start) % 512
             self._scheduler.register(rec)
             entry = _DedupEntry(storage, owner, version, start, start + nbytes, rec)
+            if dense:
+                entry.cover(vstart, vstart + vbytes)
             rec.key = key
             self._dedup.setdefault(rec.key, []).append(entry)
             if fence is not None:
@@ -752,6 +786,9 @@ class OffloadEngine:
         for run in runs:
             exc: BaseException | None = None
             culprit = run[0][0]  # the record to name if the run fails
+            with self._lock:  # NOTE [dedup]: the bytes are read from here on
+                for rec, _, _ in run:
+                    rec.frozen = rec.host_only
             try:
                 views: list[memoryview] = []
                 for rec, pieces, fence in run:
@@ -984,7 +1021,8 @@ class OffloadEngine:
                 )
             else:
                 placed, built = self._collect(rec, fut)
-            rec.restored = (weakref.ref(placed[0]), placed[1], placed[2])
+            if source is None or placed[0] is not source[0]:  # NOTE [version check]
+                rec.restored = (weakref.ref(placed[0]), placed[1], placed[2])
             if not self._closed:
                 self._recent.append(placed[0])  # NOTE [recently restored]
         storage, base, fence = placed

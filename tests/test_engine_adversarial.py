@@ -1,0 +1,343 @@
+"""Adversarial probes of the engine: aliases with their own version counters, odd views,
+double backward, checkpointing with real writes, nested engines, failed forwards."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from prefetch_offload import OffloadConfig, OffloadEngine, offload_context
+from prefetch_offload.io_pool import InlineIOPool
+from prefetch_offload.testing import TinyTransformer, make_batch
+
+Grads = list[torch.Tensor]
+
+
+def _model(*, seed: int = 0) -> TinyTransformer:
+    torch.manual_seed(seed)
+    return TinyTransformer(vocab=64, width=32, depth=2, heads=2)
+
+
+def _grads(model: torch.nn.Module) -> Grads:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _assert_same(a: Grads, b: Grads) -> None:
+    assert len(a) == len(b) and a
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y), (x - y).abs().max()
+
+
+@contextlib.contextmanager
+def _engine(save_dir: Path, *, inline: bool = False, **kw: Any) -> Iterator[OffloadEngine]:
+    """An engine with its hooks installed (as in test_engine.py)."""
+    kw.setdefault("min_offload_bytes", 0)
+    if inline:
+        kw.setdefault("chunk_bytes", 4096)
+    cfg = OffloadConfig(target="disk", save_dir=str(save_dir), **kw)
+    engine = OffloadEngine(cfg, pool=InlineIOPool() if inline else None)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+            yield engine
+    finally:
+        engine.close(raise_errors=False)
+
+
+# -- memory the record no longer watches ---------------------------------------------------
+
+
+def test_memory_served_before_the_write_is_not_reused_after_an_alias_changed_it(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [version check]: a CPU record unpacked while its write runs hands out the
+    tensor's own memory. After the write the record stops watching that memory's
+    version; a detached alias (the owner is gone) then modifies it. Autograd would
+    raise at the second backward; the engine must not silently feed the new bytes in."""
+    x = torch.randn(1 << 14, requires_grad=True)
+    started, release = threading.Event(), threading.Event()
+    with _engine(save_dir, io_workers=1, chunk_bytes=4096) as engine:
+        real = engine._store.write
+
+        def gated(*args: Any) -> None:
+            started.set()
+            assert release.wait(10)
+            real(*args)
+
+        monkeypatch.setattr(engine._store, "write", gated)
+        y = (x * 2).exp()  # exp saves its output; one page batch: submitted at once
+        alias = y.detach()
+        loss = y.sum()
+        del y
+        assert started.wait(10)  # a worker is writing it: backward cannot skip it
+        loss.backward(retain_graph=True)  # served from the tensor's memory
+        first, x.grad = x.grad.clone(), None
+        release.set()
+        engine.flush()
+        alias.mul_(2)  # shares the dead owner's counter; autograd would refuse pass two
+        try:
+            loss.backward()
+        except RuntimeError as exc:  # autograd's own answer is fine too
+            assert "modified by an inplace operation" in str(exc)
+        else:
+            assert torch.equal(x.grad, first), "backward used bytes changed after the save"
+
+
+# -- dedup and bytes that no saved view holds ---------------------------------------------
+
+
+def _write_unsaved(x: torch.Tensor, index: slice, how: str) -> None:
+    """Double ``x[index]`` through an alias with its own version counter."""
+    if how == "data":
+        x.data[index].mul_(2)
+    else:
+        x.numpy()[index] *= 2
+
+
+@pytest.mark.parametrize("how", ["data", "numpy"])
+@pytest.mark.parametrize("flush", [False, True], ids=["write-pending", "written"])
+@pytest.mark.parametrize("layout", ["strided-gaps", "rest-of-storage"])
+def test_bytes_outside_saved_views_may_change_between_saves(
+    save_dir: Path, how: str, flush: bool, layout: str
+) -> None:
+    """NOTE [dedup]: the gaps of a strided view, and the rest of a whole storage (NOTE
+    [whole storage]), hold no saved element; writing them through ``x.data`` or numpy
+    between two saves is legal, and the second save must see the new values."""
+    if layout == "strided-gaps":  # a spans 19999 of 50000 elements: no whole storage
+        n, first, gap, second = 50000, slice(0, 20000, 2), slice(1, 20000, 2), slice(1, 19999, 2)
+    else:  # a spans 60% of the storage: its record takes all of it
+        n, first, gap, second = 10000, slice(0, 6000), slice(6000, None), slice(6000, None)
+
+    def step(engine: OffloadEngine | None) -> Grads:
+        torch.manual_seed(0)
+        x = torch.randn(n)
+        w1 = torch.ones(x[first].shape, requires_grad=True)
+        w2 = torch.ones(x[second].shape, requires_grad=True)
+        a = x[first] * w1  # saves the view x[first]
+        if engine is not None and flush:
+            engine.flush()  # its record's bytes are on disk now
+        _write_unsaved(x, gap, how)
+        b = x[second] * w2  # lies inside a's record
+        (a.sum() + b.sum()).backward()
+        return [w1.grad, w2.grad]
+
+    ref = step(None)
+    with _engine(save_dir, prefetch_depth=1) as engine:
+        got = step(engine)
+    _assert_same(got, ref)
+    # Before the write starts, the record may still be shared (it will read the new bytes).
+    assert engine.stats().dedup_hits == (0 if flush else 1)
+
+
+def test_dense_views_still_share_a_written_record(save_dir: Path) -> None:
+    """The check above costs nothing for views inside a dense saved view."""
+    x = torch.randn(64, 256, requires_grad=True)
+    with _engine(save_dir, inline=True) as engine:  # each record written as it is packed
+        h = x * 1.5
+        y = h.sin() + h.cos()  # both save h: the second after h's record was written
+        z = (h[:, 8:].t() * 2).sum()  # t() saves nothing; no extra save of h
+        (y.sum() + z).backward()
+    got, x.grad = x.grad.clone(), None
+    h = x * 1.5
+    (h.sin() + h.cos()).sum().add((h[:, 8:].t() * 2).sum()).backward()
+    assert torch.equal(got, x.grad)
+    assert engine.stats().dedup_hits == 1
+
+
+# -- odd views of one storage -------------------------------------------------------------
+
+
+class _Stash(torch.autograd.Function):
+    """Saves arbitrary tensors and hands what backward unpacked to ``_Stash.got``."""
+
+    got: list[list[torch.Tensor]] = []  # noqa: RUF012
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, *saved: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*saved)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        _Stash.got.append([t.clone() for t in ctx.saved_tensors])
+        _Stash.got.append(list(ctx.saved_tensors))
+        return (g,) + (None,) * len(ctx.saved_tensors)
+
+
+def _odd_views() -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    b = torch.randn(129, 257) * 3  # 129 * 257 * 4 bytes: views start off the page grid
+    c = torch.randn(64, 300, dtype=torch.complex64)
+    bf = torch.randn(300, 300).to(torch.bfloat16)
+    f64 = torch.randn(100, 100, dtype=torch.float64)
+    flags = torch.randn(300, 300) > 0
+    return [
+        b,
+        b.t(),
+        b[1::2],
+        b[:, 3:],
+        b.view(torch.int32),
+        b[5:].view(torch.int16),
+        b.view(torch.uint8)[:, 1:],
+        b.as_strided((100, 100), (1, 1), 7),  # overlapping elements
+        b.as_strided((50, 50, 4), (200, 1, 0), 3),
+        b[3:][::3, 1::5],
+        b.unsqueeze(0).expand(3, 129, 257),
+        c,
+        c[:, 1::2],
+        torch.view_as_real(c)[:, :, 1],
+        bf,
+        bf.t()[3:],
+        f64,
+        f64[1:, 1:],
+        flags,
+        flags[1::3],
+    ]
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline-pool", "thread-pool"])
+@pytest.mark.parametrize("flush", [False, True], ids=["overlapped", "read-from-disk"])
+def test_odd_views_of_shared_storages_come_back_exact(
+    save_dir: Path, inline: bool, flush: bool
+) -> None:
+    views = _odd_views()
+    expect = [(t.clone(), t.stride(), t.dtype) for t in views]
+    _Stash.got = []
+    w = torch.ones(4, requires_grad=True)
+    with _engine(save_dir, inline=inline, prefetch_depth=2, chunk_bytes=8192) as engine:
+        out = _Stash.apply(w * 1, *views)
+        del views
+        if flush:
+            engine.flush()
+        out.sum().backward()
+    copies, unpacked = _Stash.got
+    for (value, stride, dtype), got, t in zip(expect, copies, unpacked, strict=True):
+        assert (t.stride(), t.dtype) == (stride, dtype)
+        assert torch.equal(got, value)
+    stats = engine.stats()
+    assert stats.tensors_kept == 0 and stats.dedup_hits > 5
+    if flush:
+        assert stats.bytes_read > 0
+
+
+# -- double backward and checkpointing with real writes -----------------------------------
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline-pool", "thread-pool"])
+@pytest.mark.parametrize("depth", [0, 2])
+def test_double_backward_through_offloaded_tensors(
+    save_dir: Path, inline: bool, depth: int
+) -> None:
+    """create_graph: the first backward packs the tensors it unpacked (read buffers)."""
+    torch.manual_seed(0)
+    x0, w0 = torch.randn(64, 256), torch.randn(256, 256) * 0.1
+
+    def step(engine: OffloadEngine | None) -> Grads:
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        h = (x @ w).tanh()
+        out = ((h * h).sigmoid() @ w).sum()
+        if engine is not None:
+            engine.flush()
+        (gx,) = torch.autograd.grad(out, x, create_graph=True)
+        if engine is not None:
+            engine.flush()
+        gx.pow(2).sum().backward()
+        return [x.grad, w.grad]
+
+    ref = step(None)
+    with _engine(save_dir, inline=inline, prefetch_depth=depth, chunk_bytes=4096) as engine:
+        got = step(engine)
+    _assert_same(got, ref)
+    stats = engine.stats()
+    assert stats.tensors_offloaded > 6 and stats.bytes_read > 0
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_with_every_record_written(save_dir: Path, reentrant: bool) -> None:
+    """The recompute packs inside backward: those records are written and read back too."""
+    model = _model()
+    tokens, targets = make_batch(4, 32, vocab=64)
+
+    def step(m: TinyTransformer, engine: OffloadEngine | None = None) -> None:
+        x = m.embed(tokens)
+        for block in m.blocks:
+            x = checkpoint(block, x, use_reentrant=reentrant)
+        logits = m.head(m.norm(x))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        if engine is not None:
+            engine.flush()
+        loss.backward(retain_graph=not reentrant)
+
+    ref_model = copy.deepcopy(model)
+    step(ref_model)
+    with _engine(save_dir, inline=True) as engine:
+        step(model, engine)
+    _assert_same(_grads(model), _grads(ref_model))
+    stats = engine.stats()
+    assert stats.tensors_offloaded > 0 and stats.bytes_read > 0
+
+
+# -- several engines, failed forwards -----------------------------------------------------
+
+
+def test_nested_contexts_with_backward_across_them(save_dir: Path) -> None:
+    """Each saved tensor goes back through the engine that packed it, in any order."""
+    model = _model()
+    b1, b2 = (make_batch(4, 32, vocab=64, seed=s) for s in (1, 2))
+    ref = copy.deepcopy(model)
+    l1, l2 = ref(*b1), ref(*b2)
+    l1.backward()
+    l2.backward(retain_graph=True)
+    l2.backward()
+    kw: dict[str, Any] = {"min_offload_bytes": 0, "chunk_bytes": 4096}
+    with offload_context("disk", save_dir, **kw) as outer:
+        l1 = model(*b1)
+        with offload_context("disk", save_dir, prefetch_depth=1, **kw) as inner:
+            l2 = model(*b2)
+            outer.flush()
+            inner.flush()
+            l1.backward()  # outer's graph, inside inner's hooks
+        l2.backward(retain_graph=True)  # inner's graph after inner exited
+    l2.backward()
+    _assert_same(_grads(model), _grads(ref))
+    assert outer.stats().bytes_read > 0 and inner.stats().bytes_read > 0
+    del l1, l2
+    gc.collect()
+    for engine in (outer, inner):
+        stats = engine.stats()
+        assert (stats.disk_bytes_in_use, stats.disk_bytes_reserved) == (0, 0)
+
+
+def test_forward_that_raises_midway_leaves_nothing_pending(save_dir: Path) -> None:
+    model = _model()
+    b1, b2 = (make_batch(4, 32, vocab=64, seed=s) for s in (1, 2))
+    ref = copy.deepcopy(model)
+    ref(*b2).backward()
+
+    class Boom(Exception):
+        pass
+
+    def boom(*_: Any) -> None:
+        raise Boom
+
+    with _engine(save_dir, io_workers=1, chunk_bytes=4096) as engine:
+        handle = model.blocks[1].register_forward_hook(boom)
+        with pytest.raises(Boom):
+            model(*b1)  # half a graph, some of it queued, some written
+        handle.remove()
+        gc.collect()
+        model(*b2).backward()
+        engine.flush()
+        gc.collect()
+        stats = engine.stats()
+        assert stats.disk_bytes_in_use == 0
+        assert engine._pending_write_bytes == 0 and not engine._dedup
+    _assert_same(_grads(model), _grads(ref))
