@@ -1,9 +1,12 @@
-"""The docstring examples of the public API run (those that need a model are marked SKIP)."""
+"""The docstring examples of the public API run (those that need a model are marked SKIP),
+and the docs cite tests that exist."""
 
 from __future__ import annotations
 
 import doctest
 import importlib
+import re
+from pathlib import Path
 
 import pytest
 
@@ -23,3 +26,15 @@ def test_public_functions_document_themselves() -> None:
     for name in prefetch_offload.__all__:
         obj = getattr(prefetch_offload, name)
         assert obj.__doc__ and len(obj.__doc__.strip()) > 20, name
+
+
+def test_every_test_the_guarantees_cite_exists() -> None:
+    """docs/guarantees.md names the test behind each promise; a renamed or deleted test
+    must not leave a promise pointing at nothing."""
+    root = Path(__file__).resolve().parent.parent
+    cited = set(re.findall(r"`(test_\w+)`", (root / "docs" / "guarantees.md").read_text()))
+    defined = set()
+    for path in (root / "tests").glob("test_*.py"):
+        defined |= set(re.findall(r"^(?:async )?def (test_\w+)", path.read_text(), re.M))
+    assert cited, "no test names found: the citation format changed"
+    assert cited <= defined, sorted(cited - defined)
