@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                     row |= {
                         "mb_per_step": (b.bytes_offloaded - a.bytes_offloaded) / 1e6 / args.rounds,
                         "skipped_per_step": (b.writes_skipped - a.writes_skipped) / args.rounds,
+                        "staged_mb_per_step": (b.bytes_staged - a.bytes_staged) / 1e6 / args.rounds,
                         "hit_rate": hits / total if total else 0.0,
                     }
                 rows.append(row)
@@ -146,11 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(
         f"{'config':<10} {'step ms':>8} {'ratio':>6} {'user ms':>8} {'sys ms':>7} "
-        f"{'steal ms':>8} {'MB/step':>8} {'skipped':>7} {'hit':>5}"
+        f"{'steal ms':>8} {'MB/step':>8} {'skipped':>7} {'hit':>5} {'staged MB':>9}"
     )
     for row in rows:
         extra = (
-            f"{row['mb_per_step']:8.0f} {row['skipped_per_step']:7.1f} {row['hit_rate']:5.2f}"
+            f"{row['mb_per_step']:8.0f} {row['skipped_per_step']:7.1f} {row['hit_rate']:5.2f} "
+            f"{row['staged_mb_per_step']:9.0f}"
             if "mb_per_step" in row
             else ""
         )

@@ -23,6 +23,7 @@ all of them. Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 from prefetch_offload import OffloadConfig, OffloadEngine
-from prefetch_offload.config import DEFAULT_CHUNK_BYTES
+from prefetch_offload.config import DEFAULT_CHUNK_BYTES, STAGE_WRITES
 from prefetch_offload.probe import raw_bandwidth
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
@@ -64,6 +65,11 @@ class IOBoundResult:
     #: CPU time the hypervisor took per step (all CPUs; None where /proc/stat has none)
     steal_seconds: float | None
     replay_steal_seconds: float | None
+    stage_writes: str
+    #: bytes the disk engine wrote through its staging buffers (NOTE [write staging])
+    bytes_staged_per_step: float
+    #: a second disk engine with stage_writes="never", timed in the same rounds
+    unstaged_seconds: float | None = None
 
     @property
     def bound_seconds(self) -> float:
@@ -109,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--io-workers", type=int, default=2)
     p.add_argument("--max-pending-write-bytes", type=int, default=64 * MiB)
     p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
+    p.add_argument("--stage-writes", choices=STAGE_WRITES, default="auto")
+    p.add_argument(
+        "--compare-unstaged",
+        action="store_true",
+        help="also time a second disk engine with stage_writes='never' in the same rounds",
+    )
     p.add_argument("--json", help="write the result to this file")
     args = p.parse_args(argv)
 
@@ -116,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     x = torch.randn(n, requires_grad=True)
     total = args.tensor_mib * args.layers * MiB
-    samples: dict[str, list[float]] = {"disk": [], "none": [], "ioreplay": []}
-    steal: dict[str, list[float]] = {k: [] for k in samples}
+    order = ["disk", "none", "ioreplay"] + (["unstaged"] if args.compare_unstaged else [])
+    samples: dict[str, list[float]] = {k: [] for k in order}
+    steal: dict[str, list[float]] = {k: [] for k in order}
     writes, reads, stalls, raw_w, raw_r = [], [], [], [], []
     with scratch_folder(args.save_dir, "iobound-") as folder:
         config = OffloadConfig(
@@ -127,16 +140,22 @@ def main(argv: list[str] | None = None) -> int:
             io_workers=args.io_workers,
             max_pending_write_bytes=args.max_pending_write_bytes,
             chunk_bytes=args.chunk_bytes,
+            stage_writes=args.stage_writes,
         )
-        engine = OffloadEngine(config)
+        engines = {"disk": OffloadEngine(config)}
+        if args.compare_unstaged:
+            unstaged = dataclasses.replace(config, stage_writes="never")
+            engines["unstaged"] = OffloadEngine(unstaged)
+        engine = engines["disk"]
         try:
             # Warm-up: slab creation (first step), then the bytes the replay must move
             # per step (second step: the steady state, with the write tail skipped).
-            for _ in range(2):
-                before = engine.stats()
-                with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
-                    _step(x, args.layers)
-                engine.flush()
+            for eng in reversed(engines.values()):  # "disk" last: its bytes are measured
+                for _ in range(2):
+                    before = eng.stats()
+                    with torch.autograd.graph.saved_tensors_hooks(eng.pack, eng.unpack):
+                        _step(x, args.layers)
+                    eng.flush()
             after = engine.stats()
             replay_bytes = after.bytes_offloaded - before.bytes_offloaded
             replay_read = min(after.bytes_read - before.bytes_read, replay_bytes)
@@ -148,21 +167,21 @@ def main(argv: list[str] | None = None) -> int:
                 read_bytes=replay_read,
             ) as replay:
                 _step(x, args.layers, replay)  # the replay's own warm-up
+                staged0 = engine.stats().bytes_staged
                 for i in range(args.steps):
                     w, r = raw_bandwidth(folder, min(total, 512 * MiB), 8 * MiB, 2)
                     raw_w.append(w)
                     raw_r.append(r)
-                    order = ["disk", "none", "ioreplay"]
-                    for mode in order[i % 3 :] + order[: i % 3]:
+                    k = i % len(order)
+                    for mode in order[k:] + order[:k]:
                         before = engine.stats()
                         s0 = steal_seconds()
                         start = time.perf_counter()
-                        if mode == "disk":
-                            with torch.autograd.graph.saved_tensors_hooks(
-                                engine.pack, engine.unpack
-                            ):
+                        if mode in engines:
+                            eng = engines[mode]
+                            with torch.autograd.graph.saved_tensors_hooks(eng.pack, eng.unpack):
                                 _step(x, args.layers)
-                            engine.flush()
+                            eng.flush()
                         else:
                             _step(x, args.layers, replay if mode == "ioreplay" else None)
                         samples[mode].append(time.perf_counter() - start)
@@ -175,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                             reads.append(after.bytes_read - before.bytes_read)
                             stalls.append(after.stall_seconds - before.stall_seconds)
         finally:
-            engine.close()
+            for eng in engines.values():
+                eng.close()
 
     def _steal(mode: str) -> float | None:
         return statistics.fmean(steal[mode]) if steal[mode] else None
@@ -195,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         stall_seconds=statistics.median(stalls),
         steal_seconds=_steal("disk"),
         replay_steal_seconds=_steal("ioreplay"),
+        stage_writes=args.stage_writes,
+        bytes_staged_per_step=(engine.stats().bytes_staged - staged0) / args.steps,
+        unstaged_seconds=statistics.median(samples["unstaged"]) if args.compare_unstaged else None,
     )
     print(
         f"# {os.cpu_count()} cores, torch {torch.__version__}; {args.layers} ReLUs saving "
@@ -217,6 +240,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{res.replay_read_bytes / MiB:.0f} MiB) {res.replay_seconds:.3f} s = "
         f"{res.replay_seconds / res.bound_seconds:.2f}x the bound; "
         f"disk = {res.ratio_to_replay:.2f}x ioreplay"
+    )
+    print(
+        f"stage_writes={res.stage_writes!r}: {res.bytes_staged_per_step / MiB:.0f} MiB/step "
+        "written through the staging buffers"
+        + (
+            f"; unstaged engine {res.unstaged_seconds:.3f} s "
+            f"(staged/unstaged {res.step_seconds / res.unstaged_seconds:.2f}x)"
+            if res.unstaged_seconds
+            else ""
+        )
     )
     if res.steal_seconds is not None and res.replay_steal_seconds is not None:
         print(

@@ -14,6 +14,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_INFLIGHT_COPY_BYTES",
     "IO_METHODS",
+    "STAGE_WRITES",
     "TARGETS",
     "OffloadConfig",
     "validate_offload_config",
@@ -21,11 +22,13 @@ __all__ = [
 
 TARGETS: tuple[str | None, ...] = (None, "cpu", "disk")
 IO_METHODS: tuple[str, ...] = ("auto", "direct", "buffered", "mmap")
+STAGE_WRITES: tuple[str, ...] = ("auto", "always", "never")
 DEFAULT_CHUNK_BYTES = 8 << 20
 DEFAULT_INFLIGHT_COPY_BYTES = 1 << 30
 _ALIGN = 4096
 
 IOMethod = Literal["auto", "direct", "buffered", "mmap"]
+StageWrites = Literal["auto", "always", "never"]
 
 
 def _check_int(name: str, value: object, minimum: int, hint: str) -> None:
@@ -73,6 +76,10 @@ class OffloadConfig:
     # (pread/pwrite through the page cache), "mmap" (memcpy into a mapping, the
     # simple reference path), or "auto" (direct where the filesystem allows it).
     io_method: IOMethod = "auto"
+    # Whether O_DIRECT writes first copy the bytes into a reused huge-page buffer
+    # (NOTE [write staging] in engine.py): "auto" does it while forward is waiting on
+    # the write cap (the writes are the bottleneck), "always", or "never".
+    stage_writes: StageWrites = "auto"
     # Cap on slab bytes on disk; past it tensors stay in memory (None: no cap).
     disk_bytes_limit: int | None = None
     # CRC-32 of every packed span, checked when it is read back: a corrupted byte
@@ -131,6 +138,12 @@ class OffloadConfig:
         if self.io_method not in IO_METHODS:
             raise ValueError(
                 f"prefetch_offload: io_method must be one of {IO_METHODS}, got {self.io_method!r}."
+            )
+        if self.stage_writes not in STAGE_WRITES:
+            raise ValueError(
+                f"prefetch_offload: stage_writes must be one of {STAGE_WRITES}, got "
+                f"{self.stage_writes!r}; 'auto' (the default) stages writes only while "
+                "forward waits on them."
             )
         if not isinstance(self.verify, bool):
             raise TypeError(f"prefetch_offload: verify must be True or False, got {self.verify!r}.")

@@ -112,6 +112,7 @@ def offload_context(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     slab_bytes: int = 256 << 20,
     io_method: str = "auto",
+    stage_writes: str = "auto",
     disk_bytes_limit: int | None = None,
     verify: bool = False,
 ) -> OffloadContext:
@@ -130,6 +131,8 @@ def offload_context(
         chunk_bytes: write batch and read request size (multiple of 4096).
         slab_bytes: size of each preallocated slab file (multiple of 4096).
         io_method: "auto", "direct" (O_DIRECT), "buffered" or "mmap".
+        stage_writes: "auto" copies O_DIRECT writes through a huge-page buffer while
+            forward waits at the write cap; "always" or "never" force it.
         disk_bytes_limit: cap on slab bytes; past it tensors stay in memory.
         verify: checksum every packed tensor and check it when read back.
 
@@ -157,6 +160,7 @@ def offload_context(
         chunk_bytes=chunk_bytes,
         slab_bytes=slab_bytes,
         io_method=io_method,  # type: ignore[arg-type]
+        stage_writes=stage_writes,  # type: ignore[arg-type]
         disk_bytes_limit=disk_bytes_limit,
         verify=verify,
     )

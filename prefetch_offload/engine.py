@@ -96,6 +96,26 @@ tensor equal in value, shape, strides, dtype and device.
 # run in submission order). Skipped records still alive when forward resumes
 # are queued again (``_requeue_skipped``).
 #
+# NOTE [write staging]
+# O_DIRECT pins and maps every 4 KiB page of the memory it writes from, and on a
+# VM the host handles each page as a separate piece of the request. Activations
+# live in ordinary 4 KiB pages; measured on the project's 2-core VM (bench/
+# hostcost.py), writes from them ran at 0.9-1.1 GB/s with 54-69 ms of guest
+# kernel CPU per GB, against 3.0-4.0 GB/s and 6-7 ms/GB from huge pages. A copy
+# into a huge-page buffer first costs a memcpy per byte: CPU time, which pays
+# where the writes are the bottleneck and is wasted where compute is (always
+# staging measured 1.31x of no offload against 1.29x unstaged on the
+# compute-bound benchmark step, within noise, with more user CPU). So with
+# stage_writes="auto" a write job stages its runs only while forward is
+# IO-bound, which the cap tells: from the first pack that waits at
+# max_pending_write_bytes until the backward pass ends. Then forward waits
+# anyway, and the copy runs on the CPU it leaves idle. Each IO worker stages
+# through one 2 MiB buffer (one huge page; 8 MiB buffers measured no better),
+# so staging holds at most io_workers * 2 MiB beyond the cap; the buffers are
+# unmapped when backward ends, with the read pool's idle blocks. Staging applies
+# to O_DIRECT only: buffered and mmap writes copy through the kernel or memcpy
+# already.
+#
 # NOTE [checksums]
 # With ``verify=True`` each write request records the CRC-32 of the span bytes
 # it carries (only the span: the rest of its first and last page belongs to
@@ -164,6 +184,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from .buffers import HostBufferPool
@@ -223,6 +244,8 @@ def _split(nbytes: int, chunk: int) -> list[int]:
 # pass ends, through an autograd final callback, or at the next pack) that
 # removes those repeated reads.
 _RECENT_SPANS = 3
+# One staging buffer per IO worker, one huge page each (NOTE [write staging]).
+_STAGE_BYTES = 2 << 20
 # Cap on idle read buffers kept for reuse during backward (NOTE [read buffer pool]).
 _POOL_IDLE_BYTES = 256 << 20
 
@@ -533,6 +556,10 @@ class OffloadEngine:
         self._end_task: int | None = None
         self._skipped: list[weakref.ref[_Record]] = []  # NOTE [write tail]
         self._read_pool = HostBufferPool(_POOL_IDLE_BYTES)
+        # NOTE [write staging]: one chunk-sized huge-page buffer per IO worker, and
+        # whether forward has waited at the write cap since the last backward.
+        self._stage_pool = HostBufferPool(config.io_workers * _STAGE_BYTES)
+        self._staging = config.stage_writes == "always"
         # ``pool`` lets tests run the inline reference pool instead of threads.
         if pool is None:
             pool = ThreadIOPool(config.io_workers) if self._store is not None else InlineIOPool()
@@ -734,6 +761,8 @@ class OffloadEngine:
         src = source_buffer(host, base, rec.span)
         with self._lock:
             if self._pending_write_bytes and self._pending_write_bytes + nbytes > cap:
+                if self.config.stage_writes == "auto":
+                    self._staging = True  # NOTE [write staging]: forward waits on writes
                 start = time.perf_counter()
                 while self._pending_write_bytes and self._pending_write_bytes + nbytes > cap:
                     self._writes_idle.wait()
@@ -805,7 +834,10 @@ class OffloadEngine:
                 assert first is not None
                 culprit = run[0][0]
                 with _profiler_range("prefetch_offload::write"):
-                    store.write(first, 0, views if len(views) > 1 else views[0])
+                    if self._staging and store.io_method == "direct":
+                        self._staged_write(first, views)  # NOTE [write staging]
+                    else:
+                        store.write(first, 0, views if len(views) > 1 else views[0])
             except BaseException as e:  # every failure must reach the bookkeeping below
                 exc = e
             finally:
@@ -814,6 +846,34 @@ class OffloadEngine:
                         view.release()
             for rec, _, _ in run:
                 self._write_done(rec, exc, culprit)
+
+    def _staged_write(self, first: Extent, views: list[memoryview]) -> None:
+        """Write ``views`` back to back from ``first``, copied through a staging buffer."""
+        store = self._store
+        assert store is not None
+        size = _STAGE_BYTES
+        buf, region = self._stage_pool.lease(size)
+        staging, src = buf.numpy(), None
+        offset = fill = 0
+        try:
+            for view in views:
+                src = np.frombuffer(view, dtype=np.uint8)
+                done = 0
+                while done < len(src):
+                    n = min(len(src) - done, size - fill)
+                    np.copyto(staging[fill : fill + n], src[done : done + n])  # no GIL
+                    fill, done = fill + n, done + n
+                    if fill == size:
+                        store.write(first, offset, region)
+                        offset, fill = offset + fill, 0
+            if fill:
+                store.write(first, offset, region[:fill])
+        finally:
+            # A failure's traceback keeps this frame: drop what exports the caller's views
+            # (it releases them next) and what keeps the staging block leased.
+            region.release()
+            del buf, staging, src
+        self._stats.add(bytes_staged=offset + fill)
 
     def _write_done(
         self, rec: _Record, exc: BaseException | None, culprit: _Record | None = None
@@ -999,6 +1059,9 @@ class OffloadEngine:
         self._recent.clear()
         # NOTE [read buffer pool]: nothing idle is kept into the next forward.
         self._read_pool.trim()
+        # NOTE [write staging]: the next forward stages only once it waits on writes.
+        self._staging = self.config.stage_writes == "always"
+        self._stage_pool.trim()
 
     def _materialize(self, rec: _Record) -> tuple[torch.UntypedStorage, int, torch.Tensor | None]:
         """The record's span on its device, ready for the current stream: shared, in
@@ -1191,6 +1254,7 @@ class OffloadEngine:
         self._device.close()
         self._read_pool.trim()
         self._pool.shutdown()
+        self._stage_pool.close()
         self._pool = InlineIOPool()
         self._drain_dead()
         if self._store is not None:

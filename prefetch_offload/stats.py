@@ -49,6 +49,8 @@ class OffloadStats:
     fallbacks: int = 0
     # Queued writes dropped because backward needed the tensor first (it stayed in memory).
     writes_skipped: int = 0
+    # Bytes written through a huge-page staging buffer (NOTE [write staging] in engine.py).
+    bytes_staged: int = 0
     # Largest number of bytes that were queued for writing at once.
     peak_pending_write_bytes: int = 0
     # Disk bytes reserved in slab files right now, and the most ever reserved.

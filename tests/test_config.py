@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -57,6 +58,8 @@ def test_unknown_target_and_device_are_reported() -> None:
         ({"chunk_bytes": 5000}, ValueError, "multiple of 4096"),
         ({"slab_bytes": 100}, ValueError, "slab_bytes must be >= 4096"),
         ({"io_method": "aio"}, ValueError, "io_method must be one of"),
+        ({"stage_writes": "sometimes"}, ValueError, "stage_writes must be one of"),
+        ({"stage_writes": True}, ValueError, "stage_writes must be one of"),
         ({"disk_bytes_limit": -1}, ValueError, "disk_bytes_limit"),
         ({"save_dir": 3}, TypeError, "save_dir must be a str"),
     ],
@@ -81,7 +84,7 @@ _any_value = st.one_of(
     st.integers(-(1 << 40), 1 << 40),
     st.floats(allow_nan=True),
     st.text(max_size=8),
-    st.sampled_from(["disk", "cpu", "auto", "mmap", "direct", "/tmp/x"]),
+    st.sampled_from(["disk", "cpu", "auto", "mmap", "direct", "always", "never", "/tmp/x"]),
 )
 
 
@@ -89,22 +92,7 @@ _any_value = st.one_of(
 @given(
     st.fixed_dictionaries(
         {},
-        optional={
-            name: _any_value
-            for name in (
-                "target",
-                "save_dir",
-                "prefetch_depth",
-                "io_workers",
-                "min_offload_bytes",
-                "max_pending_write_bytes",
-                "max_inflight_copy_bytes",
-                "chunk_bytes",
-                "slab_bytes",
-                "io_method",
-                "disk_bytes_limit",
-            )
-        },
+        optional={name: _any_value for name in (f.name for f in dataclasses.fields(OffloadConfig))},
     )
 )
 def test_fuzzed_config_is_valid_or_rejected_cleanly(kwargs: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ from prefetch_offload import (
     OffloadIOError,
     offload_context,
 )
+from prefetch_offload import engine as engine_module
 from prefetch_offload.io_pool import InlineIOPool
 from prefetch_offload.testing import TinyTransformer, make_batch
 
@@ -972,3 +973,124 @@ def test_a_backward_that_raises_does_not_stop_end_of_backward_cleanup(save_dir: 
         engine.flush()
         w.sum().backward()
         assert engine._end_task is None and not engine._recent
+
+
+# -- NOTE [write staging] ----------------------------------------------------------------
+
+
+def _direct_or_skip(engine: OffloadEngine) -> None:
+    if engine.io_method != "direct":
+        pytest.skip("staging applies to O_DIRECT writes; this folder has no O_DIRECT")
+
+
+def test_staged_writes_are_exact(save_dir: Path) -> None:
+    """stage_writes="always": every byte goes through the staging buffer and comes back
+    bit-identical."""
+    model = _model()
+    tokens, targets = make_batch(4, 32, vocab=64)
+    ref = _reference(model, lambda m: m(tokens, targets).backward())
+    with _engine(save_dir, stage_writes="always", io_workers=1) as engine:
+        _direct_or_skip(engine)
+        loss = model(tokens, targets)
+        engine.flush()  # every record is on disk: backward reads all of them
+        loss.backward()
+        stats = engine.stats()
+        leased = engine._stage_pool.leased_bytes
+    _assert_same(_grads(model), ref)
+    assert stats.bytes_read > 0
+    # Everything written went through staging (whole pages: at least the span bytes).
+    assert stats.bytes_staged >= stats.bytes_offloaded > 0
+    assert leased == 0  # every staging buffer went back to its pool
+
+
+@pytest.mark.parametrize("chunk", [8 << 20, 1 << 20], ids=["one-run", "split-records"])
+def test_staged_runs_longer_than_the_buffer_are_exact(save_dir: Path, chunk: int) -> None:
+    """Runs of several staging buffers and a partial last one (records of 5 MiB + 3 pages,
+    in one request or split into chunk-sized pieces) land byte for byte."""
+    n = ((5 << 20) + 3 * 4096) // 4
+    x = torch.randn(n, requires_grad=True)
+    ref = x.detach().clone().requires_grad_()
+    sum(((ref * (i + 2)).sin() * (i + 1)).sum() for i in range(3)).backward()
+    with _engine(save_dir, stage_writes="always", chunk_bytes=chunk, io_workers=2) as engine:
+        _direct_or_skip(engine)
+        loss = sum(((x * (i + 2)).sin() * (i + 1)).sum() for i in range(3))
+        engine.flush()
+        loss.backward()
+        stats = engine.stats()
+    assert torch.equal(x.grad, ref.grad)
+    assert stats.bytes_staged >= stats.bytes_offloaded >= 3 * n * 4
+    assert stats.bytes_read >= 3 * n * 4 - (8 << 20)  # all but what stayed in memory
+
+
+def test_auto_staging_starts_when_forward_waits_and_ends_with_backward(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = torch.randn(1 << 15, requires_grad=True)  # 128 KiB per saved tensor
+    with _engine(save_dir, max_pending_write_bytes=300 << 10, io_workers=1) as engine:
+        _direct_or_skip(engine)
+        _delay(engine, monkeypatch, "write", 0.01)
+        ys = [(x * (i + 2)).sin() for i in range(12)]
+        engine.flush()
+        waited = engine.stats()
+        assert waited.pack_wait_seconds > 0  # the cap was hit: forward waited on writes
+        assert 0 < waited.bytes_staged <= waited.bytes_offloaded + 12 * 4096
+        sum(y.sum() for y in ys).backward()
+        assert not engine._staging  # the next forward starts unstaged
+        assert engine._stage_pool.idle_bytes == 0  # its buffers were let go
+        # A forward that never waits stages nothing.
+        before = engine.stats().bytes_staged
+        monkeypatch.undo()
+        zs = [(x * (i + 2)).cos() for i in range(2)]
+        engine.flush()
+        assert engine.stats().bytes_staged == before
+        assert engine.stats().bytes_offloaded > waited.bytes_offloaded
+        sum(z.sum() for z in zs).backward()
+    assert x.grad is not None
+
+
+@pytest.mark.parametrize("mode", ["auto", "never"])
+def test_no_staging_without_waits_or_when_off(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    x = torch.randn(1 << 15, requires_grad=True)
+    cap = (300 << 10) if mode == "never" else (64 << 20)  # "never" waits, "auto" does not
+    with _engine(save_dir, stage_writes=mode, max_pending_write_bytes=cap, io_workers=1) as eng:
+        _direct_or_skip(eng)
+        if mode == "never":
+            _delay(eng, monkeypatch, "write", 0.01)
+        ys = [(x * (i + 2)).sin() for i in range(12)]
+        eng.flush()
+        stats = eng.stats()
+        sum(y.sum() for y in ys).backward()
+    assert stats.bytes_offloaded > 0 and stats.bytes_staged == 0
+    assert (stats.pack_wait_seconds > 0) == (mode == "never")
+
+
+def test_failed_staged_write_keeps_the_tensor_and_returns_the_buffer(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [errors from workers] holds on the staged path: the error reaches the next hook
+    call, the tensor stays in memory (exact gradients), and the buffer is not leaked while
+    the error (and its traceback) is still held."""
+    x = torch.randn(1 << 15, requires_grad=True)
+    ref = x.detach().clone().requires_grad_()
+    (ref * 3).sin().sum().backward()
+    with _engine(save_dir, stage_writes="always", io_workers=1) as engine:
+        _direct_or_skip(engine)
+
+        def broken(*args: Any) -> None:
+            raise OSError(errno.EIO, "injected")
+
+        monkeypatch.setattr(engine._store, "write", broken)
+        y = (x * 3).sin()
+        engine._wait_writes()
+        pool = engine._stage_pool
+        assert pool.idle_bytes == engine_module._STAGE_BYTES  # re-files what came back
+        assert pool.leased_bytes == 0
+        with pytest.raises(OffloadIOError) as err:
+            (x * 4).sin()
+        assert err.value.__cause__ is not None or "injected" in str(err.value)
+        monkeypatch.undo()
+        y.sum().backward()
+        assert engine.stats().bytes_staged == 0
+    assert torch.equal(x.grad, ref.grad)
