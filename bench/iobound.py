@@ -70,6 +70,8 @@ class IOBoundResult:
     bytes_staged_per_step: float
     #: a second disk engine with stage_writes="never", timed in the same rounds
     unstaged_seconds: float | None = None
+    #: median forward seconds per mode (the part of the step that writes)
+    forward_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def bound_seconds(self) -> float:
@@ -90,19 +92,25 @@ class IOBoundResult:
         return self.step_seconds / self.replay_seconds
 
 
-def _step(x: torch.Tensor, layers: int, replay: IOReplay | None = None) -> None:
-    """One training step; with ``replay``, its bytes move while forward and backward run."""
+def _step(x: torch.Tensor, layers: int, replay: IOReplay | None = None) -> float:
+    """One training step; with ``replay``, its bytes move while forward and backward run.
+
+    Returns the seconds forward took.
+    """
+    start = time.perf_counter()
     if replay is not None:
         replay.forward_started()
     y = x * 1.0  # not a leaf, so the first ReLU's input chain is offloadable
     for _ in range(layers):
         y = torch.relu(y)  # saves its output: one tensor-sized save per layer
     loss = y.sum()
+    forward = time.perf_counter() - start
     if replay is not None:
         replay.backward_started()
     loss.backward()
     if replay is not None:
         replay.wait()
+    return forward
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     order = ["disk", "none", "ioreplay"] + (["unstaged"] if args.compare_unstaged else [])
     samples: dict[str, list[float]] = {k: [] for k in order}
     steal: dict[str, list[float]] = {k: [] for k in order}
+    forward: dict[str, list[float]] = {k: [] for k in order}
     writes, reads, stalls, raw_w, raw_r = [], [], [], [], []
     with scratch_folder(args.save_dir, "iobound-") as folder:
         config = OffloadConfig(
@@ -180,11 +189,12 @@ def main(argv: list[str] | None = None) -> int:
                         if mode in engines:
                             eng = engines[mode]
                             with torch.autograd.graph.saved_tensors_hooks(eng.pack, eng.unpack):
-                                _step(x, args.layers)
+                                fwd = _step(x, args.layers)
                             eng.flush()
                         else:
-                            _step(x, args.layers, replay if mode == "ioreplay" else None)
+                            fwd = _step(x, args.layers, replay if mode == "ioreplay" else None)
                         samples[mode].append(time.perf_counter() - start)
+                        forward[mode].append(fwd)
                         s1 = steal_seconds()
                         if s0 is not None and s1 is not None:
                             steal[mode].append(s1 - s0)
@@ -218,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         stage_writes=args.stage_writes,
         bytes_staged_per_step=(engine.stats().bytes_staged - staged0) / args.steps,
         unstaged_seconds=statistics.median(samples["unstaged"]) if args.compare_unstaged else None,
+        forward_seconds={k: statistics.median(v) for k, v in forward.items()},
     )
     print(
         f"# {os.cpu_count()} cores, torch {torch.__version__}; {args.layers} ReLUs saving "
@@ -250,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
             if res.unstaged_seconds
             else ""
         )
+    )
+    print(
+        "forward s (median): " + ", ".join(f"{k} {v:.3f}" for k, v in res.forward_seconds.items())
     )
     if res.steal_seconds is not None and res.replay_steal_seconds is not None:
         print(

@@ -21,6 +21,8 @@ from types import ModuleType
 import pytest
 import torch
 
+from prefetch_offload.slab import direct_io_supported
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 TINY_SHAPE = ["--width", "32", "--depth", "2", "--heads", "2", "--batch", "2", "--seq", "16"]
 TINY = [*TINY_SHAPE, "--min-offload-bytes", "0", "--steps", "2", "--warmup", "0"]
@@ -357,13 +359,20 @@ def test_iobound_main_tiny(tmp_path: Path, cwd: Path) -> None:
     out = tmp_path / "iobound.json"
     # A 1 MiB write cap: forward waits for each write, so only the last can be skipped.
     argv = ["--tensor-mib", "1", "--layers", "4", "--steps", "1", "--max-pending-write-bytes"]
-    argv += [str(MiB)]
+    argv += [str(MiB), "--compare-unstaged"]
     assert iobound.main([*argv, "--save-dir", str(tmp_path / "s"), "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["bytes_written"] >= 2 * MiB and res["bound_seconds"] > 0
     # The replay moves what disk moved in its last warm-up step, and is timed alongside.
     assert res["replay_bytes"] >= 2 * MiB and 0 < res["replay_read_bytes"] <= res["replay_bytes"]
     assert res["replay_seconds"] > 0 and res["ratio_to_replay"] > 0
+    # The unstaged twin ran in the same rounds; at a 1 MiB cap forward waits, so the
+    # default engine staged its writes (NOTE [write staging]) where O_DIRECT works.
+    assert res["unstaged_seconds"] > 0
+    assert set(res["forward_seconds"]) == {"disk", "none", "ioreplay", "unstaged"}
+    assert res["stage_writes"] == "auto"
+    if direct_io_supported(str(tmp_path)):
+        assert res["bytes_staged_per_step"] > 0
     assert _empty(tmp_path / "s")
 
 
