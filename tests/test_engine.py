@@ -3,24 +3,28 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import errno
 import gc
 import itertools
 import os
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from engine_helpers import (
+    assert_same_grads,
+    engine_with_hooks,
+    grads_of,
+    reference_grads,
+    slow_store,
+    tiny_model,
+)
 from torch.utils.checkpoint import checkpoint
 
 from prefetch_offload import (
-    OffloadConfig,
     OffloadEngine,
     OffloadError,
     OffloadFallbackWarning,
@@ -28,57 +32,7 @@ from prefetch_offload import (
     offload_context,
 )
 from prefetch_offload import engine as engine_module
-from prefetch_offload.io_pool import InlineIOPool
 from prefetch_offload.testing import TinyTransformer, make_batch
-
-Grads = list[torch.Tensor]
-
-
-def _model(dtype: torch.dtype = torch.float32, *, seed: int = 0) -> TinyTransformer:
-    torch.manual_seed(seed)
-    return TinyTransformer(vocab=64, width=32, depth=2, heads=2).to(dtype)
-
-
-def _grads(model: torch.nn.Module) -> Grads:
-    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-
-def _assert_same(a: Grads, b: Grads) -> None:
-    assert len(a) == len(b) and a
-    for x, y in zip(a, b, strict=True):
-        assert torch.equal(x, y), (x - y).abs().max()
-
-
-def _reference(model: torch.nn.Module, fn: Callable[[torch.nn.Module], None]) -> Grads:
-    ref = copy.deepcopy(model)
-    fn(ref)
-    return _grads(ref)
-
-
-@contextlib.contextmanager
-def _engine(save_dir: Path, *, inline: bool = False, **kw: Any) -> Iterator[OffloadEngine]:
-    """An engine with its hooks installed, built directly (lets tests pick the pool)."""
-    kw.setdefault("min_offload_bytes", 0)
-    if inline:  # the reference path: each record written as it is packed
-        kw.setdefault("chunk_bytes", 4096)
-    cfg = OffloadConfig(target="disk", save_dir=str(save_dir), **kw)
-    engine = OffloadEngine(cfg, pool=InlineIOPool() if inline else None)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
-            yield engine
-    finally:
-        engine.close(raise_errors=False)
-
-
-def _delay(engine: OffloadEngine, monkeypatch: pytest.MonkeyPatch, method: str, sec: float) -> None:
-    """Slow the slab store's ``write`` or ``read`` down (an IO seam for tests)."""
-    real = getattr(engine._store, method)
-
-    def slow(*args: Any) -> None:
-        time.sleep(sec)
-        real(*args)
-
-    monkeypatch.setattr(engine._store, method, slow)
 
 
 def _fd_targets(save_dir: Path) -> list[str]:
@@ -101,19 +55,19 @@ def _fd_targets(save_dir: Path) -> list[str]:
 def test_transformer_grads_bit_identical(
     save_dir: Path, dtype: torch.dtype, depth: int, flush: bool
 ) -> None:
-    model = _model(dtype)
+    model = tiny_model(dtype)
     tokens, targets = make_batch(4, 32, vocab=64)
 
     def step(m: torch.nn.Module) -> None:
         m(tokens, targets).backward()
 
-    ref = _reference(model, step)
+    ref = reference_grads(model, step)
     with offload_context("disk", save_dir, prefetch_depth=depth, min_offload_bytes=0) as engine:
         loss = model(tokens, targets)
         if flush:
             engine.flush()  # every saved tensor is on disk; backward must read it all back
         loss.backward()
-    _assert_same(_grads(model), ref)
+    assert_same_grads(grads_of(model), ref)
     stats = engine.stats()
     assert stats.tensors_offloaded + stats.writes_skipped > 10  # NOTE [write tail]
     if flush:
@@ -129,15 +83,17 @@ def test_io_methods_and_pools_agree(save_dir: Path, io_method: str, inline: bool
 
     if io_method == "direct" and not direct_io_supported(str(save_dir)):
         pytest.skip("filesystem without O_DIRECT")
-    model = _model()
+    model = tiny_model()
     tokens, targets = make_batch(4, 32, vocab=64)
-    ref = _reference(model, lambda m: m(tokens, targets).backward())
-    with _engine(save_dir, inline=inline, io_method=io_method, chunk_bytes=8192) as engine:
+    ref = reference_grads(model, lambda m: m(tokens, targets).backward())
+    with engine_with_hooks(
+        save_dir, inline=inline, io_method=io_method, chunk_bytes=8192
+    ) as engine:
         loss = model(tokens, targets)
         engine.flush()
         loss.backward()
     assert engine.io_method == io_method
-    _assert_same(_grads(model), ref)
+    assert_same_grads(grads_of(model), ref)
     assert engine.stats().bytes_read > 0
 
 
@@ -145,7 +101,7 @@ def test_io_methods_and_pools_agree(save_dir: Path, io_method: str, inline: bool
 def test_checkpoint(save_dir: Path, reentrant: bool) -> None:
     """Non-reentrant: the frame keeps block inputs. Reentrant: block inputs go through the
     hooks, and the recompute packs and unpacks again inside backward."""
-    model = _model()
+    model = tiny_model()
     tokens, targets = make_batch(4, 32, vocab=64)
 
     def step(m: TinyTransformer) -> None:
@@ -155,16 +111,16 @@ def test_checkpoint(save_dir: Path, reentrant: bool) -> None:
         logits = m.head(m.norm(x))
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
 
-    ref = _reference(model, step)
+    ref = reference_grads(model, step)
     with offload_context("disk", save_dir, min_offload_bytes=0) as engine:
         step(model)
-    _assert_same(_grads(model), ref)
+    assert_same_grads(grads_of(model), ref)
     stats = engine.stats()
     assert stats.tensors_offloaded + stats.writes_skipped > 0
 
 
 def test_retain_graph_backward_twice(save_dir: Path) -> None:
-    model = _model()
+    model = tiny_model()
     tokens, targets = make_batch(4, 32, vocab=64)
 
     def step(m: torch.nn.Module) -> None:
@@ -172,21 +128,21 @@ def test_retain_graph_backward_twice(save_dir: Path) -> None:
         loss.backward(retain_graph=True)
         loss.backward()
 
-    ref = _reference(model, step)
-    with _engine(save_dir) as engine:
+    ref = reference_grads(model, step)
+    with engine_with_hooks(save_dir) as engine:
         loss = model(tokens, targets)
         engine.flush()
         loss.backward(retain_graph=True)
         gc.collect()
         loss.backward()
-    _assert_same(_grads(model), ref)
+    assert_same_grads(grads_of(model), ref)
     stats = engine.stats()
     assert stats.bytes_read >= 2 * stats.bytes_offloaded
 
 
 @pytest.mark.parametrize("order", [(0, 1), (1, 0)])
 def test_two_micro_batches_either_order(save_dir: Path, order: tuple[int, int]) -> None:
-    model = _model()
+    model = tiny_model()
     batches = [make_batch(4, 32, vocab=64, seed=s) for s in (1, 2)]
 
     def step(m: torch.nn.Module) -> None:
@@ -194,31 +150,32 @@ def test_two_micro_batches_either_order(save_dir: Path, order: tuple[int, int]) 
         for i in order:
             losses[i].backward()
 
-    ref = _reference(model, step)
+    ref = reference_grads(model, step)
     with offload_context("disk", save_dir, min_offload_bytes=0):
         step(model)
-    _assert_same(_grads(model), ref)
+    assert_same_grads(grads_of(model), ref)
 
 
 def test_backward_after_context_exit(save_dir: Path) -> None:
-    model = _model()
+    model = tiny_model()
     tokens, targets = make_batch(4, 32, vocab=64)
-    ref = _reference(model, lambda m: m(tokens, targets).backward())
+    ref = reference_grads(model, lambda m: m(tokens, targets).backward())
     with offload_context("disk", save_dir, min_offload_bytes=0) as engine:
         loss = model(tokens, targets)
     assert engine.closed
     assert not [t for t in threading.enumerate() if t.name.startswith("prefetch_offload")]
     assert os.listdir(save_dir) == []
     loss.backward()
-    _assert_same(_grads(model), ref)
+    assert_same_grads(grads_of(model), ref)
     assert engine.stats().bytes_read > 0
 
 
 def test_two_threads_each_with_own_context(save_dir: Path) -> None:
-    models = [_model(seed=s) for s in (0, 1)]
+    models = [tiny_model(seed=s) for s in (0, 1)]
     batches = [make_batch(4, 32, vocab=64, seed=s) for s in (3, 4)]
     refs = [
-        _reference(m, lambda m, b=b: m(*b).backward()) for m, b in zip(models, batches, strict=True)
+        reference_grads(m, lambda m, b=b: m(*b).backward())
+        for m, b in zip(models, batches, strict=True)
     ]
     errors: list[BaseException] = []
     barrier = threading.Barrier(2)
@@ -244,7 +201,7 @@ def test_two_threads_each_with_own_context(save_dir: Path) -> None:
         t.join()
     assert not errors, errors
     for m, ref in zip(models, refs, strict=True):
-        _assert_same(_grads(m), [3 * g for g in ref])
+        assert_same_grads(grads_of(m), [3 * g for g in ref])
 
 
 # -- lifetime and space -------------------------------------------------------------------
@@ -252,7 +209,7 @@ def test_two_threads_each_with_own_context(save_dir: Path) -> None:
 
 def test_saved_activation_released_once_on_disk(save_dir: Path) -> None:
     a = torch.randn(1 << 16, requires_grad=True)
-    with _engine(save_dir) as engine:
+    with engine_with_hooks(save_dir) as engine:
         b = a * 2
         c = b.sin()  # saves b
         ref = weakref.ref(b)
@@ -265,7 +222,7 @@ def test_saved_activation_released_once_on_disk(save_dir: Path) -> None:
 
 
 def test_space_is_reused_across_steps(save_dir: Path) -> None:
-    model = _model()
+    model = tiny_model()
     tokens, targets = make_batch(4, 32, vocab=64)
     with offload_context("disk", save_dir, min_offload_bytes=0, slab_bytes=1 << 20) as engine:
         model(tokens, targets).backward()
@@ -287,7 +244,7 @@ def test_space_is_reused_across_steps(save_dir: Path) -> None:
 
 
 def test_nothing_left_behind_after_exit_or_exception(save_dir: Path) -> None:
-    model = _model()
+    model = tiny_model()
     tokens, targets = make_batch(4, 32, vocab=64)
     with offload_context("disk", save_dir, min_offload_bytes=0) as engine:
         loss = model(tokens, targets)
@@ -325,7 +282,7 @@ def test_unpacked_tensors_are_never_recycled(save_dir: Path) -> None:
             return g
 
     w = torch.ones(1, requires_grad=True)
-    with _engine(save_dir, prefetch_depth=4) as engine:
+    with engine_with_hooks(save_dir, prefetch_depth=4) as engine:
         for step in range(6):
             outs = [Stash.apply(torch.full((4096,), float(step * 10 + i)) * w) for i in range(8)]
             engine.flush()
@@ -339,7 +296,7 @@ def test_unpacked_tensors_are_never_recycled(save_dir: Path) -> None:
 def test_graph_dropped_without_backward_is_freed(save_dir: Path, min_bytes: int) -> None:
     """NOTE [no cycles]: relu saves its own output; dropping the graph must free it."""
     x = torch.randn(1 << 14, requires_grad=True)
-    with _engine(save_dir, min_offload_bytes=min_bytes) as engine:
+    with engine_with_hooks(save_dir, min_offload_bytes=min_bytes) as engine:
         y = (x * 2).relu()
         ref = weakref.ref(y)
         del y
@@ -355,8 +312,8 @@ def test_in_place_through_a_detached_alias_is_caught(
 ) -> None:
     """The saved tensor is gone, a .detach() alias (same counter) modifies the bytes."""
     x = torch.randn(1 << 14, requires_grad=True)
-    with _engine(save_dir, io_workers=1) as engine:
-        _delay(engine, monkeypatch, "write", 0.05)
+    with engine_with_hooks(save_dir, io_workers=1) as engine:
+        slow_store(engine, monkeypatch, "write", 0.05)
         y = (x * 2).exp()  # exp saves its output
         alias = y.detach()
         loss = y.sum()
@@ -371,7 +328,7 @@ def test_dedup_needs_the_same_version_counter(save_dir: Path) -> None:
     """``a`` and ``a.data`` share a storage but not a counter: no sharing of records."""
     w = torch.randn(1 << 14, requires_grad=True)
     a = torch.randn(1 << 14)
-    with _engine(save_dir, inline=True) as engine:
+    with engine_with_hooks(save_dir, inline=True) as engine:
         w * a  # saves a (version 0)
         b = a.data
         b.mul_(3)  # b's own counter moves; a's stays at 0
@@ -402,8 +359,8 @@ def test_unpack_during_forward_keeps_memory_within_the_cap(
     """autograd.grad inside forward triggers the write-tail skip; forward resuming writes them."""
     x = torch.randn(1 << 16, requires_grad=True)  # 256 KiB tensors
     cap = 1 << 20
-    with _engine(save_dir, io_workers=1, max_pending_write_bytes=cap) as engine:
-        _delay(engine, monkeypatch, "write", 0.002)
+    with engine_with_hooks(save_dir, io_workers=1, max_pending_write_bytes=cap) as engine:
+        slow_store(engine, monkeypatch, "write", 0.002)
         h = x * 1.0
         for _ in range(30):
             h = (h * 1.0001).sin()
@@ -454,7 +411,7 @@ def test_same_tensor_saved_three_times_is_written_once(save_dir: Path) -> None:
 
     v_ref, w_ref = (t.detach().clone().requires_grad_() for t in (v, w))
     step(v_ref, w_ref)
-    with _engine(save_dir, inline=True) as engine:  # every write lands before backward
+    with engine_with_hooks(save_dir, inline=True) as engine:  # every write lands before backward
         step(v, w)
     assert torch.equal(v.grad, v_ref.grad) and torch.equal(w.grad, w_ref.grad)
     stats = engine.stats()
@@ -466,7 +423,7 @@ def test_same_tensor_saved_three_times_is_written_once(save_dir: Path) -> None:
 def test_dedup_not_fooled_by_address_reuse(save_dir: Path) -> None:
     """A new storage at a freed tensor's address, same shape and version, is a new tensor."""
     mem = bytearray(4 * 4096)
-    with _engine(save_dir) as engine:
+    with engine_with_hooks(save_dir) as engine:
         a = torch.frombuffer(mem, dtype=torch.float32)
         a.fill_(1.0)
         addr, version = a.data_ptr(), a._version
@@ -486,7 +443,7 @@ def test_dedup_not_fooled_by_address_reuse(save_dir: Path) -> None:
 
 
 def test_dedup_sees_in_place_updates(save_dir: Path) -> None:
-    with _engine(save_dir) as engine:
+    with engine_with_hooks(save_dir) as engine:
         buf = torch.zeros(4096)
         h1 = engine.pack(buf)
         engine.flush()
@@ -503,7 +460,7 @@ def test_dedup_sees_in_place_updates(save_dir: Path) -> None:
 @pytest.mark.parametrize("size", [8, 1 << 15], ids=["kept", "offloaded"])
 def test_in_place_update_after_save_is_caught_like_autograd(save_dir: Path, size: int) -> None:
     x = torch.randn(size, requires_grad=True)
-    with _engine(save_dir, min_offload_bytes=1024) as engine:
+    with engine_with_hooks(save_dir, min_offload_bytes=1024) as engine:
         y = (x * 2).exp()  # exp saves its output
         loss = y.sum()
         engine.flush()
@@ -523,7 +480,7 @@ def test_views_of_one_storage_share_one_record(save_dir: Path) -> None:
 
     xr, vr = (t.detach().clone().requires_grad_() for t in (x, v))
     step(xr, vr)
-    with _engine(save_dir, prefetch_depth=2) as engine:
+    with engine_with_hooks(save_dir, prefetch_depth=2) as engine:
         p = (x * 1).softmax(-1)
         out = (p.view(6, 16, 16) @ v).sum()
         del p
@@ -539,7 +496,7 @@ def test_views_of_one_storage_share_one_record(save_dir: Path) -> None:
 
 
 def test_views_outside_a_record_or_misaligned_get_their_own(save_dir: Path) -> None:
-    with _engine(save_dir, inline=True) as engine:
+    with engine_with_hooks(save_dir, inline=True) as engine:
         buf = torch.arange(4096, dtype=torch.float32)
         h1 = engine.pack(buf[:1024])  # record A: bytes [0, 4096) of buf
         h2 = engine.pack(buf[512:2048])  # overlaps A but is not inside it: record B
@@ -561,9 +518,9 @@ def test_views_outside_a_record_or_misaligned_get_their_own(save_dir: Path) -> N
 
 @pytest.mark.parametrize("depth", [0, 1, 4])
 def test_each_record_is_read_once_per_backward_pass(save_dir: Path, depth: int) -> None:
-    model = _model()
+    model = tiny_model()
     tokens, targets = make_batch(4, 32, vocab=64)
-    with _engine(save_dir, prefetch_depth=depth) as engine:
+    with engine_with_hooks(save_dir, prefetch_depth=depth) as engine:
         loss = model(tokens, targets)
         engine.flush()
         loss.backward(retain_graph=True)
@@ -579,19 +536,19 @@ def test_each_record_is_read_once_per_backward_pass(save_dir: Path, depth: int) 
 def test_parameters_small_and_leaf_tensors_stay_in_memory(save_dir: Path) -> None:
     lin = torch.nn.Linear(256, 256)
     x = torch.randn(64, 256, requires_grad=True)  # a leaf input: held by the user anyway
-    with _engine(save_dir, min_offload_bytes=1 << 20) as engine:
+    with engine_with_hooks(save_dir, min_offload_bytes=1 << 20) as engine:
         big = (x * 3).relu()  # relu saves its 64 KiB result: under the threshold
         lin(big).sum().backward()
     stats = engine.stats()
     assert stats.tensors_offloaded == 0
     assert stats.tensors_kept >= 2  # the weight view (weight.t()) and small tensors
-    with _engine(save_dir) as engine:
+    with engine_with_hooks(save_dir) as engine:
         lin(x).sum().backward()  # saves x (leaf) and weight.t() (a Parameter's view)
     assert engine.stats().tensors_offloaded == 0
 
 
 def test_no_bytes_under_no_grad(save_dir: Path) -> None:
-    model = _model()
+    model = tiny_model()
     tokens, targets = make_batch(4, 32, vocab=64)
     with offload_context("disk", save_dir, min_offload_bytes=0) as engine, torch.no_grad():
         model(tokens, targets)
@@ -603,7 +560,7 @@ def test_stats_exact_for_a_chain(save_dir: Path) -> None:
     """Inline pool, depth 1: the first unpack reads synchronously, each one prefetches the next."""
     n = 6
     x = torch.randn(4096, requires_grad=True)
-    with _engine(save_dir, inline=True, prefetch_depth=1) as engine:
+    with engine_with_hooks(save_dir, inline=True, prefetch_depth=1) as engine:
         y = x * 1.0
         for _ in range(n):
             y = y.sin()  # each sin saves its input: n distinct 16 KiB tensors
@@ -618,7 +575,7 @@ def test_stats_exact_for_a_chain(save_dir: Path) -> None:
 
 def test_depth_zero_reads_synchronously(save_dir: Path) -> None:
     x = torch.randn(4096, requires_grad=True)
-    with _engine(save_dir, prefetch_depth=0) as engine:
+    with engine_with_hooks(save_dir, prefetch_depth=0) as engine:
         y = x * 1.0
         for _ in range(5):
             y = y.sin()
@@ -635,14 +592,14 @@ def test_depth_zero_reads_synchronously(save_dir: Path) -> None:
 def test_slow_writes_are_served_from_memory_and_capped(
     save_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = _model()
+    model = tiny_model()
     tokens, targets = make_batch(4, 32, vocab=64)
-    ref = _reference(model, lambda m: m(tokens, targets).backward())
+    ref = reference_grads(model, lambda m: m(tokens, targets).backward())
     cap = 128 << 10  # above the largest saved tensor, so the cap is never exceeded
-    with _engine(save_dir, max_pending_write_bytes=cap) as engine:
-        _delay(engine, monkeypatch, "write", 0.002)
+    with engine_with_hooks(save_dir, max_pending_write_bytes=cap) as engine:
+        slow_store(engine, monkeypatch, "write", 0.002)
         model(tokens, targets).backward()
-    _assert_same(_grads(model), ref)
+    assert_same_grads(grads_of(model), ref)
     stats = engine.stats()
     assert stats.peak_pending_write_bytes <= cap
     assert stats.pack_wait_seconds > 0
@@ -653,41 +610,41 @@ def test_queued_writes_of_the_tail_are_skipped_at_backward(
     save_dir: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
 ) -> None:
     """NOTE [write tail]: writes still queued when backward starts never happen."""
-    model = _model()
+    model = tiny_model()
     tokens, targets = make_batch(4, 32, vocab=64)
-    ref = _reference(model, lambda m: m(tokens, targets).backward())
-    with _engine(save_dir, io_workers=1, chunk_bytes=chunk) as engine:
-        _delay(engine, monkeypatch, "write", 0.01)
+    ref = reference_grads(model, lambda m: m(tokens, targets).backward())
+    with engine_with_hooks(save_dir, io_workers=1, chunk_bytes=chunk) as engine:
+        slow_store(engine, monkeypatch, "write", 0.01)
         model(tokens, targets).backward()
         engine.flush()
         gc.collect()
         stats = engine.stats()
-    _assert_same(_grads(model), ref)
+    assert_same_grads(grads_of(model), ref)
     assert stats.writes_skipped > 0  # how many were written first depends on the scheduler
     assert stats.bytes_read <= stats.bytes_offloaded
     assert stats.disk_bytes_in_use == 0
 
 
 def test_slow_reads_stall_but_stay_exact(save_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    model = _model()
+    model = tiny_model()
     tokens, targets = make_batch(4, 32, vocab=64)
-    ref = _reference(model, lambda m: m(tokens, targets).backward())
-    with _engine(save_dir, prefetch_depth=2) as engine:
-        _delay(engine, monkeypatch, "read", 0.003)
+    ref = reference_grads(model, lambda m: m(tokens, targets).backward())
+    with engine_with_hooks(save_dir, prefetch_depth=2) as engine:
+        slow_store(engine, monkeypatch, "read", 0.003)
         loss = model(tokens, targets)
         engine.flush()
         loss.backward()
-    _assert_same(_grads(model), ref)
+    assert_same_grads(grads_of(model), ref)
     assert engine.stats().stall_seconds > 0
 
 
 def test_engine_keeps_working_after_a_write_error(
     save_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = _model()
+    model = tiny_model()
     tokens, targets = make_batch(4, 32, vocab=64)
-    ref = _reference(model, lambda m: m(tokens, targets).backward())
-    with _engine(save_dir) as engine:
+    ref = reference_grads(model, lambda m: m(tokens, targets).backward())
+    with engine_with_hooks(save_dir) as engine:
         real_write = engine._store.write
         _fail_writes(engine, monkeypatch, "injected write failure")
         with pytest.raises(OffloadIOError, match="injected write failure") as info:
@@ -698,7 +655,7 @@ def test_engine_keeps_working_after_a_write_error(
         monkeypatch.setattr(engine._store, "write", real_write)
         model.zero_grad()
         model(tokens, targets).backward()
-    _assert_same(_grads(model), ref)
+    assert_same_grads(grads_of(model), ref)
 
 
 def _fail_writes(
@@ -712,7 +669,7 @@ def _fail_writes(
 
 def test_write_error_raised_at_next_pack(save_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(4096, requires_grad=True)
-    with _engine(save_dir, inline=True) as engine:
+    with engine_with_hooks(save_dir, inline=True) as engine:
         _fail_writes(engine, monkeypatch)
         y = (x * 2).sin()  # the inline write fails here and is recorded ...
         with pytest.raises(OffloadIOError, match="injected"):
@@ -732,11 +689,11 @@ def test_write_error_raised_at_exit(save_dir: Path, monkeypatch: pytest.MonkeyPa
 def test_full_disk_during_a_write_warns_once_and_keeps_tensors(
     save_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = _model()
+    model = tiny_model()
     tokens, targets = make_batch(4, 32, vocab=64)
-    ref = _reference(model, lambda m: m(tokens, targets).backward())
+    ref = reference_grads(model, lambda m: m(tokens, targets).backward())
     with pytest.warns(OffloadFallbackWarning, match="no space left") as record:
-        with _engine(save_dir) as engine:
+        with engine_with_hooks(save_dir) as engine:
 
             def no_space(*args: Any) -> None:
                 raise OSError(errno.ENOSPC, "No space left on device")
@@ -745,7 +702,7 @@ def test_full_disk_during_a_write_warns_once_and_keeps_tensors(
             loss = model(tokens, targets)
             engine.flush()  # no error: a full disk is not a failure
             loss.backward()
-    _assert_same(_grads(model), ref)
+    assert_same_grads(grads_of(model), ref)
     stats = engine.stats()
     assert stats.fallbacks > 1 and stats.tensors_offloaded == 0
     assert len([w for w in record if w.category is OffloadFallbackWarning]) == 1
@@ -755,7 +712,7 @@ def test_read_error_raises_at_the_unpack_that_needed_it(
     save_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     x = torch.randn(4096, requires_grad=True)
-    with _engine(save_dir, prefetch_depth=0) as engine:
+    with engine_with_hooks(save_dir, prefetch_depth=0) as engine:
         y = (x * 2).sin()
         engine.flush()
         monkeypatch.setattr(
@@ -767,14 +724,14 @@ def test_read_error_raises_at_the_unpack_that_needed_it(
 
 
 def test_verify_keeps_gradients_exact(save_dir: Path) -> None:
-    model = _model()
+    model = tiny_model()
     tokens, targets = make_batch(4, 32, vocab=64)
-    ref = _reference(model, lambda m: m(tokens, targets).backward())
-    with _engine(save_dir, verify=True, chunk_bytes=8192) as engine:
+    ref = reference_grads(model, lambda m: m(tokens, targets).backward())
+    with engine_with_hooks(save_dir, verify=True, chunk_bytes=8192) as engine:
         loss = model(tokens, targets)
         engine.flush()
         loss.backward()
-    _assert_same(_grads(model), ref)
+    assert_same_grads(grads_of(model), ref)
     assert engine.stats().bytes_read > 0
 
 
@@ -783,7 +740,7 @@ def test_verify_catches_a_corrupted_byte(
     save_dir: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     x = torch.randn(1 << 14, requires_grad=True)
-    with _engine(save_dir, verify=True, prefetch_depth=0, chunk_bytes=8192) as engine:
+    with engine_with_hooks(save_dir, verify=True, prefetch_depth=0, chunk_bytes=8192) as engine:
         y = (x * 2).sin()
         engine.flush()
         real_read = engine._store.read
@@ -806,7 +763,7 @@ def test_without_verify_corruption_goes_unseen(
 ) -> None:
     """The reason verify exists: the same corruption is silent without it."""
     x = torch.randn(1 << 14, requires_grad=True)
-    with _engine(save_dir, prefetch_depth=0) as engine:
+    with engine_with_hooks(save_dir, prefetch_depth=0) as engine:
         y = (x * 2).sin()
         engine.flush()
         real_read = engine._store.read
@@ -822,9 +779,9 @@ def test_without_verify_corruption_goes_unseen(
 
 
 def test_disk_cap_falls_back_to_memory_with_one_warning(save_dir: Path) -> None:
-    model = _model()
+    model = tiny_model()
     tokens, targets = make_batch(4, 32, vocab=64)
-    ref = _reference(model, lambda m: m(tokens, targets).backward())
+    ref = reference_grads(model, lambda m: m(tokens, targets).backward())
     with (
         pytest.warns(OffloadFallbackWarning, match="disk_bytes_limit") as record,
         offload_context(
@@ -832,7 +789,7 @@ def test_disk_cap_falls_back_to_memory_with_one_warning(save_dir: Path) -> None:
         ) as engine,
     ):
         model(tokens, targets).backward()
-    _assert_same(_grads(model), ref)
+    assert_same_grads(grads_of(model), ref)
     stats = engine.stats()
     assert stats.fallbacks > 0 and stats.peak_disk_bytes_in_use > 0
     assert stats.peak_disk_bytes_reserved <= 1 << 17
@@ -850,7 +807,7 @@ def test_overlapping_views_share_the_whole_storage(save_dir: Path) -> None:
 
     step().backward()
     ref, x.grad = x.grad, None
-    with _engine(save_dir) as engine:
+    with engine_with_hooks(save_dir) as engine:
         loss = step()
         engine.flush()
         stats = engine.stats()
@@ -863,7 +820,7 @@ def test_overlapping_views_share_the_whole_storage(save_dir: Path) -> None:
 def test_restored_spans_are_let_go_when_backward_ends(save_dir: Path) -> None:
     """NOTE [recently restored]: nothing restored outlives the backward pass."""
     x = torch.randn(1 << 16, requires_grad=True)
-    with _engine(save_dir) as engine:
+    with engine_with_hooks(save_dir) as engine:
         y = (x * 2).sin()
         engine.flush()
         refs: list[weakref.ref[torch.UntypedStorage]] = []
@@ -901,7 +858,7 @@ def test_write_batches_merge_adjacent_records(
 ) -> None:
     """NOTE [write batches]: records queued together go out in one vectored write."""
     x = torch.randn(1 << 16, requires_grad=True)  # 256 KiB
-    with _engine(save_dir, chunk_bytes=1 << 20) as engine:
+    with engine_with_hooks(save_dir, chunk_bytes=1 << 20) as engine:
         calls = _spy_writes(engine, monkeypatch)
         ys = [(x * (i + 2)).sin() for i in range(8)]  # 8 saved tensors of 256 KiB
         engine.flush()
@@ -920,7 +877,7 @@ def test_open_batch_is_never_written_when_backward_comes_first(
 ) -> None:
     """NOTE [write tail]: the batch still open when backward starts stays in memory."""
     x = torch.randn(1 << 14, requires_grad=True)
-    with _engine(save_dir) as engine:  # default 8 MiB batches: these never fill one
+    with engine_with_hooks(save_dir) as engine:  # default 8 MiB batches: these never fill one
         calls = _spy_writes(engine, monkeypatch)
         loss = sum((x * (i + 2)).sin().sum() for i in range(4))
         loss.backward()
@@ -933,8 +890,8 @@ def test_write_cap_submits_the_open_batch(save_dir: Path, monkeypatch: pytest.Mo
     """A cap below the batch size must not deadlock pack: the batch goes out at cap / 2."""
     x = torch.randn(1 << 15, requires_grad=True)  # 128 KiB per saved tensor
     cap = 300 << 10
-    with _engine(save_dir, max_pending_write_bytes=cap) as engine:
-        _delay(engine, monkeypatch, "write", 0.01)
+    with engine_with_hooks(save_dir, max_pending_write_bytes=cap) as engine:
+        slow_store(engine, monkeypatch, "write", 0.01)
         ys = [(x * (i + 2)).sin() for i in range(12)]
         stats = engine.stats()
         assert stats.peak_pending_write_bytes <= cap + (128 << 10)
@@ -949,8 +906,8 @@ def test_skipped_batch_of_a_dropped_graph_releases_its_bytes(
     """A queued batch whose graph was dropped is skipped at the next backward, and its
     bytes leave the pending count (else the write cap would block pack for good)."""
     x = torch.randn(1 << 16, requires_grad=True)
-    with _engine(save_dir, io_workers=1, chunk_bytes=4096) as engine:
-        _delay(engine, monkeypatch, "write", 0.05)  # writes queue up behind a slow one
+    with engine_with_hooks(save_dir, io_workers=1, chunk_bytes=4096) as engine:
+        slow_store(engine, monkeypatch, "write", 0.05)  # writes queue up behind a slow one
         dropped = [(x * (i + 2)).sin() for i in range(6)]
         del dropped  # forward 1's graph is gone while its batches wait
         gc.collect()
@@ -963,7 +920,7 @@ def test_skipped_batch_of_a_dropped_graph_releases_its_bytes(
 def test_a_backward_that_raises_does_not_stop_end_of_backward_cleanup(save_dir: Path) -> None:
     """Autograd runs no final callbacks for a failed backward; the next one queues its own."""
     x = torch.randn(1 << 14, requires_grad=True)
-    with _engine(save_dir) as engine:
+    with engine_with_hooks(save_dir) as engine:
         y = x * 2
         z = y.sin()
         y.mul_(3)  # in place after save: backward raises
@@ -986,17 +943,17 @@ def _direct_or_skip(engine: OffloadEngine) -> None:
 def test_staged_writes_are_exact(save_dir: Path) -> None:
     """stage_writes="always": every byte goes through the staging buffer and comes back
     bit-identical."""
-    model = _model()
+    model = tiny_model()
     tokens, targets = make_batch(4, 32, vocab=64)
-    ref = _reference(model, lambda m: m(tokens, targets).backward())
-    with _engine(save_dir, stage_writes="always", io_workers=1) as engine:
+    ref = reference_grads(model, lambda m: m(tokens, targets).backward())
+    with engine_with_hooks(save_dir, stage_writes="always", io_workers=1) as engine:
         _direct_or_skip(engine)
         loss = model(tokens, targets)
         engine.flush()  # every record is on disk: backward reads all of them
         loss.backward()
         stats = engine.stats()
         leased = engine._stage_pool.leased_bytes
-    _assert_same(_grads(model), ref)
+    assert_same_grads(grads_of(model), ref)
     assert stats.bytes_read > 0
     # Everything written went through staging (whole pages: at least the span bytes).
     assert stats.bytes_staged >= stats.bytes_offloaded > 0
@@ -1011,7 +968,9 @@ def test_staged_runs_longer_than_the_buffer_are_exact(save_dir: Path, chunk: int
     x = torch.randn(n, requires_grad=True)
     ref = x.detach().clone().requires_grad_()
     sum(((ref * (i + 2)).sin() * (i + 1)).sum() for i in range(3)).backward()
-    with _engine(save_dir, stage_writes="always", chunk_bytes=chunk, io_workers=2) as engine:
+    with engine_with_hooks(
+        save_dir, stage_writes="always", chunk_bytes=chunk, io_workers=2
+    ) as engine:
         _direct_or_skip(engine)
         loss = sum(((x * (i + 2)).sin() * (i + 1)).sum() for i in range(3))
         engine.flush()
@@ -1026,9 +985,9 @@ def test_auto_staging_starts_when_forward_waits_and_ends_with_backward(
     save_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     x = torch.randn(1 << 15, requires_grad=True)  # 128 KiB per saved tensor
-    with _engine(save_dir, max_pending_write_bytes=300 << 10, io_workers=1) as engine:
+    with engine_with_hooks(save_dir, max_pending_write_bytes=300 << 10, io_workers=1) as engine:
         _direct_or_skip(engine)
-        _delay(engine, monkeypatch, "write", 0.01)
+        slow_store(engine, monkeypatch, "write", 0.01)
         ys = [(x * (i + 2)).sin() for i in range(12)]
         engine.flush()
         waited = engine.stats()
@@ -1054,10 +1013,12 @@ def test_no_staging_without_waits_or_when_off(
 ) -> None:
     x = torch.randn(1 << 15, requires_grad=True)
     cap = (300 << 10) if mode == "never" else (64 << 20)  # "never" waits, "auto" does not
-    with _engine(save_dir, stage_writes=mode, max_pending_write_bytes=cap, io_workers=1) as eng:
+    with engine_with_hooks(
+        save_dir, stage_writes=mode, max_pending_write_bytes=cap, io_workers=1
+    ) as eng:
         _direct_or_skip(eng)
         if mode == "never":
-            _delay(eng, monkeypatch, "write", 0.01)
+            slow_store(eng, monkeypatch, "write", 0.01)
         ys = [(x * (i + 2)).sin() for i in range(12)]
         eng.flush()
         stats = eng.stats()
@@ -1075,7 +1036,7 @@ def test_failed_staged_write_keeps_the_tensor_and_returns_the_buffer(
     x = torch.randn(1 << 15, requires_grad=True)
     ref = x.detach().clone().requires_grad_()
     (ref * 3).sin().sum().backward()
-    with _engine(save_dir, stage_writes="always", io_workers=1) as engine:
+    with engine_with_hooks(save_dir, stage_writes="always", io_workers=1) as engine:
         _direct_or_skip(engine)
 
         def broken(*args: Any) -> None:

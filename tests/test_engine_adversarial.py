@@ -3,54 +3,25 @@ double backward, checkpointing with real writes, nested engines, failed forwards
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from engine_helpers import (
+    Grads,
+    assert_same_grads,
+    engine_with_hooks,
+    grads_of,
+    tiny_model,
+)
 from torch.utils.checkpoint import checkpoint
 
-from prefetch_offload import OffloadConfig, OffloadEngine, offload_context
-from prefetch_offload.io_pool import InlineIOPool
+from prefetch_offload import OffloadEngine, offload_context
 from prefetch_offload.testing import TinyTransformer, make_batch
-
-Grads = list[torch.Tensor]
-
-
-def _model(*, seed: int = 0) -> TinyTransformer:
-    torch.manual_seed(seed)
-    return TinyTransformer(vocab=64, width=32, depth=2, heads=2)
-
-
-def _grads(model: torch.nn.Module) -> Grads:
-    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-
-def _assert_same(a: Grads, b: Grads) -> None:
-    assert len(a) == len(b) and a
-    for x, y in zip(a, b, strict=True):
-        assert torch.equal(x, y), (x - y).abs().max()
-
-
-@contextlib.contextmanager
-def _engine(save_dir: Path, *, inline: bool = False, **kw: Any) -> Iterator[OffloadEngine]:
-    """An engine with its hooks installed (as in test_engine.py)."""
-    kw.setdefault("min_offload_bytes", 0)
-    if inline:
-        kw.setdefault("chunk_bytes", 4096)
-    cfg = OffloadConfig(target="disk", save_dir=str(save_dir), **kw)
-    engine = OffloadEngine(cfg, pool=InlineIOPool() if inline else None)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
-            yield engine
-    finally:
-        engine.close(raise_errors=False)
-
 
 # -- memory the record no longer watches ---------------------------------------------------
 
@@ -64,7 +35,7 @@ def test_memory_served_before_the_write_is_not_reused_after_an_alias_changed_it(
     raise at the second backward; the engine must not silently feed the new bytes in."""
     x = torch.randn(1 << 14, requires_grad=True)
     started, release = threading.Event(), threading.Event()
-    with _engine(save_dir, io_workers=1, chunk_bytes=4096) as engine:
+    with engine_with_hooks(save_dir, io_workers=1, chunk_bytes=4096) as engine:
         real = engine._store.write
 
         def gated(*args: Any) -> None:
@@ -130,9 +101,9 @@ def test_bytes_outside_saved_views_may_change_between_saves(
         return [w1.grad, w2.grad]
 
     ref = step(None)
-    with _engine(save_dir, prefetch_depth=1) as engine:
+    with engine_with_hooks(save_dir, prefetch_depth=1) as engine:
         got = step(engine)
-    _assert_same(got, ref)
+    assert_same_grads(got, ref)
     # Before the write starts, the record may still be shared (it will read the new bytes).
     assert engine.stats().dedup_hits == (0 if flush else 1)
 
@@ -140,7 +111,7 @@ def test_bytes_outside_saved_views_may_change_between_saves(
 def test_dense_views_still_share_a_written_record(save_dir: Path) -> None:
     """The check above costs nothing for views inside a dense saved view."""
     x = torch.randn(64, 256, requires_grad=True)
-    with _engine(save_dir, inline=True) as engine:  # each record written as it is packed
+    with engine_with_hooks(save_dir, inline=True) as engine:  # each record written as it is packed
         h = x * 1.5
         y = h.sin() + h.cos()  # both save h: the second after h's record was written
         z = (h[:, 8:].t() * 2).sum()  # t() saves nothing; no extra save of h
@@ -212,7 +183,7 @@ def test_odd_views_of_shared_storages_come_back_exact(
     expect = [(t.clone(), t.stride(), t.dtype) for t in views]
     _Stash.got = []
     w = torch.ones(4, requires_grad=True)
-    with _engine(save_dir, inline=inline, prefetch_depth=2, chunk_bytes=8192) as engine:
+    with engine_with_hooks(save_dir, inline=inline, prefetch_depth=2, chunk_bytes=8192) as engine:
         out = _Stash.apply(w * 1, *views)
         del views
         if flush:
@@ -253,9 +224,11 @@ def test_double_backward_through_offloaded_tensors(
         return [x.grad, w.grad]
 
     ref = step(None)
-    with _engine(save_dir, inline=inline, prefetch_depth=depth, chunk_bytes=4096) as engine:
+    with engine_with_hooks(
+        save_dir, inline=inline, prefetch_depth=depth, chunk_bytes=4096
+    ) as engine:
         got = step(engine)
-    _assert_same(got, ref)
+    assert_same_grads(got, ref)
     stats = engine.stats()
     assert stats.tensors_offloaded > 6 and stats.bytes_read > 0
 
@@ -263,7 +236,7 @@ def test_double_backward_through_offloaded_tensors(
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpoint_with_every_record_written(save_dir: Path, reentrant: bool) -> None:
     """The recompute packs inside backward: those records are written and read back too."""
-    model = _model()
+    model = tiny_model()
     tokens, targets = make_batch(4, 32, vocab=64)
 
     def step(m: TinyTransformer, engine: OffloadEngine | None = None) -> None:
@@ -278,9 +251,9 @@ def test_checkpoint_with_every_record_written(save_dir: Path, reentrant: bool) -
 
     ref_model = copy.deepcopy(model)
     step(ref_model)
-    with _engine(save_dir, inline=True) as engine:
+    with engine_with_hooks(save_dir, inline=True) as engine:
         step(model, engine)
-    _assert_same(_grads(model), _grads(ref_model))
+    assert_same_grads(grads_of(model), grads_of(ref_model))
     stats = engine.stats()
     assert stats.tensors_offloaded > 0 and stats.bytes_read > 0
 
@@ -290,7 +263,7 @@ def test_checkpoint_with_every_record_written(save_dir: Path, reentrant: bool) -
 
 def test_nested_contexts_with_backward_across_them(save_dir: Path) -> None:
     """Each saved tensor goes back through the engine that packed it, in any order."""
-    model = _model()
+    model = tiny_model()
     b1, b2 = (make_batch(4, 32, vocab=64, seed=s) for s in (1, 2))
     ref = copy.deepcopy(model)
     l1, l2 = ref(*b1), ref(*b2)
@@ -307,7 +280,7 @@ def test_nested_contexts_with_backward_across_them(save_dir: Path) -> None:
             l1.backward()  # outer's graph, inside inner's hooks
         l2.backward(retain_graph=True)  # inner's graph after inner exited
     l2.backward()
-    _assert_same(_grads(model), _grads(ref))
+    assert_same_grads(grads_of(model), grads_of(ref))
     assert outer.stats().bytes_read > 0 and inner.stats().bytes_read > 0
     del l1, l2
     gc.collect()
@@ -317,7 +290,7 @@ def test_nested_contexts_with_backward_across_them(save_dir: Path) -> None:
 
 
 def test_forward_that_raises_midway_leaves_nothing_pending(save_dir: Path) -> None:
-    model = _model()
+    model = tiny_model()
     b1, b2 = (make_batch(4, 32, vocab=64, seed=s) for s in (1, 2))
     ref = copy.deepcopy(model)
     ref(*b2).backward()
@@ -328,7 +301,7 @@ def test_forward_that_raises_midway_leaves_nothing_pending(save_dir: Path) -> No
     def boom(*_: Any) -> None:
         raise Boom
 
-    with _engine(save_dir, io_workers=1, chunk_bytes=4096) as engine:
+    with engine_with_hooks(save_dir, io_workers=1, chunk_bytes=4096) as engine:
         handle = model.blocks[1].register_forward_hook(boom)
         with pytest.raises(Boom):
             model(*b1)  # half a graph, some of it queued, some written
@@ -340,4 +313,4 @@ def test_forward_that_raises_midway_leaves_nothing_pending(save_dir: Path) -> No
         stats = engine.stats()
         assert stats.disk_bytes_in_use == 0
         assert engine._pending_write_bytes == 0 and not engine._dedup
-    _assert_same(_grads(model), _grads(ref))
+    assert_same_grads(grads_of(model), grads_of(ref))

@@ -1,0 +1,74 @@
+"""Helpers the engine tests share: a tiny model, exact gradient comparison, engines."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from prefetch_offload import OffloadConfig, OffloadEngine
+from prefetch_offload.io_pool import InlineIOPool
+from prefetch_offload.testing import TinyTransformer
+
+Grads = list[torch.Tensor]
+
+
+def tiny_model(dtype: torch.dtype = torch.float32, *, seed: int = 0) -> TinyTransformer:
+    """A 2-block, width-32 transformer with seeded weights."""
+    torch.manual_seed(seed)
+    return TinyTransformer(vocab=64, width=32, depth=2, heads=2).to(dtype)
+
+
+def grads_of(model: torch.nn.Module) -> Grads:
+    """Copies of the parameters' gradients (those that have one)."""
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def assert_same_grads(a: Grads, b: Grads) -> None:
+    """Bit-identical, and not vacuously: both non-empty and of the same length."""
+    assert len(a) == len(b) and a
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y), (x - y).abs().max()
+
+
+def reference_grads(model: torch.nn.Module, fn: Callable[[torch.nn.Module], None]) -> Grads:
+    """The gradients ``fn`` produces on a copy of ``model`` with no hooks installed."""
+    ref = copy.deepcopy(model)
+    fn(ref)
+    return grads_of(ref)
+
+
+@contextlib.contextmanager
+def engine_with_hooks(
+    save_dir: Path, *, inline: bool = False, **kw: Any
+) -> Iterator[OffloadEngine]:
+    """An engine with its hooks installed, built directly (lets tests pick the pool)."""
+    kw.setdefault("min_offload_bytes", 0)
+    if inline:  # the reference path: each record written as it is packed
+        kw.setdefault("chunk_bytes", 4096)
+    cfg = OffloadConfig(target="disk", save_dir=str(save_dir), **kw)
+    engine = OffloadEngine(cfg, pool=InlineIOPool() if inline else None)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+            yield engine
+    finally:
+        engine.close(raise_errors=False)
+
+
+def slow_store(
+    engine: OffloadEngine, monkeypatch: pytest.MonkeyPatch, method: str, sec: float
+) -> None:
+    """Slow the slab store's ``write`` or ``read`` down (an IO seam for tests)."""
+    real = getattr(engine._store, method)
+
+    def slow(*args: Any) -> None:
+        time.sleep(sec)
+        real(*args)
+
+    monkeypatch.setattr(engine._store, method, slow)
