@@ -178,15 +178,22 @@ class HostBufferPool:
                 self.hits += 1
             else:
                 self.misses += 1
-            self.leased_bytes += size
-            self.peak_leased_bytes = max(self.peak_leased_bytes, self.leased_bytes)
+            if block is not None:
+                self._count_lease(size)
         if block is None:
-            block = self.allocate(size)
+            block = self.allocate(size)  # counted once made: a failure leased nothing
             if self.allocate is pinned_block and not block.pinned:
                 self.pin_failures += 1
+            with self._lock:
+                self._count_lease(size)
         out = torch.frombuffer(block.buffer, dtype=torch.uint8)
         weakref.finalize(out.untyped_storage(), self._give_back, block)
         return out, memoryview(block.buffer)[:nbytes]
+
+    def _count_lease(self, size: int) -> None:
+        # Under the lock.
+        self.leased_bytes += size
+        self.peak_leased_bytes = max(self.peak_leased_bytes, self.leased_bytes)
 
     def _give_back(self, block: Block) -> None:
         # Runs when a leased storage dies, in any thread (or the collector): no locks.

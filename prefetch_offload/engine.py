@@ -114,7 +114,8 @@ tensor equal in value, shape, strides, dtype and device.
 # so staging holds at most io_workers * 2 MiB beyond the cap; the buffers are
 # unmapped when backward ends, with the read pool's idle blocks. Staging applies
 # to O_DIRECT only: buffered and mmap writes copy through the kernel or memcpy
-# already.
+# already. (With verify=True, runs holding an exposed CPU record are staged with
+# any io_method, for their checksums: NOTE [checksums].)
 #
 # NOTE [checksums]
 # With ``verify=True`` each write request records the CRC-32 of the span bytes
@@ -123,6 +124,12 @@ tensor equal in value, shape, strides, dtype and device.
 # it writes. The read job recomputes them over what it read and raises
 # OffloadIOError at the unpack on any mismatch, instead of returning a wrong
 # tensor. zlib.crc32 runs at about 4 GB/s here and releases the GIL.
+# A CPU record's span may hold bytes outside its first saved view (the gaps of a
+# strided view, the rest of a whole storage) that may legally change while the
+# write reads them (NOTE [dedup]): memory read twice, once for the checksum and
+# once for the write, could differ, and a good tensor would fail its read. Such
+# a record (``exposed``) is written staged (NOTE [write staging]) and checksummed
+# from the staging copy, which is exactly what reaches the disk.
 #
 # NOTE [version check]
 # Autograd normally refuses to backward through a saved tensor that was
@@ -251,6 +258,9 @@ _POOL_IDLE_BYTES = 256 << 20
 
 # A record queued for writing: its pieces (views of its host bytes) and its copy's fence.
 _Pending = tuple["_Record", list[memoryview], Fence | None]
+# A checksum a staged write fills in: the record's crcs, the piece's index in them, and
+# the bytes [a, b) of the piece that belong to the span (NOTE [checksums]).
+_Sum = tuple[list[tuple[int, int, int]], int, int, int]
 
 # A span in memory: bytes [base, base + nbytes) of an untyped storage, there once
 # its fence (if any) is done (NOTE [copy streams]).
@@ -325,6 +335,7 @@ class _Record:
         "crcs",
         "device",
         "engine",
+        "exposed",
         "extent",
         "frozen",
         "host_only",
@@ -370,6 +381,8 @@ class _Record:
         self.key = 0  # the dedup table key (storage address), set by pack
         # NOTE [checksums]: (lo, hi, crc32 of the span bytes in [lo, hi)) per write request.
         self.crcs: list[tuple[int, int, int]] | None = None
+        # Whether span bytes outside the first saved view may change while it is written.
+        self.exposed = False
         self.view0 = view0  # the first saved view, for messages
         self.extent = extent
         # The span in host memory while its bytes are not safely on disk.
@@ -687,6 +700,8 @@ class OffloadEngine:
             )
             self._seq += 1
             rec.align = (key + start) % 512
+            # NOTE [checksums]: bytes no saved view holds, read from the tensor's memory.
+            rec.exposed = rec.host_only and not (dense and (start, nbytes) == (vstart, vbytes))
             self._scheduler.register(rec)
             entry = _DedupEntry(storage, owner, version, start, start + nbytes, rec)
             if dense:
@@ -818,24 +833,33 @@ class OffloadEngine:
             with self._lock:  # NOTE [dedup]: the bytes are read from here on
                 for rec, _, _ in run:
                     rec.frozen = rec.host_only
+            # NOTE [checksums]: an exposed record is checksummed from its staged copy.
+            staged = (self._staging and store.io_method == "direct") or any(
+                rec.exposed and rec.crcs is not None for rec, _, _ in run
+            )
             try:
                 views: list[memoryview] = []
+                sums: list[_Sum | None] = []
                 for rec, pieces, fence in run:
                     culprit = rec
                     if fence is not None:
                         fence.wait()  # the host copy must be complete (NOTE [copy streams])
                     crcs = rec.crcs
-                    if crcs is not None:  # NOTE [checksums]: the span's bytes in each piece
-                        for i, (lo, hi, _) in enumerate(crcs):
-                            a, b = _span_part(rec.span, lo, hi)
+                    if crcs is None:
+                        sums.extend([None] * len(pieces))
+                    for i, (lo, hi, _) in enumerate(crcs or ()):
+                        a, b = _span_part(rec.span, lo, hi)  # the span's bytes in each piece
+                        if staged:
+                            sums.append((crcs, i, a - lo, b - lo))
+                        else:
                             crcs[i] = (lo, hi, zlib.crc32(pieces[i][a - lo : b - lo]))
                     views.extend(pieces)
                 first = run[0][0].extent
                 assert first is not None
                 culprit = run[0][0]
                 with _profiler_range("prefetch_offload::write"):
-                    if self._staging and store.io_method == "direct":
-                        self._staged_write(first, views)  # NOTE [write staging]
+                    if staged:
+                        self._staged_write(first, views, sums)  # NOTE [write staging]
                     else:
                         store.write(first, 0, views if len(views) > 1 else views[0])
             except BaseException as e:  # every failure must reach the bookkeeping below
@@ -847,8 +871,11 @@ class OffloadEngine:
             for rec, _, _ in run:
                 self._write_done(rec, exc, culprit)
 
-    def _staged_write(self, first: Extent, views: list[memoryview]) -> None:
-        """Write ``views`` back to back from ``first``, copied through a staging buffer."""
+    def _staged_write(
+        self, first: Extent, views: list[memoryview], sums: list[_Sum | None]
+    ) -> None:
+        """Write ``views`` back to back from ``first``, copied through a staging buffer,
+        and fill in the checksums ``sums`` asks for, one per view, over the staged bytes."""
         store = self._store
         assert store is not None
         size = _STAGE_BYTES
@@ -856,16 +883,23 @@ class OffloadEngine:
         staging, src = buf.numpy(), None
         offset = fill = 0
         try:
-            for view in views:
+            for view, want in zip(views, sums, strict=True):
                 src = np.frombuffer(view, dtype=np.uint8)
-                done = 0
+                done = crc = 0
                 while done < len(src):
                     n = min(len(src) - done, size - fill)
                     np.copyto(staging[fill : fill + n], src[done : done + n])  # no GIL
+                    if want is not None:  # NOTE [checksums]: over the bytes written
+                        a, b = max(want[2], done), min(want[3], done + n)
+                        if a < b:
+                            crc = zlib.crc32(staging[fill + a - done : fill + b - done], crc)
                     fill, done = fill + n, done + n
                     if fill == size:
                         store.write(first, offset, region)
                         offset, fill = offset + fill, 0
+                if want is not None:
+                    crcs, i = want[0], want[1]
+                    crcs[i] = (crcs[i][0], crcs[i][1], crc)
             if fill:
                 store.write(first, offset, region[:fill])
         finally:
@@ -1252,8 +1286,10 @@ class OffloadEngine:
             self._recent.clear()
         self._settle_copies(wait=True)
         self._device.close()
-        self._read_pool.trim()
         self._pool.shutdown()
+        # After the IO threads stopped: a prefetch still reading at close returns its
+        # block when it ends (NOTE [read buffer pool]: nothing idle is kept after exit).
+        self._read_pool.trim()
         self._stage_pool.close()
         self._pool = InlineIOPool()
         self._drain_dead()

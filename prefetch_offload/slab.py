@@ -334,6 +334,8 @@ class SlabStore:
             return
         while views:
             n = os.pwritev(slab.fd, views[:_IOV_MAX], pos)
+            if n == 0:  # would retry forever, as a short read would (see ``read``)
+                raise OSError(errno.EIO, f"short write at offset {pos} of a slab file")
             pos += n
             while views and n >= len(views[0]):  # drop what was written
                 n -= len(views[0])

@@ -30,7 +30,9 @@ each copy with a :class:`Fence` that says when it has finished.
 # NOTE [copies keep their buffers]
 # Every copy keeps both of its tensors alive until its fence is seen to be
 # done: the in-flight list holds them, oldest first, and ``poll`` (called at
-# each copy and from the hooks) drops the finished ones. So a source
+# each copy, and by ``synchronize`` and ``close``) drops the finished ones; so
+# the last copies of a pass keep their buffers until the next copy or close,
+# a few blocks at most. So a source
 # activation cannot be freed and its block reused by the compute stream while
 # the D2H copy still reads it, and a pinned block cannot go back to its pool
 # (which happens when its storage dies, NOTE [read buffer pool]) while a copy
