@@ -52,7 +52,8 @@ class OffloadConfig:
 
     # Where saved tensors go: None (off), "cpu" (host RAM) or "disk" (slab files).
     target: str | None = "disk"
-    # Folder for the slab files (target "disk" only). Created if missing.
+    # Folder for the slab files (target "disk" only). Created if missing. A
+    # pathlib.Path is stored as its str, and a leading "~" is expanded.
     save_dir: str | None = None
     # How many saved tensors backward reads ahead of the one it needs; 0 reads synchronously.
     prefetch_depth: int = 4
@@ -92,11 +93,17 @@ class OffloadConfig:
                 f"Unknown activation_offloading target: {self.target!r}. "
                 "Expected None, 'cpu', or 'disk'."
             )
-        if self.save_dir is not None and not isinstance(self.save_dir, str):
+        save_dir = self.save_dir
+        if isinstance(save_dir, os.PathLike):
+            save_dir = os.fspath(save_dir)
+        if save_dir is not None and not isinstance(save_dir, str):
             raise TypeError(
                 "prefetch_offload: save_dir must be a str path, got "
-                f"{type(self.save_dir).__name__}."
+                f"{type(save_dir).__name__}; pass the folder as a str or pathlib.Path."
             )
+        if save_dir is not None:
+            # "~" means the home folder, as in a shell, not a folder named "~" here.
+            object.__setattr__(self, "save_dir", os.path.expanduser(save_dir))
         if self.target == "disk" and not self.save_dir:
             raise ValueError(
                 "activation_offloading='disk' requires save_dir: pass a scratch folder, "

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sys
+import threading
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
@@ -18,6 +20,7 @@ from .config import (
     validate_offload_config,
 )
 from .engine import OffloadEngine, _NullEngine
+from .errors import OffloadError
 from .stats import OffloadStats
 
 __all__ = ["OffloadContext", "offload_context", "offload_context_from_config"]
@@ -51,10 +54,14 @@ class OffloadContext:
         self.config = config
         self._engine: OffloadEngine | _NullEngine | None = None
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._thread: int | None = None
 
     def __enter__(self) -> OffloadEngine | _NullEngine:
         if self._engine is not None:
-            raise RuntimeError("prefetch_offload: an offload_context can be entered only once.")
+            raise OffloadError(
+                "prefetch_offload: an offload_context can be entered only once; "
+                "call offload_context(...) again for each with block."
+            )
         if self.config.target is None:
             self._engine = _NullEngine()
             return self._engine
@@ -66,6 +73,7 @@ class OffloadContext:
             engine.close(raise_errors=False)
             raise
         self._engine, self._hooks = engine, hooks
+        self._thread = threading.get_ident()
         return engine
 
     def __exit__(
@@ -75,6 +83,13 @@ class OffloadContext:
         tb: TracebackType | None,
     ) -> None:
         engine, hooks = self._engine, self._hooks
+        if hooks is not None and threading.get_ident() != self._thread:
+            # The hooks are on the entering thread's stack: popping this one's would
+            # fail inside PyTorch and leave them (and the IO threads) behind.
+            raise OffloadError(
+                "prefetch_offload: an offload_context must be exited in the thread that "
+                "entered it (saved-tensor hooks are per thread); exit it there."
+            )
         if hooks is not None:
             hooks.__exit__(exc_type, exc, tb)
             self._hooks = None
@@ -83,6 +98,8 @@ class OffloadContext:
                 engine.close(raise_errors=exc_type is None)
             finally:
                 logger.info("%s", _summary(engine.stats(), self.config.target))
+        elif engine is not None:
+            engine.close()
 
     async def __aenter__(self) -> OffloadEngine | _NullEngine:
         return self.__enter__()
@@ -94,9 +111,13 @@ class OffloadContext:
         tb: TracebackType | None,
     ) -> None:
         engine = self._engine
-        if isinstance(engine, OffloadEngine):
+        if isinstance(engine, OffloadEngine) and self._hooks is not None:
             # Wait for the writes in a worker thread; the hooks come off in this thread.
-            await asyncio.get_running_loop().run_in_executor(None, engine._wait_writes)
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, engine._wait_writes)
+            except BaseException:  # cancelled while waiting: still remove hooks, stop threads
+                self.__exit__(*sys.exc_info())
+                raise
         self.__exit__(exc_type, exc, tb)
 
 
@@ -181,8 +202,10 @@ def offload_context_from_config(
     are checked with :func:`validate_offload_config`, with the same messages.
 
     Raises:
-        ValueError: the setting is invalid, or a key is unknown (a typo would
-            otherwise be ignored silently); the message lists the valid keys.
+        ValueError: the setting is invalid, a key is unknown (a typo would
+            otherwise be ignored silently; the message lists the valid keys), or
+            both ``activation_offloading`` and ``target`` are given.
+        TypeError: a knob has the wrong type, or ``config`` is not a mapping.
 
     Example:
         >>> cfg = {"activation_offloading": "disk", "save_dir": "/tmp/acts", "prefetch_depth": 2}
@@ -194,18 +217,24 @@ def offload_context_from_config(
             f"{type(config).__name__}."
         )
     settings = dict(config)
+    if "activation_offloading" in settings and "target" in settings:
+        raise ValueError(
+            "prefetch_offload: the settings give both 'activation_offloading' "
+            f"({settings['activation_offloading']!r}) and 'target' ({settings['target']!r}); "
+            "keep only one of them."
+        )
     target = settings.pop("activation_offloading", settings.pop("target", None))
     backend = settings.pop("backend", backend)
     device = settings.pop("device", device)
-    unknown = sorted(set(settings) - _CONFIG_KEYS)
+    unknown = sorted(set(settings) - _CONFIG_KEYS, key=str)
     if unknown:
+        valid = _CONFIG_KEYS | {"activation_offloading", "target", "backend", "device"}
         raise ValueError(
             f"prefetch_offload: unknown offload setting(s) {unknown}; valid keys are "
-            f"{sorted(_CONFIG_KEYS | {'activation_offloading', 'backend', 'device'})}."
+            f"{sorted(valid)}."
         )
     errors = validate_offload_config(target, backend, device, settings.get("save_dir"))
     if errors:
         raise ValueError(" ".join(errors))
-    if target is None:
-        return OffloadContext(OffloadConfig(target=None))
+    # target None too: the knobs are checked as offload_context(None, ...) checks them.
     return offload_context(target, **settings)

@@ -451,13 +451,36 @@ class _Record:
 
 
 class _NullEngine:
-    """What ``offload_context(None)`` yields: no hooks, all-zero stats."""
+    """What ``offload_context(None)`` yields: no hooks, all-zero stats.
+
+    It has the engine's public methods, so that code written for an offloading run
+    (``engine.flush()``, ``await engine.aflush()``) also runs with offloading off.
+    """
 
     config = None
+    io_method = "none"
+
+    def __init__(self) -> None:
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether the owning context has exited."""
+        return self._closed
 
     def stats(self) -> OffloadStats:
         """All-zero statistics."""
         return OffloadStats()
+
+    def flush(self) -> None:
+        """Nothing is ever queued: returns at once."""
+
+    async def aflush(self) -> None:
+        """Nothing is ever queued: returns at once."""
+
+    def close(self, *, raise_errors: bool = True) -> None:
+        """Mark the context exited."""
+        self._closed = True
 
 
 class _DedupEntry:

@@ -185,7 +185,11 @@ def _positive_int(name: str, value: int) -> None:
 
 
 def _check_folder(save_dir: str | os.PathLike[str]) -> str:
-    path = Path(save_dir)
+    if not os.fspath(save_dir):  # Path("") would be the current folder
+        raise ValueError(
+            "prefetch_offload: save_dir is empty; pass the folder you will give offload_context."
+        )
+    path = Path(save_dir).expanduser()  # as OffloadConfig does
     if not path.exists():
         raise ValueError(
             f"prefetch_offload: save_dir {str(save_dir)!r} does not exist; "
