@@ -169,6 +169,9 @@ def _run_probe(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"{PROG} probe: IO error in {args.save_dir!r}: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # as bench does; the scratch file had no name to leave behind
+        print(f"{PROG} probe: interrupted", file=sys.stderr)
+        return 130
     rec = recommend(results)
     direct = direct_io_supported(args.save_dir)
     if args.json:

@@ -166,3 +166,16 @@ def test_bench_runs_step_py(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "bit-identical" in proc.stdout
     assert "disk" in proc.stdout
+
+
+def test_probe_interrupted_exits_130_without_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "probe_bandwidth", interrupted)
+    assert cli.main(["probe", "--save-dir", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
