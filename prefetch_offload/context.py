@@ -25,6 +25,13 @@ from .stats import OffloadStats
 
 __all__ = ["OffloadContext", "offload_context", "offload_context_from_config"]
 
+
+def _top_hooks() -> tuple[Any, Any] | None:
+    """The innermost saved-tensor hooks of this thread (None: none, or torch cannot say)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
+
+
 logger = logging.getLogger("prefetch_offload")
 
 
@@ -90,6 +97,16 @@ class OffloadContext:
                 "prefetch_offload: an offload_context must be exited in the thread that "
                 "entered it (saved-tensor hooks are per thread); exit it there."
             )
+        if hooks is not None and isinstance(engine, OffloadEngine):
+            top = _top_hooks()
+            if top is not None and top[0] != engine.pack:
+                # Hooks are a stack: popping now would remove the inner context's (or
+                # another library's) hooks and leave this one's installed.
+                raise OffloadError(
+                    "prefetch_offload: an offload_context was exited while hooks entered "
+                    "after it are still installed; exit contexts in reverse order of "
+                    "entering them (nest the with blocks)."
+                )
         if hooks is not None:
             hooks.__exit__(exc_type, exc, tb)
             self._hooks = None

@@ -13,6 +13,7 @@ import torch
 
 from prefetch_offload import (
     OffloadConfig,
+    OffloadError,
     OffloadStats,
     offload_context,
     offload_context_from_config,
@@ -163,3 +164,22 @@ def test_context_defaults_are_the_config_defaults() -> None:
         if field.name in ("target", "save_dir"):
             continue
         assert params[field.name].default == field.default, field.name
+
+
+def test_exiting_contexts_out_of_order_is_an_error_and_changes_nothing(tmp_path: Path) -> None:
+    outer = offload_context("disk", str(tmp_path / "a"))
+    inner = offload_context("disk", str(tmp_path / "b"))
+    outer_engine = outer.__enter__()
+    inner_engine = inner.__enter__()
+    try:
+        with pytest.raises(OffloadError, match="reverse order"):
+            outer.__exit__(None, None, None)
+        x = torch.randn(1 << 15, requires_grad=True)
+        (x * 2).sin().sum().backward()  # still the inner context's hooks
+        assert inner_engine.stats().peak_disk_bytes_in_use > 0
+        assert outer_engine.stats().peak_disk_bytes_in_use == 0
+    finally:
+        inner.__exit__(None, None, None)
+        outer.__exit__(None, None, None)
+    assert outer_engine.closed and inner_engine.closed
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
