@@ -90,14 +90,15 @@ class OffloadContext:
         tb: TracebackType | None,
     ) -> None:
         engine, hooks = self._engine, self._hooks
-        if hooks is not None and threading.get_ident() != self._thread:
-            # The hooks are on the entering thread's stack: popping this one's would
-            # fail inside PyTorch and leave them (and the IO threads) behind.
-            raise OffloadError(
-                "prefetch_offload: an offload_context must be exited in the thread that "
-                "entered it (saved-tensor hooks are per thread); exit it there."
-            )
-        if hooks is not None and isinstance(engine, OffloadEngine):
+        if hooks is not None:
+            assert isinstance(engine, OffloadEngine)
+            if threading.get_ident() != self._thread:
+                # The hooks are on the entering thread's stack: popping this one's would
+                # fail inside PyTorch and leave them (and the IO threads) behind.
+                raise OffloadError(
+                    "prefetch_offload: an offload_context must be exited in the thread "
+                    "that entered it (saved-tensor hooks are per thread); exit it there."
+                )
             top = _top_hooks()
             if top is not None and top[0] != engine.pack:
                 # Hooks are a stack: popping now would remove the inner context's (or
@@ -107,7 +108,6 @@ class OffloadContext:
                     "after it are still installed; exit contexts in reverse order of "
                     "entering them (nest the with blocks)."
                 )
-        if hooks is not None:
             hooks.__exit__(exc_type, exc, tb)
             self._hooks = None
         if isinstance(engine, OffloadEngine):

@@ -228,6 +228,18 @@ def _span_part(span: Span, lo: int, hi: int) -> tuple[int, int]:
     return a, max(a, min(hi, span.pad + span.nbytes))
 
 
+def _wanted_sums(rec: _Record, pieces: int) -> list[_Sum | None]:
+    """What a staged write must checksum for ``rec``'s pieces (None: no checksum)."""
+    crcs = rec.crcs
+    if crcs is None:
+        return [None] * pieces
+    wanted: list[_Sum | None] = []
+    for i, (lo, hi, _) in enumerate(crcs):
+        a, b = _span_part(rec.span, lo, hi)
+        wanted.append((crcs, i, a - lo, b - lo))
+    return wanted
+
+
 def _split(nbytes: int, chunk: int) -> list[int]:
     """Boundaries of ``max(1, nbytes // chunk)`` page-aligned requests of near-equal size.
 
@@ -592,7 +604,7 @@ class OffloadEngine:
         self._end_task: int | None = None
         self._skipped: list[weakref.ref[_Record]] = []  # NOTE [write tail]
         self._read_pool = HostBufferPool(_POOL_IDLE_BYTES)
-        # NOTE [write staging]: one chunk-sized huge-page buffer per IO worker, and
+        # NOTE [write staging]: one 2 MiB huge-page buffer per IO worker, and
         # whether forward has waited at the write cap since the last backward.
         self._stage_pool = HostBufferPool(config.io_workers * _STAGE_BYTES)
         self._staging = config.stage_writes == "always"
@@ -862,19 +874,17 @@ class OffloadEngine:
             )
             try:
                 views: list[memoryview] = []
-                sums: list[_Sum | None] = []
+                sums: list[_Sum | None] = []  # staged runs: checksums over the staged copy
                 for rec, pieces, fence in run:
                     culprit = rec
                     if fence is not None:
                         fence.wait()  # the host copy must be complete (NOTE [copy streams])
                     crcs = rec.crcs
-                    if crcs is None:
-                        sums.extend([None] * len(pieces))
-                    for i, (lo, hi, _) in enumerate(crcs or ()):
-                        a, b = _span_part(rec.span, lo, hi)  # the span's bytes in each piece
-                        if staged:
-                            sums.append((crcs, i, a - lo, b - lo))
-                        else:
+                    if staged:
+                        sums.extend(_wanted_sums(rec, len(pieces)))
+                    elif crcs is not None:  # NOTE [checksums]: the span's bytes in each piece
+                        for i, (lo, hi, _) in enumerate(crcs):
+                            a, b = _span_part(rec.span, lo, hi)
                             crcs[i] = (lo, hi, zlib.crc32(pieces[i][a - lo : b - lo]))
                     views.extend(pieces)
                 first = run[0][0].extent
