@@ -54,6 +54,7 @@ import contextlib
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -321,13 +322,18 @@ class _Worker:
             job()
             del job  # the job holds the copy's tensors: keep them no longer than it runs
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the thread after the jobs queued so far; later jobs run in the caller.
+
+        ``wait=False`` does not join, so a finalizer may call it from any thread.
+        """
         with self._lock:
             self._closed = True
             thread, self._thread = self._thread, None
         if thread is not None:
             self._jobs.put(None)
-            thread.join()
+            if wait:
+                thread.join()
 
 
 def _copy_job(
@@ -360,6 +366,10 @@ class ThreadStreams(CopyStreams):
         super().__init__(max_inflight_bytes=max_inflight_bytes)
         self._d2h_worker = _Worker("prefetch_offload-twin-d2h", delay)
         self._h2d_worker = _Worker("prefetch_offload-twin-h2d", delay)
+        # Streams dropped without close() (an engine built directly) still stop their
+        # threads, which hold the workers but not this object.
+        for worker in (self._d2h_worker, self._h2d_worker):
+            weakref.finalize(self, worker.close, wait=False)
 
     def _d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
         fence = _ThreadFence()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import threading
+import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -194,3 +196,30 @@ def test_twin_restored_views_keep_their_alignment(save_dir: Path, target: str, f
         sum(y.sum() for y in ys).backward()
     stats = engine.stats()
     assert stats.tensors_offloaded + stats.writes_skipped == 3  # all three went through copies
+
+
+@pytest.mark.parametrize("target", ["cpu", "disk"])
+def test_twin_engine_dropped_without_close_stops_its_threads(save_dir: Path, target: str) -> None:
+    """An engine built directly and dropped without close() leaves no thread behind:
+    neither the IO pool's nor the twin streams' workers."""
+    kw: dict[str, Any] = {"min_offload_bytes": 0}
+    if target == "disk":
+        kw.update(save_dir=str(save_dir), chunk_bytes=16384)
+    layer = SpanCopyDevice("cpu", twin_delay=0.001)
+    engine = OffloadEngine(OffloadConfig(target=target, **kw), device=RoutingDevice([layer]))
+    x = torch.randn(4096, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+        loss = (x * 3).sin().sum()
+    loss.backward()
+    names = {t.name for t in threading.enumerate() if t.name.startswith("prefetch_offload")}
+    assert "prefetch_offload-twin-d2h" in names  # the twin ran: there is something to stop
+    engine.flush()
+    del engine, layer, loss
+    gc.collect()
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        left = [t.name for t in threading.enumerate() if t.name.startswith("prefetch_offload")]
+        if not left:
+            break
+        time.sleep(0.01)
+    assert not left, left
