@@ -178,8 +178,10 @@ def offload_context(
         A context manager whose ``__enter__`` yields the engine (``engine.stats()``).
 
     Raises:
-        ValueError, TypeError: bad arguments or an unusable ``save_dir``, before
-            any hook is installed.
+        ValueError, TypeError: bad arguments, from this call. An unusable
+            ``save_dir`` (or ``io_method="direct"`` where the filesystem has no
+            O_DIRECT) raises when the ``with`` is entered, before any hook is
+            installed; entering a context twice raises :class:`OffloadError`.
 
     Example:
         >>> with offload_context("disk", save_dir="/tmp/acts") as engine:  # doctest: +SKIP
@@ -189,7 +191,7 @@ def offload_context(
     """
     config = OffloadConfig(
         target=target,
-        save_dir=None if save_dir is None else str(save_dir),
+        save_dir=save_dir,  # type: ignore[arg-type]  # OffloadConfig checks and normalizes it
         prefetch_depth=prefetch_depth,
         io_workers=io_workers,
         min_offload_bytes=min_offload_bytes,

@@ -346,3 +346,19 @@ def test_probe_json_on_a_folder_without_o_direct(
     }
     (cell,) = doc["results"]
     assert set(cell) == {"request_bytes", "workers", "write_gbps", "read_gbps", "combined_gbps"}
+
+
+@pytest.mark.parametrize("bad", [123, b"/tmp/acts", 1.5])
+def test_non_path_save_dir_is_a_type_error_everywhere(
+    bad: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """offload_context and the config mapping refuse a save_dir that is not a path, as
+    OffloadConfig does (they once turned it into a folder named "123" or "b'/tmp/acts'")."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TypeError, match="save_dir must be a str path"):
+        offload_context("disk", save_dir=bad)
+    with pytest.raises(TypeError, match="save_dir must be a str path"):
+        offload_context_from_config(
+            {"activation_offloading": "disk", "save_dir": bad}, device="cpu"
+        )
+    assert list(tmp_path.iterdir()) == []
