@@ -145,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     # Listed for --help only: main() hands everything after "bench" to the script.
     sub.add_parser(
         "bench",
-        help="run bench/step.py (source checkout only); arguments after -- go to it",
+        help="run bench/step.py (source checkout only); every argument after bench goes to it",
         add_help=False,
     )
     return p
@@ -153,6 +153,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run_probe(args: argparse.Namespace) -> int:
     show = args.progress or sys.stderr.isatty()
+    # "~" as OffloadConfig reads it; the header's io_method must test the same folder.
+    args.save_dir = os.path.expanduser(args.save_dir)
     try:
         results = probe_bandwidth(
             args.save_dir,

@@ -179,3 +179,21 @@ def test_probe_interrupted_exits_130_without_a_traceback(
     err = capsys.readouterr().err
     assert "interrupted" in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_probe_tilde_save_dir_is_expanded_for_every_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--save-dir ~/x`` probes, tests O_DIRECT on, and reports the home folder's x,
+    as OffloadConfig reads it (the header once tested the literal "~/x")."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "acts").mkdir()
+    seen: list[str] = []
+    real = cli.direct_io_supported
+    monkeypatch.setattr(cli, "direct_io_supported", lambda d: (seen.append(d), real(d))[1])
+    argv = ["probe", "--save-dir", "~/acts", "--total-mib", "8", "--requests", "1"]
+    assert cli.main([*argv, "--workers", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["save_dir"] == str(tmp_path / "acts")
+    assert seen == [str(tmp_path / "acts")]
+    assert doc["io_method"] == ("direct" if real(str(tmp_path / "acts")) else "buffered")
