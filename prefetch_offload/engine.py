@@ -714,15 +714,8 @@ class OffloadEngine:
         store = self._store
         extent = None
         if store is not None:
-            try:
-                extent = store.allocate(span.extent_bytes)
-            except OSError as exc:
-                raise OffloadIOError(
-                    f"prefetch_offload: could not create a slab file in "
-                    f"{self.config.save_dir!r}: {exc}. Check the folder's permissions and space."
-                ) from exc
+            extent = self._allocate(store, span.extent_bytes)
             if extent is None:
-                self._note_no_space("the slab reservation failed")
                 return _Kept(t)
         view = ViewMeta(t.dtype, shape, stride, vstart - start)
         owner = weakref.ref(owner_t)
@@ -1008,6 +1001,19 @@ class OffloadEngine:
         if skipped:
             self._stats.add(writes_skipped=len(skipped))
 
+    def _allocate(self, store: SlabStore, nbytes: int) -> Extent | None:
+        """Slab space for a record, or None (counted and warned) where none is left."""
+        try:
+            extent = store.allocate(nbytes)
+        except OSError as exc:
+            raise OffloadIOError(
+                f"prefetch_offload: could not create a slab file in "
+                f"{self.config.save_dir!r}: {exc}. Check the folder's permissions and space."
+            ) from exc
+        if extent is None:
+            self._note_no_space("the slab reservation failed")
+        return extent
+
     def _requeue_skipped(self) -> None:
         """Forward resumed: write the skipped tensors backward has not consumed yet.
 
@@ -1023,7 +1029,7 @@ class OffloadEngine:
             source = rec.source
             if source is None or rec.on_disk or rec.extent is not None or store is None:
                 continue
-            extent = store.allocate(rec.span.extent_bytes)
+            extent = self._allocate(store, rec.span.extent_bytes)
             if extent is None:
                 continue  # no space: it stays in memory, as a full disk would leave it
             rec.extent = extent

@@ -20,7 +20,12 @@ from engine_helpers import (
 )
 from torch.utils.checkpoint import checkpoint
 
-from prefetch_offload import OffloadEngine, offload_context
+from prefetch_offload import (
+    OffloadEngine,
+    OffloadFallbackWarning,
+    OffloadIOError,
+    offload_context,
+)
 from prefetch_offload.testing import TinyTransformer, make_batch
 
 # -- memory the record no longer watches ---------------------------------------------------
@@ -314,3 +319,56 @@ def test_forward_that_raises_midway_leaves_nothing_pending(save_dir: Path) -> No
         assert stats.disk_bytes_in_use == 0
         assert engine._pending_write_bytes == 0 and not engine._dedup
     assert_same_grads(grads_of(model), grads_of(ref))
+
+
+def _skip_then_resume(engine: OffloadEngine, x: torch.Tensor) -> list[torch.Tensor]:
+    """Four records in the open batch; an unpack mid-forward skips them (NOTE [write
+    tail]); the caller's next pack writes the three backward has not consumed."""
+    ys = [(x * (i + 2)).sin() for i in range(4)]
+    torch.autograd.grad(ys[0].sum(), x, retain_graph=True)  # skips the open batch
+    assert engine._skipped
+    return ys
+
+
+def test_requeued_write_with_no_space_is_counted_and_kept(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A skipped record that finds no slab space when forward resumes stays in memory,
+    counted as a fallback with the one warning, and its gradient is exact."""
+    x = torch.randn(1 << 14, requires_grad=True)
+    with engine_with_hooks(save_dir) as engine:
+        ys = _skip_then_resume(engine, x)
+        assert engine._store is not None
+        monkeypatch.setattr(engine._store, "allocate", lambda n: None)
+        with pytest.warns(OffloadFallbackWarning, match="no space left"):
+            z = (x * 7).sin()  # pack: requeues the skipped records, none fits
+        before = engine.stats()
+        sum(y.sum() for y in [*ys, z]).backward()
+    assert before.fallbacks >= 3  # the three requeued records (and z, kept too)
+    ref = x.detach().clone().requires_grad_()
+    sum((ref * (i + 2)).sin().sum() for i in [*range(4), 5]).backward()
+    assert x.grad is not None and torch.equal(x.grad, ref.grad)
+
+
+def test_requeued_write_that_cannot_create_a_slab_is_an_offload_io_error(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An OSError other than no-space while requeueing reaches the pack hook as the
+    library's OffloadIOError with the cause chained, as it does for a fresh record."""
+    x = torch.randn(1 << 14, requires_grad=True)
+    with engine_with_hooks(save_dir) as engine:
+        ys = _skip_then_resume(engine, x)
+        assert engine._store is not None
+
+        def denied(n: int) -> None:
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(engine._store, "allocate", denied)
+        with pytest.raises(OffloadIOError, match="could not create a slab file") as info:
+            (x * 7).sin()
+        assert isinstance(info.value.__cause__, PermissionError)
+        monkeypatch.undo()
+        sum(y.sum() for y in ys).backward()  # the records stayed in memory: still exact
+    ref = x.detach().clone().requires_grad_()
+    sum((ref * (i + 2)).sin().sum() for i in range(4)).backward()
+    assert x.grad is not None and torch.equal(x.grad, ref.grad)
