@@ -247,11 +247,13 @@ class SlabStore:
                     self._count_use(length)
                     return Extent(sid, off, length)
             size = max(self.slab_bytes, length)
-            if (
-                self.disk_bytes_limit is not None
-                and self.reserved_bytes + size > self.disk_bytes_limit
-            ):
-                return None
+            if self.disk_bytes_limit is not None:
+                # The slab that reaches the cap is cut to fit it, so a cap below
+                # slab_bytes still offloads (into one smaller slab).
+                room = (self.disk_bytes_limit - self.reserved_bytes) // 4096 * 4096
+                if room < length:
+                    return None
+                size = min(size, room)
             slab = self._new_slab(size)
             if slab is None:
                 return None

@@ -796,6 +796,28 @@ def test_disk_cap_falls_back_to_memory_with_one_warning(save_dir: Path) -> None:
     assert len([w for w in record if w.category is OffloadFallbackWarning]) == 1
 
 
+def test_disk_cap_below_slab_bytes_still_offloads_up_to_the_cap(save_dir: Path) -> None:
+    """A disk_bytes_limit below slab_bytes reserves one slab cut to the cap (it once
+    offloaded nothing: every slab was slab_bytes)."""
+    model = tiny_model()
+    tokens, targets = make_batch(4, 32, vocab=64)
+    ref = reference_grads(model, lambda m: m(tokens, targets).backward())
+    cap = 100 << 10  # not a multiple of slab_bytes, nor of a 64 KiB chunk
+    with (
+        pytest.warns(OffloadFallbackWarning, match="disk_bytes_limit"),
+        offload_context(
+            "disk", save_dir, min_offload_bytes=0, slab_bytes=1 << 20, disk_bytes_limit=cap
+        ) as engine,
+    ):
+        loss = model(tokens, targets)
+        engine.flush()  # written, not left in the open batch (NOTE [write tail])
+        loss.backward()
+    assert_same_grads(grads_of(model), ref)
+    stats = engine.stats()
+    assert stats.tensors_offloaded > 0 and stats.fallbacks > 0
+    assert 0 < stats.peak_disk_bytes_reserved <= cap
+
+
 def test_overlapping_views_share_the_whole_storage(save_dir: Path) -> None:
     """NOTE [whole storage]: q, k, v of a fused projection are written once, not three times."""
     x = torch.randn(4, 64, 96, requires_grad=True)

@@ -102,14 +102,18 @@ def test_slab_allocator_agrees_with_a_model(ops: list[tuple[str, int]], limit: i
                     for sid, s in store._slabs.items()
                     if any(m >= n for _, m in s.free)
                 ]
+                reserved = store.reserved_bytes
                 ext = store.allocate(n)
                 if fits:  # first fit: the first slab with room, at its first run that fits
                     assert ext is not None and (ext.slab, ext.offset) == fits[0]
                 elif ext is None:  # only the cap may refuse a new slab
                     assert limit is not None
-                    assert store.reserved_bytes + max(8 * PAGE, n) > limit * PAGE
-                else:
-                    assert ext.offset == 0 and store._slabs[ext.slab].size == max(8 * PAGE, n)
+                    assert reserved + n > limit * PAGE  # not even n bytes left under it
+                else:  # a new slab: slab_bytes (or the tensor), cut to what the cap leaves
+                    want = max(8 * PAGE, n)
+                    if limit is not None:  # the cap cuts the slab that reaches it
+                        want = min(want, limit * PAGE - reserved)
+                    assert ext.offset == 0 and store._slabs[ext.slab].size == want
                 if ext is not None:
                     tag += 1
                     store.write(ext, 0, memoryview(bytes([tag % 251 + 1]) * n))
