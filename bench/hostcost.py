@@ -16,6 +16,12 @@ reads of one preallocated O_DIRECT file in ``--save-dir``:
 - once with the other CPUs idle (``idle``) and once with one busy-looping
   process per CPU (``loaded``: what a training step sees).
 
+With ``--buffered``, a third kind, ``cache``: the same 4 KiB-page buffer moved
+through the page cache (``io_method="buffered"``) on a second file, with
+``fdatasync`` and ``POSIX_FADV_DONTNEED`` every ``--sync-mib`` so that the
+bytes really reach the device and the reads really come from it (without the
+drop, a step's bytes stay in RAM and the read is a copy from memory).
+
 The ``loaded`` steal per GB times the bytes a step moves is what the IO costs a
 step on this machine before any engine overhead (``bench/step.py``'s ``ioreplay``
 and ``iospread`` modes measure the same in a real training step).
@@ -51,7 +57,7 @@ class CostRow:
     """One (load, buffer kind, direction) measurement."""
 
     load: str  # "idle" or "loaded"
-    buffer: str  # "4k" or "huge"
+    buffer: str  # "4k", "huge", or "cache" (4k through the page cache)
     op: str  # "write" or "read"
     gbps: float
     cpu_ms_per_gb: float  # this process, user + system
@@ -67,30 +73,51 @@ def _buffer(kind: str, size: int) -> tuple[memoryview, Block | None]:
     return ordinary_pages(size), None
 
 
-def measure(folder: str, total: int, request: int, kinds: list[str], loaded: bool) -> list[CostRow]:
+def _move(fd: int, buf: memoryview, op: str, nbytes: int, request: int, sync: int) -> None:
+    """``op`` ``nbytes`` at offset 0 in ``request``-byte requests; with ``sync`` > 0
+    (page-cache IO), flush and drop the cached pages every ``sync`` bytes."""
+    done = 0
+    for off in range(0, nbytes, request):
+        n = os.pwritev(fd, [buf], off) if op == "write" else os.preadv(fd, [buf], off)
+        if n != request:
+            raise OSError(f"short {op} at offset {off}")
+        if sync and (off + request - done >= sync or off + request == nbytes):
+            if op == "write":
+                os.fdatasync(fd)
+            os.posix_fadvise(fd, done, off + request - done, os.POSIX_FADV_DONTNEED)
+            done = off + request
+
+
+def measure(
+    folder: str, total: int, request: int, kinds: list[str], loaded: bool, sync: int = 64 * MiB
+) -> list[CostRow]:
     """Write then read ``total`` bytes in ``request``-byte requests, per buffer kind."""
     nbytes = max(1, total // request) * request
     fd = open_scratch_file(folder, direct=direct_io_supported(folder))
+    cache_fd = open_scratch_file(folder, direct=False) if "cache" in kinds else None
     spinners: list[subprocess.Popen[bytes]] = []
     rows: list[CostRow] = []
     try:
         os.posix_fallocate(fd, 0, nbytes)
+        if cache_fd is not None:
+            os.posix_fallocate(cache_fd, 0, nbytes)
+            os.fdatasync(cache_fd)
+            os.posix_fadvise(cache_fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
         if loaded:
             spin = [sys.executable, "-c", "while True: pass"]
             spinners = [subprocess.Popen(spin) for _ in range(os.cpu_count() or 1)]
             time.sleep(0.5)  # let them reach their loops
         for kind in kinds:
-            buf, owner = _buffer(kind, request)
+            buf, owner = _buffer("4k" if kind == "cache" else kind, request)
+            target, every = (cache_fd, sync) if kind == "cache" else (fd, 0)
+            assert target is not None
             for op in ("write", "read"):
                 r0, s0, t0 = (
                     resource.getrusage(resource.RUSAGE_SELF),
                     steal_seconds(),
                     time.perf_counter(),
                 )
-                for off in range(0, nbytes, request):
-                    n = os.pwritev(fd, [buf], off) if op == "write" else os.preadv(fd, [buf], off)
-                    if n != request:
-                        raise OSError(f"short {op} at offset {off}")
+                _move(target, buf, op, nbytes, request, every)
                 dt = time.perf_counter() - t0
                 r1, s1 = resource.getrusage(resource.RUSAGE_SELF), steal_seconds()
                 gb = nbytes / 1e9
@@ -110,6 +137,8 @@ def measure(folder: str, total: int, request: int, kinds: list[str], loaded: boo
         for s in spinners:
             s.wait()
         os.close(fd)
+        if cache_fd is not None:
+            os.close(cache_fd)
     return rows
 
 
@@ -119,16 +148,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--total-mib", type=int, default=1024, help="bytes per measurement (MiB)")
     p.add_argument("--request-mib", type=int, default=8, help="request size (MiB)")
     p.add_argument("--no-load", action="store_true", help="skip the loaded measurement")
+    p.add_argument(
+        "--buffered",
+        action="store_true",
+        help="also measure page-cache IO from 4 KiB pages, flushed and dropped (kind 'cache')",
+    )
+    p.add_argument(
+        "--sync-mib", type=int, default=64, help="with --buffered: flush and drop every N MiB"
+    )
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
-    if args.total_mib < 1 or args.request_mib < 1:
-        p.error("--total-mib and --request-mib must be >= 1")
-    kinds = ["4k", "huge"]
+    if args.total_mib < 1 or args.request_mib < 1 or args.sync_mib < 1:
+        p.error("--total-mib, --request-mib and --sync-mib must be >= 1")
+    kinds = ["4k", "huge"] + (["cache"] if args.buffered else [])
     rows: list[CostRow] = []
     with scratch_folder(args.save_dir, prefix="hostcost-") as folder:
         total, request = args.total_mib * MiB, args.request_mib * MiB
         for loaded in (False,) if args.no_load else (False, True):
-            rows += measure(folder, total, request, kinds, loaded)
+            rows += measure(folder, total, request, kinds, loaded, args.sync_mib * MiB)
     print(
         f"# {os.cpu_count()} CPUs; {args.total_mib} MiB per row in {args.request_mib} MiB requests"
     )

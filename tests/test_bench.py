@@ -450,3 +450,37 @@ def test_hostcost_main_tiny(tmp_path: Path, cwd: Path) -> None:
     }
     assert all(r["gbps"] > 0 and r["cpu_ms_per_gb"] >= 0 for r in rows)
     assert _empty(tmp_path / "s")
+
+
+def test_hostcost_buffered_kind_reaches_the_device(
+    tmp_path: Path, cwd: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--buffered`` adds the page-cache kind, flushed and dropped every --sync-mib."""
+    hostcost = _load("hostcost")
+    calls: list[str] = []
+    real_sync, real_advise = os.fdatasync, os.posix_fadvise
+    monkeypatch.setattr(hostcost.os, "fdatasync", lambda fd: (calls.append("sync"), real_sync(fd)))
+    monkeypatch.setattr(
+        hostcost.os,
+        "posix_fadvise",
+        lambda fd, off, n, adv: (calls.append(f"drop {off} {n}"), real_advise(fd, off, n, adv)),
+    )
+    out = tmp_path / "hostcost.json"
+    argv = ["--total-mib", "4", "--request-mib", "1", "--sync-mib", "2", "--no-load"]
+    assert (
+        hostcost.main([*argv, "--buffered", "--save-dir", str(tmp_path / "s"), "--json", str(out)])
+        == 0
+    )
+    rows = json.loads(out.read_text())
+    assert {(r["buffer"], r["op"]) for r in rows} >= {("cache", "write"), ("cache", "read")}
+    mib = 1 << 20
+    # After the setup drop: two flushed-and-dropped halves on write, two drops on read.
+    assert calls[-6:] == [
+        "sync",
+        f"drop 0 {2 * mib}",
+        "sync",
+        f"drop {2 * mib} {2 * mib}",
+        f"drop 0 {2 * mib}",
+        f"drop {2 * mib} {2 * mib}",
+    ]
+    assert _empty(tmp_path / "s")
