@@ -1,29 +1,27 @@
 """prefetch_offload: offload autograd-saved activations to disk, prefetch them for backward.
 
 Public API (everything else is internal and may change):
+
+- entry points: :func:`offload_context`, :func:`offload_context_from_config`,
+  :class:`OffloadContext`, :func:`validate_offload_config` (the seed's check);
+- configuration and the engine: :class:`OffloadConfig`, :class:`OffloadEngine`;
+- statistics: :class:`OffloadStats`;
+- errors: :class:`OffloadError` (base), :class:`OffloadIOError`,
+  :class:`OffloadFallbackWarning`.
 """
 
 from __future__ import annotations
 
-# Entry points
 from .config import OffloadConfig, validate_offload_config
 from .context import OffloadContext, offload_context, offload_context_from_config
 from .engine import OffloadEngine
-
-# Errors
 from .errors import OffloadError, OffloadFallbackWarning, OffloadIOError
-
-# Statistics
 from .stats import OffloadStats
 
 __all__ = [
-    # configuration
     "OffloadConfig",
-    # entry points
     "OffloadContext",
-    # types
     "OffloadEngine",
-    # errors
     "OffloadError",
     "OffloadFallbackWarning",
     "OffloadIOError",

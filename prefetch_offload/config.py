@@ -52,8 +52,9 @@ class OffloadConfig:
 
     # Where saved tensors go: None (off), "cpu" (host RAM) or "disk" (slab files).
     target: str | None = "disk"
-    # Folder for the slab files (target "disk" only). Created if missing. A
-    # pathlib.Path is stored as its str, and a leading "~" is expanded.
+    # Folder for the slab files (target "disk" only); the engine creates it (0700)
+    # at context entry if missing. A pathlib.Path is stored as its str, and a
+    # leading "~" is expanded.
     save_dir: str | None = None
     # How many saved tensors backward reads ahead of the one it needs; 0 reads synchronously.
     prefetch_depth: int = 4

@@ -24,7 +24,9 @@ class OffloadStats:
         0.98
     """
 
-    # Saved tensors whose bytes were written to the target and released from memory.
+    # Records moved to the target and released from memory: distinct storage spans
+    # (the fused q, k, v of one projection count once), written to disk, or copied to
+    # host memory for target "cpu".
     tensors_offloaded: int = 0
     # Bytes actually written to the target (storage spans, before alignment padding).
     bytes_offloaded: int = 0
@@ -37,7 +39,8 @@ class OffloadStats:
     dedup_hits: int = 0
     # Unpacks served without waiting for IO (prefetched, or still in memory).
     prefetch_hits: int = 0
-    # Unpacks that had to wait for a read (an in-flight prefetch or a synchronous read).
+    # Unpacks that had to wait for a read (an in-flight prefetch or a synchronous read),
+    # or, for target "cpu", restored a device tensor with no prefetch (a copy, no read).
     prefetch_misses: int = 0
     # Seconds unpack calls spent waiting for reads.
     stall_seconds: float = 0.0
