@@ -16,12 +16,16 @@ Rounds come in three phases: ``--warmup`` rounds (not counted), ``--steps``
 timed rounds (step times and engine counters), then ``--mem-rounds``
 default-allocator memory rounds (below). Timed rounds never touch the allocator.
 
-Activation memory (``act MB``, ``act cut``, ``heap MB``) is measured in a separate
+Activation memory (``act MiB``, ``act cut``, ``heap MiB``) is measured in a separate
 phase: one fresh process per mode (this script with the hidden ``--memory-probe
 MODE`` flag) builds the same model and batches, runs 1 warmup step and 2 measured
-steps, samples RSS every 2 ms during forward and once at its end, and reports the
-largest rise over RSS at forward start (what the model, optimizer and inputs hold
-is already in that baseline). The probe runs with ``MALLOC_MMAP_THRESHOLD_=65536``:
+steps, and reports the largest rise of RSS during forward over RSS at forward
+start (what the model, optimizer and inputs hold is already in that baseline).
+The peak is the kernel's own high-water mark (``VmHWM``, reset through
+``/proc/self/clear_refs`` as forward starts), so no peak is too short to catch;
+a 2 ms RSS sampler runs beside it, and is the measure where the reset is not
+allowed (its numbers are in the JSON as ``act_mem_sampled_bytes``). Sizes are
+MiB (2^20 bytes) throughout. The probe runs with ``MALLOC_MMAP_THRESHOLD_=65536``:
 glibc then serves every allocation of 64 KiB or more with its own ``mmap`` and
 ``munmap``s it on free, so a tensor the engine has written to disk and released
 leaves RSS at once, and RSS tracks the memory actually held. That is what the
@@ -32,14 +36,18 @@ Why not the plain RSS of this process: with glibc's default allocator (dynamic
 mmap threshold, up to 32 MiB on 64-bit, raised every time a mapped block is
 freed) freed tensors go back to malloc's free lists and stay resident; they are
 reused only when a later allocation happens to fit, so during forward RSS only
-grows. The ``rss(default) MB`` column keeps that number for comparison: in each
+grows. The ``rss(default) MiB`` column keeps that number for comparison: in each
 memory round this process calls ``malloc_trim(0)`` before forward and measures
 the RSS that forward adds. Memory that offload released mid-forward still counts
 there while it sits in glibc's free lists, so the column mostly measures those
-lists, not what is held (at the default shape: ~175 MB for disk against ~15-40 MB
-held). ``heap MB`` (from
+lists, not what is held (at the default shape: ~175 MiB for disk against ~15-40 MiB
+held). ``heap MiB`` (from
 the probe) is malloc's bytes in use at the end of forward minus at its start:
 the activations still referenced when forward returns, with no transient peak.
+``cache MiB`` (same probe) is the growth of the machine's page cache over
+forward: the seed's ``torch.save`` files are buffered writes, so its RSS cut does
+not mean the bytes left RAM (they sit in the page cache until written back and
+dropped); the engine's O_DIRECT writes add none.
 
 After the run the final parameters of every mode must be bit-identical to those
 of ``none``; if they are not, the script says which and exits with status 1.
@@ -91,7 +99,10 @@ from _common import (
     filesystem_type,
     heap_in_use_bytes,
     malloc_trim,
+    page_cache_bytes,
+    peak_rss_bytes,
     read_rss_bytes,
+    reset_peak_rss,
     steal_seconds,
 )
 
@@ -109,6 +120,7 @@ __all__ = [
     "add_shape_args",
     "build",
     "compare_params",
+    "counter_delta",
     "fmt",
     "format_table",
     "machine_info",
@@ -353,7 +365,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--no-mem-probe",
         dest="mem_probe",
         action="store_false",
-        help="skip the per-mode memory probe processes (act MB, act cut, heap MB)",
+        help="skip the per-mode memory probe processes (act MiB, act cut, heap MiB)",
     )
     p.add_argument(
         "--pending-sweep",
@@ -523,6 +535,8 @@ class ModeWorker:
 
 
 def _counters(handle: Any) -> dict[str, float]:
+    if isinstance(handle, IOReplay):  # what the bare thread really moved
+        return {"bytes_offloaded": handle.bytes_written, "bytes_read": handle.bytes_read}
     if isinstance(handle, SeedDiskHooks):
         return {"files_written": handle.files_written, "bytes_written": handle.bytes_written}
     if handle is not None and hasattr(handle, "stats"):
@@ -605,11 +619,16 @@ def run_rounds(
     return out
 
 
+def counter_delta(start: dict[str, float], end: dict[str, float]) -> dict[str, float]:
+    """Running totals: their change from ``start`` to ``end``; gauges: their level at end."""
+    return {k: (v if k in _GAUGES else v - start.get(k, 0)) for k, v in end.items()}
+
+
 def timed_delta(worker: ModeWorker) -> dict[str, float]:
     """Counter changes over the timed phase (gauges: their level at its end)."""
     start = worker.snapshots.get("timed", {})
     end = worker.snapshots.get("memory") or worker.snapshots.get("end", {})
-    return {k: (v if k in _GAUGES else v - start.get(k, 0)) for k, v in end.items()}
+    return counter_delta(start, end)
 
 
 def compare_params(
@@ -718,29 +737,42 @@ def _memory_probe(args: argparse.Namespace) -> int:
         model, batches = build(Shape.from_args(args), PROBE_WARMUP_STEPS + PROBE_STEPS)
         params = list(model.parameters())
         mem: list[int] = []
+        sampled: list[int] = []
         heap: list[int] = []
+        cache: list[int] = []
         rss_start: list[int] = []
         samples: list[int] = []
+        exact = False
+        warm: dict[str, float] = {}
         setup = make_mode(mode, run_dir, Knobs.from_args(args))
         with setup.run as handle:
             for i, (tokens, targets) in enumerate(batches):
                 gc.collect()
                 with setup.step_hooks(handle):
                     with RssSampler(SAMPLE_INTERVAL_S) as sampler:
+                        exact = reset_peak_rss()  # the kernel's high-water mark from here
                         r0, h0 = read_rss_bytes(), heap_in_use_bytes()
+                        c0 = page_cache_bytes()
                         loss = model(tokens, targets)
                         r1, h1 = read_rss_bytes(), heap_in_use_bytes()
+                        c1 = page_cache_bytes()
+                        hwm = peak_rss_bytes() if exact else None
                     loss.backward()
                 _sgd_step(params)
                 del loss
                 if i < PROBE_WARMUP_STEPS:
+                    warm = _counters(handle)  # counters are reported for the probed steps only
                     continue
-                mem.append(max(r1, sampler.peak_bytes) - r0)
+                peak = max(r1, sampler.peak_bytes, hwm or 0)
+                mem.append(peak - r0)
+                sampled.append(max(r1, sampler.peak_bytes) - r0)
                 rss_start.append(r0)
                 samples.append(sampler.samples)
                 if h0 is not None and h1 is not None:
                     heap.append(h1 - h0)
-        stats = _counters(handle)
+                if c0 is not None and c1 is not None:
+                    cache.append(c1 - c0)
+        stats = counter_delta(warm, _counters(handle))
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     doc = {
@@ -749,8 +781,14 @@ def _memory_probe(args: argparse.Namespace) -> int:
         "shape": dataclasses.asdict(Shape.from_args(args)),
         "knobs": dataclasses.asdict(Knobs.from_args(args)),
         "warmup_steps": PROBE_WARMUP_STEPS,
+        # Peak RSS that forward added: the kernel's VmHWM where clear_refs resets it
+        # ("peak_exact"), else the 2 ms sampler's; the sampler's alone is kept beside it.
         "act_mem_bytes": mem,
+        "act_mem_sampled_bytes": sampled,
+        "peak_exact": exact,
+        "probed_steps": PROBE_STEPS,
         "act_heap_bytes": heap,
+        "act_cache_bytes": cache,
         "rss_start_bytes": rss_start,
         "rss_samples": samples,
         "counters": stats,
@@ -823,11 +861,12 @@ def _table(rows: Sequence[StepResult]) -> str:
         "what",
         "step s",
         "vs none",
-        "act MB",
+        "act MiB",
         "act cut",
-        "heap MB",
-        "rss(default) MB",
-        "offl MB/step",
+        "heap MiB",
+        "cache MiB",
+        "rss(default) MiB",
+        "offl MiB/step",
         "hit rate",
         "stall s/step",
         "steal s/step",
@@ -841,6 +880,7 @@ def _table(rows: Sequence[StepResult]) -> str:
             fmt(r.act_mem, ".1f", 1 / MB),
             fmt(r.act_cut, ".0f", 100, "%"),
             fmt(r.act_heap, ".1f", 1 / MB),
+            fmt(r.act_cache, ".1f", 1 / MB),
             fmt(r.rss_default, ".1f", 1 / MB),
             fmt(r.offloaded_per_step, ".1f", 1 / MB),
             fmt(r.hit_rate, ".1f", 100, "%"),
@@ -962,7 +1002,7 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
     machine = machine_info()
     print(machine_line("bench/step.py", machine))
     print(
-        f"shape: {shape}; saved activations {saved_bytes / MB:.1f} MB/step "
+        f"shape: {shape}; saved activations {saved_bytes / MB:.1f} MiB/step "
         "(distinct storages, parameters excluded)"
     )
     print(
@@ -974,20 +1014,24 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
     print("step s: median of forward + backward + SGD step over the timed rounds")
     if args.mem_probe:
         print(
-            f"act MB: peak RSS added by forward in a fresh process per mode with "
-            f"MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}"
+            f"act MiB: peak RSS added by forward (the kernel's VmHWM) in a fresh process "
+            f"per mode with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}"
         )
         print(
             f"  (freed blocks leave RSS: held memory; max of {PROBE_STEPS} steps after "
             f"{PROBE_WARMUP_STEPS} warmup); act cut: vs none; the target is judged on these"
         )
-        print("heap MB: malloc bytes in use added by forward, at its end (same probe)")
-    print("rss(default) MB: peak RSS added by forward in this process, glibc's default")
+        print("heap MiB: malloc bytes in use added by forward, at its end (same probe)")
+        print(
+            "cache MiB: page cache added by forward (same probe; the machine's): bytes that "
+            "buffered writes left in RAM, outside every RSS"
+        )
+    print("rss(default) MiB: peak RSS added by forward in this process, glibc's default")
     print("  allocator after malloc_trim(0): also counts freed memory glibc keeps resident")
     print("steal s/step: CPU time the hypervisor took from this VM's CPUs per step (/proc/stat)")
     if REPLAY_MODES.intersection(modes):
         print(
-            f"ioreplay: none's training while a side thread writes {saved_bytes / MB:.1f} MB "
+            f"ioreplay: none's training while a side thread writes {saved_bytes / MB:.1f} MiB "
             "per step during forward and reads it back during backward (O_DIRECT);"
         )
         print("  iospread: the same, paced evenly over the previous step's forward and backward")
@@ -1053,8 +1097,8 @@ def _pending_table(pending: Sequence[dict[str, Any]], none_probe: dict[str, Any]
     for item in pending:
         probe = item["probe"]
         mem = _probe_max(probe, "act_mem_bytes")
-        counters = probe.get("counters", {})
-        steps = PROBE_WARMUP_STEPS + PROBE_STEPS
+        counters = probe.get("counters", {})  # over the probed steps (warm-up excluded)
+        steps = probe.get("probed_steps", PROBE_STEPS)
         wait = counters.get("pack_wait_seconds")
         body.append(
             (
@@ -1066,7 +1110,14 @@ def _pending_table(pending: Sequence[dict[str, Any]], none_probe: dict[str, Any]
                 fmt(None if wait is None else wait / steps, ".4f"),
             )
         )
-    header = ("pending MiB", "act MB", "act cut", "heap MB", "peak pending MB", "pack wait s/step")
+    header = (
+        "pending MiB",
+        "act MiB",
+        "act cut",
+        "heap MiB",
+        "peak pending MiB",
+        "pack wait s/step",
+    )
     return format_table(header, body, left=0)
 
 
@@ -1108,11 +1159,18 @@ def _io_bound(rows: Sequence[StepResult]) -> dict[str, Any] | None:
         f"io bound: disk's bytes moved by a bare thread with no hooks cost {costs} of none; "
         f"disk {disk.ratio:.2f}x, so the engine adds {engine:.2f}x beyond its IO ({ref.mode})"
     )
+    moved, wrote = ref.offloaded_per_step, disk.offloaded_per_step
+    if moved is not None and wrote is not None:
+        # The replay moves every distinct saved storage; the engine skips small tensors
+        # and the write tail. The two must stay close for the comparison to hold.
+        line += f"; {ref.mode} wrote {moved / MB:.1f} MiB/step, disk {wrote / MB:.1f}"
     return {
         "controls": {c.mode: c.ratio for c in controls},
         "disk_ratio": disk.ratio,
         "reference": ref.mode,
         "disk_over_reference": engine,
+        "reference_bytes_per_step": moved,
+        "disk_bytes_per_step": wrote,
         "line": line,
     }
 
@@ -1125,7 +1183,7 @@ def _results(
 ) -> list[StepResult]:
     rows: list[StepResult] = []
     for mode in modes:
-        delta = timed_delta(workers[mode]) if mode == "disk" else {}
+        delta = timed_delta(workers[mode]) if mode == "disk" or mode in REPLAY_MODES else {}
         probe = probes.get(mode, {})
         rows.append(
             StepResult(
@@ -1135,6 +1193,7 @@ def _results(
                 steal_seconds=tuple(log.steal[mode]),
                 act_mem_bytes=tuple(probe.get("act_mem_bytes", ())),
                 act_heap_bytes=tuple(probe.get("act_heap_bytes", ())),
+                act_cache_bytes=tuple(probe.get("act_cache_bytes", ())),
                 rss_default_bytes=tuple(log.rss_default[mode]),
                 bytes_offloaded=_int_or_none(delta.get("bytes_offloaded")),
                 prefetch_hits=_int_or_none(delta.get("prefetch_hits")),

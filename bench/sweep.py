@@ -324,7 +324,7 @@ def _table(cells: Sequence[Cell]) -> str:
         "stall s/step",
         "hit rate",
         "pack wait s/step",
-        "act MB",
+        "act MiB",
         "act cut",
         "exact",
     )
@@ -504,7 +504,7 @@ def _run(args: argparse.Namespace, run_dir: Path) -> int:
     print("stall: backward waiting for reads; pack wait: forward waiting at the write cap")
     if probes:
         print(
-            "act MB / act cut: disk's activation memory (bench/step.py memory probe, "
+            "act MiB / act cut: disk's activation memory (bench/step.py memory probe, "
             f"MALLOC_MMAP_THRESHOLD_={step.MMAP_THRESHOLD}) and its cut vs none"
         )
     print()
