@@ -475,6 +475,32 @@ def test_ab_rejects_a_bad_config() -> None:
     ab = _load("ab")
     with pytest.raises(SystemExit):
         ab.main(["--config", "x:{not json"])
+    with pytest.raises(SystemExit):
+        ab.main(["--config", 'x:{"noop_io": "sideways"}'])
+
+
+def test_ab_noop_io_skips_the_store_and_is_left_unchecked(
+    tmp_path: Path, cwd: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """noop_io="both": no write reaches the slab file, and the run passes without the
+    bit-identity check for that configuration, saying so."""
+    ab = _load("ab")
+    calls: list[str] = []
+    from prefetch_offload.slab import SlabStore
+
+    real_write = SlabStore.write
+
+    def spy(self: SlabStore, *a: object) -> None:
+        calls.append("write")
+        real_write(self, *a)  # type: ignore[arg-type]
+
+    argv = [*TINY_SHAPE, "--rounds", "2", "--warmup", "0", "--save-dir", str(tmp_path / "s")]
+    argv += ["--config", 'skip:{"chunk_bytes": 16384, "min_offload_bytes": 0, "noop_io": "both"}']
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SlabStore, "write", spy)
+        assert ab.main(argv) == 0
+    assert calls == []  # the instance's no-op shadowed every real write
+    assert "not checked, IO skipped: skip" in capsys.readouterr().out
 
 
 # -- bench/cputime.py --------------------------------------------------------------------
