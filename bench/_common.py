@@ -16,10 +16,10 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -37,9 +37,12 @@ __all__ = [
     "peak_rss_bytes",
     "read_rss_bytes",
     "reset_peak_rss",
+    "round_order",
     "scratch_folder",
     "steal_seconds",
 ]
+
+T = TypeVar("T")
 
 MB = float(1 << 20)  # bench output calls this MiB; the name is kept for its importers
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
@@ -140,6 +143,32 @@ def malloc_trim() -> bool:
         return False
     _MALLOC_TRIM(0)
     return True
+
+
+def round_order(items: Sequence[T], r: int) -> list[T]:
+    """The order to run ``items`` in round ``r``: a balanced (Williams) Latin square.
+
+    Over every ``len(items)`` rounds (twice that for an odd count) each item runs
+    once in each position and follows each other item equally often, so neither
+    a slot in the round nor the item run just before (whose cache, page cache or
+    IO backlog the next one inherits) favours any of them. A plain rotation
+    keeps every item behind the same predecessor.
+    """
+    n = len(items)
+    if n <= 2:
+        k = r % n if n else 0
+        return list(items[k:]) + list(items[:k])
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(j + i) % n for j in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [items[j] for j in rows[r % len(rows)]]
 
 
 def page_cache_bytes() -> int | None:

@@ -2,7 +2,8 @@
 
 One process trains one copy of the benchmark transformer per configuration
 (same weights, same batch) and runs one step of each per round, in an order
-rotated by the round, so that drift hits all alike. Each engine lives for the
+given by a balanced Latin square over the rounds, so that drift and the
+previous step's leftovers hit all alike. Each engine lives for the
 whole run (its hooks are installed around each of its steps). Per
 configuration: median step time, its ratio to ``none``, MB offloaded, writes
 skipped and hit rate per step, and the process's CPU time per step (user and
@@ -41,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import step as step_bench
-from _common import scratch_folder, steal_seconds
+from _common import round_order, scratch_folder, steal_seconds
 
 from prefetch_offload import OffloadConfig, OffloadEngine
 from prefetch_offload.testing import TinyTransformer, make_batch
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.warmup + args.rounds):
                 if r == args.warmup:
                     before = {n: e.stats() for n, e in engines.items()}
-                for n in names[r % len(names) :] + names[: r % len(names)]:
+                for n in round_order(names, r):
                     s0 = steal_seconds()
                     u0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
                     engine = engines.get(n)

@@ -2,7 +2,8 @@
 
 Modes, each training its own copy of one model (same initial weights, same
 batch), interleaved round by round (round ``r`` runs one step of every mode,
-in an order rotated by ``r``) so that clock and thermal drift hit all alike:
+in the order ``round_order(modes, r)`` gives: a balanced Latin square) so
+that clock and thermal drift hit all alike:
 
 - ``none``: no offload.
 - ``cpu``: this library, target "cpu" (pinned host RAM).
@@ -59,7 +60,7 @@ from torch.autograd.graph import saved_tensors_hooks
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import scratch_folder
+from _common import round_order, scratch_folder
 
 from prefetch_offload import OffloadConfig, OffloadEngine
 from prefetch_offload.device import RoutingDevice, SpanCopyDevice
@@ -249,7 +250,7 @@ def run(args: argparse.Namespace) -> tuple[list[GpuRow], dict[str, float]]:
         for r in range(args.warmup + args.steps):
             if r == args.warmup:
                 before = {m: e.stats() for m, e in engines.items()}
-            order = modes[r % len(modes) :] + modes[: r % len(modes)]
+            order = round_order(modes, r)
             for mode in order:
                 dt, fwd, peak, _ = step(mode)
                 if r >= args.warmup:

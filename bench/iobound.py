@@ -14,7 +14,7 @@ ordinary 4 KiB pages (as activations are) during forward and reads them back
 during backward (``ioreplay``, as in ``bench/step.py``: no hooks, no engine, one
 thread where the engine has ``--io-workers``, and reads that no compute waits
 for). Each round measures the raw bandwidth, then runs one step of each
-mode (disk, none, ioreplay) in an order rotated by the round, so drift hits
+mode (disk, none, ioreplay) in an order from a balanced Latin square over the rounds, so drift hits
 all of them. Example::
 
     python bench/iobound.py --tensor-mib 16 --layers 32 --steps 5
@@ -40,7 +40,7 @@ from prefetch_offload.probe import raw_bandwidth
 from prefetch_offload.slab import direct_io_supported
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
-from _common import IOReplay, scratch_folder, steal_seconds
+from _common import IOReplay, round_order, scratch_folder, steal_seconds
 
 MiB = 1 << 20
 
@@ -185,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                     w, r = raw_bandwidth(folder, min(total, 512 * MiB), 8 * MiB, 2)
                     raw_w.append(w)
                     raw_r.append(r)
-                    k = i % len(order)
-                    for mode in order[k:] + order[:k]:
+                    for mode in round_order(order, i):
                         before = engine.stats()
                         s0 = steal_seconds()
                         start = time.perf_counter()

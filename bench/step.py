@@ -2,7 +2,8 @@
 
 Every mode trains its own copy of one model (same initial weights, same
 batches), all on the calling thread: round ``r`` runs one step of every mode,
-in an order rotated by ``r``, so machine drift hits all modes alike. Each mode
+in the order ``round_order`` gives round ``r`` (a balanced Latin square), so
+machine drift hits all modes alike. Each mode
 sets up what lives for the whole run once (the engine and its IO threads, the
 seed's folder, ioreplay's file and thread) and installs its saved-tensor hooks
 around each of its own steps: exactly what ``offload_context`` does for a user
@@ -103,6 +104,7 @@ from _common import (
     peak_rss_bytes,
     read_rss_bytes,
     reset_peak_rss,
+    round_order,
     steal_seconds,
 )
 
@@ -569,9 +571,9 @@ def run_rounds(
 ) -> RoundLog:
     """Start the workers, run round ``r`` in phase ``phases[r]`` for every mode, finish them.
 
-    Modes run one at a time, in the order of ``workers`` rotated by the round
-    index. On any error every worker is finished and :class:`ModeFailed` is
-    raised from the original exception.
+    Modes run one at a time, in the order :func:`round_order` gives round ``r``
+    (a balanced Latin square over the modes). On any error every worker is
+    finished and :class:`ModeFailed` is raised from the original exception.
     """
     modes = list(workers)
     out = RoundLog(
@@ -586,8 +588,7 @@ def run_rounds(
             where = f"mode {mode!r} entering its context"
             workers[mode].start()
         for r, phase in enumerate(phases):
-            k = r % len(modes)
-            order = modes[k:] + modes[:k]
+            order = round_order(modes, r)
             for mode in order:
                 where = f"mode {mode!r} in round {r + 1} ({phase})"
                 step = workers[mode].step(r, phase)

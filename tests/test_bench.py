@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import itertools
 import json
 import os
 import sys
@@ -247,6 +248,26 @@ def test_counter_delta_subtracts_totals_and_keeps_gauges() -> None:
         "prefetch_hits": 4,
     }
     assert step.counter_delta({}, end) == end
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_round_order_is_a_balanced_latin_square(n: int) -> None:
+    """Over one cycle each mode runs once per slot and follows every other equally often."""
+    common = _load("_common")
+    items = [f"m{i}" for i in range(n)]
+    cycle = n if n % 2 == 0 or n <= 2 else 2 * n
+    rounds = [common.round_order(items, r) for r in range(cycle)]
+    assert all(sorted(row) == items for row in rounds)
+    for slot in range(n):
+        counts = {m: sum(row[slot] == m for row in rounds) for m in items}
+        assert len(set(counts.values())) == 1, (slot, counts)
+    if n > 2:
+        pairs: dict[tuple[str, str], int] = {}
+        for row in rounds:
+            for a, b in itertools.pairwise(row):
+                pairs[(a, b)] = pairs.get((a, b), 0) + 1
+        assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1, pairs
+    assert common.round_order(items, cycle) == rounds[0]  # it repeats
 
 
 def test_peak_rss_catches_a_peak_between_samples() -> None:
