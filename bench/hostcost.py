@@ -9,7 +9,8 @@ even though no guest thread shows it. This script measures, for writes and
 reads of one preallocated O_DIRECT file in ``--save-dir``:
 
 - GB/s, the guest CPU (user + system) this process spends per GB, and the steal
-  per GB, all CPUs together;
+  per GB, all CPUs together, less the steal rate measured for one second with
+  the same load and no IO (the host's other tenants);
 - from two buffer kinds: ``4k`` (ordinary pages, as activations are) and
   ``huge`` (private 2 MiB-aligned mappings asking for huge pages, the engine's
   read buffers: NOTE [huge pages]);
@@ -61,7 +62,9 @@ class CostRow:
     op: str  # "write" or "read"
     gbps: float
     cpu_ms_per_gb: float  # this process, user + system
-    steal_ms_per_gb: float | None  # all CPUs; None where /proc/stat has no steal
+    # All CPUs, less the steal rate measured with no IO just before; None where
+    # /proc/stat has no steal.
+    steal_ms_per_gb: float | None
 
 
 def _buffer(kind: str, size: int) -> tuple[memoryview, Block | None]:
@@ -107,6 +110,12 @@ def measure(
             spin = [sys.executable, "-c", "while True: pass"]
             spinners = [subprocess.Popen(spin) for _ in range(os.cpu_count() or 1)]
             time.sleep(0.5)  # let them reach their loops
+        # Steal that comes with no IO at all (the host's other tenants, and the
+        # spinners themselves): its rate is taken out of every row's steal.
+        b0, bt = steal_seconds(), time.perf_counter()
+        time.sleep(1.0)
+        b1 = steal_seconds()
+        base_rate = 0.0 if b0 is None or b1 is None else (b1 - b0) / (time.perf_counter() - bt)
         for kind in kinds:
             buf, owner = _buffer("4k" if kind == "cache" else kind, request)
             target, every = (cache_fd, sync) if kind == "cache" else (fd, 0)
@@ -122,7 +131,7 @@ def measure(
                 r1, s1 = resource.getrusage(resource.RUSAGE_SELF), steal_seconds()
                 gb = nbytes / 1e9
                 cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-                steal = None if s0 is None or s1 is None else (s1 - s0) / gb * 1e3
+                steal = None if s0 is None or s1 is None else (s1 - s0 - base_rate * dt) / gb * 1e3
                 rows.append(
                     CostRow(
                         "loaded" if loaded else "idle", kind, op, gb / dt, cpu / gb * 1e3, steal
