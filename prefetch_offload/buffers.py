@@ -148,11 +148,19 @@ class HostBufferPool:
         self._closed = False
         self.hits = 0
         self.misses = 0
-        #: Bytes leased and not yet returned, and the most at once.
-        self.leased_bytes = 0
+        # Bytes leased and not yet returned (see leased_bytes), and the most at once.
+        self._leased = 0
         self.peak_leased_bytes = 0
+        # Sizes of blocks returned after close: counted without the lock (NOTE
+        # [read buffer pool]: a finalizer may run where the lock is held).
+        self._late: collections.deque[int] = collections.deque()
         #: Blocks that were asked pinned and came back pageable.
         self.pin_failures = 0
+
+    @property
+    def leased_bytes(self) -> int:
+        """Bytes leased and not yet returned."""
+        return self._leased - sum(list(self._late))  # list(): a snapshot, safe from appends
 
     @property
     def idle_bytes(self) -> int:
@@ -192,13 +200,13 @@ class HostBufferPool:
 
     def _count_lease(self, size: int) -> None:
         # Under the lock.
-        self.leased_bytes += size
+        self._leased += size
         self.peak_leased_bytes = max(self.peak_leased_bytes, self.leased_bytes)
 
     def _give_back(self, block: Block) -> None:
         # Runs when a leased storage dies, in any thread (or the collector): no locks.
         if self._closed:
-            self.leased_bytes -= block.size
+            self._late.append(block.size)  # deque.append: atomic, no lock needed
             block.release()
         else:
             self._returned.append(block)
@@ -219,7 +227,7 @@ class HostBufferPool:
             cap = self._cap()
             while returned:
                 block = returned.popleft()
-                self.leased_bytes -= block.size
+                self._leased -= block.size
                 if self._idle_bytes + block.size > cap:
                     drop.append(block)
                     continue

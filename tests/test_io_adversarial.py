@@ -309,6 +309,30 @@ def test_blocks_returned_in_other_threads_and_the_collector_are_all_accounted() 
     assert not factory.alive and pool.leased_bytes == 0
 
 
+def test_blocks_returned_concurrently_after_close_are_all_uncounted() -> None:
+    """After close, returns from many threads at once each release their block and
+    leave the count exact (they are counted without the pool's lock)."""
+    factory = _Counting()
+    pool = HostBufferPool(1 << 20, allocate=factory)
+    leases = [[pool.lease(1 << 16)[0] for _ in range(50)] for _ in range(4)]
+    pool.close()
+    assert pool.leased_bytes == 200 << 16
+    start = threading.Barrier(len(leases))
+
+    def drop(batch: list[torch.Tensor]) -> None:
+        start.wait()
+        while batch:
+            batch.pop()  # the storage dies in this thread
+
+    threads = [threading.Thread(target=drop, args=(batch,)) for batch in leases]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    del leases
+    assert pool.leased_bytes == 0 and not factory.alive
+
+
 # -- engines on the CPU twin and on disk ---------------------------------------------------
 
 
