@@ -37,6 +37,9 @@ each copy with a :class:`Fence` that says when it has finished.
 # the D2H copy still reads it, and a pinned block cannot go back to its pool
 # (which happens when its storage dies, NOTE [read buffer pool]) while a copy
 # still reads or writes it. Nothing else has to reason about copy lifetimes.
+# The CPU twin's copy jobs hold those tensors only weakly and fail if one is
+# gone when they run, so a copy the in-flight list stopped holding fails in CI
+# as it would corrupt bytes on a GPU.
 # D2H bytes in flight are capped (``max_inflight_bytes``): past it, the next
 # D2H waits for the oldest one on the host, which bounds the device memory
 # that copies hold on to when the link is slower than compute.
@@ -337,13 +340,28 @@ class _Worker:
 
 
 def _copy_job(
-    dst: torch.Tensor, src: torch.Tensor, fence: _ThreadFence, after: Fence | None
+    dst: torch.Tensor | weakref.ref[torch.Tensor],
+    src: weakref.ref[torch.Tensor],
+    fence: _ThreadFence,
+    after: Fence | None,
 ) -> Callable[[], None]:
+    """A twin copy. It holds its source (and a D2H copy's destination) only weakly:
+    on CUDA nothing but the in-flight list keeps them alive until the copy ran (NOTE
+    [copies keep their buffers]), so a tensor already gone when the copy runs is a
+    bug the twin must show, not hide by holding it itself."""
+
     def job() -> None:
         try:
             if after is not None:
                 after.wait()
-            dst.copy_(src)
+            out = dst() if isinstance(dst, weakref.ref) else dst
+            inp = src()
+            if out is None or inp is None:
+                raise OffloadError(
+                    "prefetch_offload: a copy's tensor was freed before the copy ran "
+                    "(NOTE [copies keep their buffers])"
+                )
+            out.copy_(inp)
         except BaseException as exc:  # reaches whoever waits on the fence
             fence.set(exc)
         else:
@@ -373,7 +391,7 @@ class ThreadStreams(CopyStreams):
 
     def _d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
         fence = _ThreadFence()
-        self._d2h_worker.put(_copy_job(dst, src, fence, None))
+        self._d2h_worker.put(_copy_job(weakref.ref(dst), weakref.ref(src), fence, None))
         return fence
 
     def _h2d(self, src: torch.Tensor, after: Fence | None, pad: int) -> tuple[torch.Tensor, Fence]:
@@ -382,7 +400,8 @@ class ThreadStreams(CopyStreams):
         lead = (-raw.data_ptr()) % 512
         out = raw[lead : lead + pad + src.numel()]
         fence = _ThreadFence()
-        self._h2d_worker.put(_copy_job(out[pad:], src, fence, after))
+        # The destination is the caller's new tensor (stream-ordered on CUDA): held.
+        self._h2d_worker.put(_copy_job(out[pad:], weakref.ref(src), fence, after))
         return out, fence
 
     def use(self, t: torch.Tensor, fence: Fence | None) -> None:
