@@ -251,10 +251,15 @@ def run(args: argparse.Namespace) -> tuple[list[GpuRow], dict[str, float]]:
             if r == args.warmup:
                 before = {m: e.stats() for m, e in engines.items()}
             order = round_order(modes, r)
+            times = []
             for mode in order:
                 dt, fwd, peak, _ = step(mode)
+                times.append(f"{mode} {dt * 1e3:.1f} ms")
                 if r >= args.warmup:
                     samples[mode].append((dt, fwd, peak))
+            # Per round, flushed: a stage killed by its time limit still leaves numbers.
+            kind = "warmup" if r < args.warmup else "timed"
+            print(f"round {r + 1} ({kind}): " + ", ".join(times), file=sys.stderr, flush=True)
         rows = []
         for mode in modes:
             s = samples[mode]

@@ -774,6 +774,8 @@ class OffloadEngine:
             return False  # subclasses (incl. Parameter), sparse, mkldnn
         if not self._device.accepts(t) or t.is_quantized or t.is_nested:
             return False
+        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False  # side-stream copies and event queries are illegal in a capture
         if t.is_conj() or t.is_neg() or torch.is_inference(t):
             return False
         # Autograd hands over views of parameters (weight.t()), not the Parameter.

@@ -268,7 +268,7 @@ class CudaStreams(CopyStreams):
         side.wait_stream(torch.cuda.current_stream(self.device))  # read at every call
         with torch.cuda.stream(side):
             dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # host waits sleep, not spin
             event.record(side)
         return _CudaFence(event, self.device)
 
@@ -282,7 +282,7 @@ class CudaStreams(CopyStreams):
                     after.wait()
             out = torch.empty((pad + src.numel(),), dtype=torch.uint8, device=self.device)
             out[pad:].copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)
             event.record(side)
         return out, _CudaFence(event, self.device)
 

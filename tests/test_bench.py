@@ -457,6 +457,27 @@ def test_iobound_main_tiny(tmp_path: Path, cwd: Path) -> None:
 # -- bench/gpu.py ------------------------------------------------------------------------
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this would run the whole suite")
+def test_gpu_suite_fails_without_cuda(tmp_path: Path) -> None:
+    """The prepared GPU run refuses a torch without CUDA (every gpu_only test would
+    skip and pass) and says so in its exit status and rc.txt."""
+    import subprocess
+
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(
+        ["bash", str(BENCH / "gpu_suite.sh"), str(tmp_path / "out")],
+        cwd=BENCH.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "no CUDA device" in proc.stdout
+    assert (tmp_path / "out" / "rc.txt").read_text().split() == ["cuda_available", "3"]
+
+
 def test_gpu_main_on_the_cpu_twin(tmp_path: Path, cwd: Path) -> None:
     """bench/gpu.py end to end on the CPU twin: every mode runs and is exact."""
     gpu = _load("gpu")

@@ -117,6 +117,63 @@ def test_cuda_race_with_queued_gpu_work(save_dir: Path, target: str, depth: int)
 
 
 @pytest.mark.parametrize("target", ["cpu", "disk"])
+@pytest.mark.parametrize("depth", [0, 4])
+def test_cuda_backward_waits_for_late_host_to_device_copies(
+    save_dir: Path, target: str, depth: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every H2D copy is queued behind long work on the H2D stream: if the compute
+    stream did not wait on the copy's event (``use``), backward would read the
+    restored tensor before its bytes land, and the gradient would differ."""
+    from prefetch_offload.streams import CudaStreams
+
+    real = CudaStreams._h2d
+
+    def late(self: CudaStreams, src: torch.Tensor, after: Any, pad: int) -> Any:
+        with torch.cuda.stream(self._h2d_stream):
+            torch.cuda._sleep(20_000_000)  # the copy queued next runs late
+        return real(self, src, after, pad)
+
+    monkeypatch.setattr(CudaStreams, "_h2d", late)
+    x = torch.randn(1 << 22, device="cuda", requires_grad=True)
+
+    def step() -> torch.Tensor:
+        return sum(((x * (i + 2)).sin() * (i + 1)).sum() for i in range(4))
+
+    step().backward()
+    expected, x.grad = x.grad, None
+    with offload_context(
+        target, prefetch_depth=depth, min_offload_bytes=0, **_kw(target, save_dir)
+    ) as engine:
+        loss = step()
+        engine.flush()  # every record is on the host (or disk): backward copies all back
+        loss.backward()
+    assert engine.stats().tensors_offloaded > 0
+    assert torch.equal(x.grad, expected)
+
+
+def test_cuda_graph_capture_keeps_saved_tensors_in_memory(save_dir: Path) -> None:
+    """Under CUDA graph capture the hooks keep tensors (side-stream copies and event
+    queries cannot be captured), and the captured graph replays correctly."""
+    x = torch.randn(1 << 16, device="cuda", requires_grad=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture, as CUDA graphs require
+        (x * 2).sin().sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with offload_context("cpu", min_offload_bytes=0) as engine:
+        with torch.cuda.graph(graph):
+            loss = (x * 2).sin().sum()
+    stats = engine.stats()
+    assert stats.tensors_offloaded == 0 and stats.tensors_kept > 0
+    graph.replay()
+    loss.backward()
+    torch.cuda.synchronize()
+    assert torch.equal(x.grad, 2 * (x.detach() * 2).cos())
+
+
+@pytest.mark.parametrize("target", ["cpu", "disk"])
 def test_cuda_compute_stream_changes_between_steps(save_dir: Path, target: str) -> None:
     """The current stream is read at every hook call: one engine, default then side stream."""
     model, tokens, targets = _setup()
@@ -127,6 +184,9 @@ def test_cuda_compute_stream_changes_between_steps(save_dir: Path, target: str) 
         model.zero_grad(set_to_none=True)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
+            # Long work queued on the new stream first: a copy ordered after a cached
+            # (old) stream would read the activations before they exist.
+            torch.cuda._sleep(20_000_000)
             model(tokens, targets).backward()
     with torch.cuda.stream(stream):
         ref(tokens, targets).backward()  # the reference, on the same stream, no offload
