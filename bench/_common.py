@@ -171,20 +171,25 @@ def round_order(items: Sequence[T], r: int) -> list[T]:
     return [items[j] for j in rows[r % len(rows)]]
 
 
+def _proc_kib(path: str, key: str) -> int | None:
+    """The "``key`` N kB" line of a /proc file, in bytes; None where it is missing."""
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def page_cache_bytes() -> int | None:
     """The machine's page cache (``Cached`` in ``/proc/meminfo``), or None.
 
     Memory that buffered file writes leave in RAM: not in any process's RSS, but
     still held until the kernel writes it back and drops it.
     """
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Cached:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return _proc_kib("/proc/meminfo", "Cached:")
 
 
 def reset_peak_rss() -> bool:
@@ -204,14 +209,7 @@ def reset_peak_rss() -> bool:
 
 def peak_rss_bytes() -> int | None:
     """Peak RSS since the process started or since :func:`reset_peak_rss` (VmHWM)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return _proc_kib("/proc/self/status", "VmHWM:")
 
 
 class RssSampler:
