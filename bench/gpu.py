@@ -99,6 +99,9 @@ class GpuRow:
     hit_rate: float | None = None
     stall_seconds_per_step: float | None = None
     pack_wait_seconds_per_step: float | None = None
+    # Growth of the caching allocator's reserved memory over each step: blocks cached
+    # for the copy streams (NOTE [copy streams]) show here, not in allocated memory.
+    reserved_growth_bytes: tuple[int, ...] = ()
 
     @property
     def median_step_s(self) -> float:
@@ -152,6 +155,12 @@ class _Gpu:
 
     def peak(self) -> int:
         return torch.cuda.max_memory_allocated() if self.cuda else 0
+
+    def reserved(self) -> int:
+        return torch.cuda.memory_reserved() if self.cuda else 0
+
+    def peak_reserved(self) -> int:
+        return torch.cuda.max_memory_reserved() if self.cuda else 0
 
 
 def _math_attention(cuda: bool) -> AbstractContextManager[Any]:
@@ -212,11 +221,14 @@ def run(args: argparse.Namespace) -> tuple[list[GpuRow], dict[str, float]]:
         models = {m: copy.deepcopy(base) for m in modes}
         opts = {m: torch.optim.SGD(models[m].parameters(), lr=1e-4) for m in modes}
 
+        reserved_growth: dict[str, list[int]] = {m: [] for m in modes}
+
         def step(mode: str, *, update: bool = True) -> tuple[float, int, int, list[torch.Tensor]]:
             model = models[mode]
             gpu.sync()
             gpu.reset_peak()
             start_mem = gpu.allocated()
+            start_reserved = gpu.reserved()
             t0 = time.perf_counter()
             with ctx[mode]():
                 loss = model(tokens, targets)
@@ -229,6 +241,7 @@ def run(args: argparse.Namespace) -> tuple[list[GpuRow], dict[str, float]]:
             opts[mode].zero_grad(set_to_none=True)
             gpu.sync()
             dt = time.perf_counter() - t0
+            reserved_growth[mode].append(gpu.peak_reserved() - start_reserved)
             return dt, fwd_peak, gpu.peak() - start_mem, grads
 
         # Exactness: round 0 without an update, every mode against none (and none twice),
@@ -284,6 +297,7 @@ def run(args: argparse.Namespace) -> tuple[list[GpuRow], dict[str, float]]:
                     tuple(x[1] for x in s),
                     tuple(x[2] for x in s),
                     exact[mode],
+                    reserved_growth_bytes=tuple(reserved_growth[mode][-args.steps :]),
                     **extra,
                 )
             )
@@ -329,6 +343,13 @@ def table(rows: list[GpuRow], env: dict[str, float], args: argparse.Namespace) -
             f"{r.fwd_peak / 1e9:11.2f} {cut:5.0%} {r.step_peak / 1e9:12.2f} {gb} {hit} {stall} "
             f"{r.exact:>6}"
         )
+    growth = ", ".join(
+        f"{r.mode} {statistics.median(r.reserved_growth_bytes) / 1e6:.0f}"
+        for r in rows
+        if r.reserved_growth_bytes
+    )
+    if growth:
+        lines.append(f"reserved memory growth per step, median MB (caching allocator): {growth}")
     cpu = next((r for r in rows if r.bytes_offloaded_per_step), None)
     if cpu is not None and "d2h_gbps" in env:
         vol = cpu.bytes_offloaded_per_step

@@ -492,6 +492,8 @@ def test_gpu_main_on_the_cpu_twin(tmp_path: Path, cwd: Path) -> None:
     assert all(r["exact"] in ("ref", "yes") for r in rows.values())
     assert rows["cpu"]["bytes_offloaded_per_step"] > 0
     assert rows["disk"]["bytes_offloaded_per_step"] > 0
+    # One reserved-memory sample per timed step (0 on the twin: no caching allocator).
+    assert all(r["reserved_growth_bytes"] == [0, 0] for r in rows.values())
     assert _empty(tmp_path / "s")
 
 
