@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import copy
 import gc
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +20,32 @@ from torch.utils.checkpoint import checkpoint
 
 from prefetch_offload import OffloadConfig, OffloadEngine, offload_context
 from prefetch_offload.device import RoutingDevice, SpanCopyDevice
+from prefetch_offload.slab import direct_io_supported
 from prefetch_offload.testing import TinyTransformer, make_batch
 
 pytestmark = [
     pytest.mark.gpu_only,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+
+
+@pytest.fixture
+def save_dir(tmp_path: Path) -> Iterator[Path]:
+    """A scratch folder that takes O_DIRECT where any nearby one does: pytest's tmp
+    folder may be tmpfs, where the disk target would fall back to buffered IO and the
+    pinned-memory O_DIRECT path (CUDA-only) would go untested."""
+    d = tmp_path / "offload"
+    d.mkdir()
+    if direct_io_supported(str(d)):
+        yield d
+        return
+    scratch = Path(__file__).resolve().parent.parent / ".scratch"
+    scratch.mkdir(exist_ok=True)
+    local = Path(tempfile.mkdtemp(prefix="cuda-test-", dir=scratch))
+    try:
+        yield local
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
 
 
 def _setup(
