@@ -709,14 +709,25 @@ class OffloadEngine:
         whole = storage.nbytes()
         if nbytes < whole <= 2 * nbytes:  # NOTE [whole storage]
             start, nbytes = 0, whole
-        host, base, fence = self._device.to_host(storage, start, nbytes)
-        span = Span(nbytes, (host.data_ptr() + base) % 4096)
+        # Slab space first, so that a full disk costs no device-to-host copy. Host
+        # memory is the storage itself, or a page-aligned host block (pad 0).
+        identity = self._device.identity(storage.device)
+        span = Span(nbytes, (storage.data_ptr() + start) % 4096 if identity else 0)
         store = self._store
         extent = None
         if store is not None:
             extent = self._allocate(store, span.extent_bytes)
             if extent is None:
                 return _Kept(t)
+        host, base, fence = self._device.to_host(storage, start, nbytes)
+        pad = (host.data_ptr() + base) % 4096
+        if pad != span.pad:  # a host block that is not page-aligned: reserve again
+            span = Span(nbytes, pad)
+            if store is not None and extent is not None:
+                store.free(extent)
+                extent = self._allocate(store, span.extent_bytes)
+                if extent is None:
+                    return _Kept(t)
         view = ViewMeta(t.dtype, shape, stride, vstart - start)
         owner = weakref.ref(owner_t)
         # Bytes still read from t's own memory can change under it (NOTE [version check]).

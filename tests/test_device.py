@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from prefetch_offload import OffloadConfig, OffloadEngine, OffloadError
+from prefetch_offload import OffloadConfig, OffloadEngine, OffloadError, OffloadFallbackWarning
 from prefetch_offload.device import RoutingDevice, SpanCopyDevice
 from prefetch_offload.testing import TinyTransformer, make_batch
 
@@ -223,3 +223,68 @@ def test_twin_engine_dropped_without_close_stops_its_threads(save_dir: Path, tar
             break
         time.sleep(0.01)
     assert not left, left
+
+
+def test_twin_full_disk_issues_no_device_copy(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slab space is reserved before the device-to-host copy: with the disk full, packs
+    keep their tensors without copying them (and gradients stay exact)."""
+    from prefetch_offload.streams import ThreadStreams
+
+    copies: list[int] = []
+    real = ThreadStreams._d2h
+
+    def counting(self: ThreadStreams, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        copies.append(src.numel())
+        return real(self, dst, src)
+
+    monkeypatch.setattr(ThreadStreams, "_d2h", counting)
+    model, tokens, targets = _model()
+    ref = copy.deepcopy(model)
+    ref(tokens, targets).backward()
+    with _twin("disk", save_dir) as (engine, _):
+        assert engine._store is not None
+        monkeypatch.setattr(engine._store, "allocate", lambda n: None)
+        with pytest.warns(OffloadFallbackWarning):
+            model(tokens, targets).backward()
+        stats = engine.stats()
+    assert copies == [] and stats.fallbacks > 0 and stats.tensors_offloaded == 0
+    assert all(torch.equal(a, b) for a, b in zip(_grads(model), _grads(ref), strict=True))
+
+
+def test_twin_host_block_off_the_page_start_is_reserved_again(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host block that does not start a page (its alignment was guessed as 0 before
+    the copy) gets its slab space reserved again for the real alignment: exact."""
+    real = SpanCopyDevice.to_host
+
+    def shifted(self: SpanCopyDevice, storage: Any, base: int, nbytes: int) -> Any:
+        host, hbase, fence = real(self, storage, base, nbytes + 512)  # room for the shift
+        assert hbase == 0 and fence is not None
+        fence.wait()  # the twin's copy landed at 0: move it to 512
+        raw = torch.empty(0, dtype=torch.uint8).set_(host)
+        raw[512 : 512 + nbytes] = raw[:nbytes].clone()
+        return host, 512, None
+
+    monkeypatch.setattr(SpanCopyDevice, "to_host", shifted)
+    model, tokens, targets = _model()
+    ref = copy.deepcopy(model)
+    ref(tokens, targets).backward()
+    with _twin("disk", save_dir) as (engine, _):
+        calls: list[int] = []
+        real_allocate = engine._allocate
+
+        def allocate(store: Any, n: int) -> Any:
+            calls.append(n)
+            return real_allocate(store, n)
+
+        monkeypatch.setattr(engine, "_allocate", allocate)
+        loss = model(tokens, targets)
+        engine.flush()
+        loss.backward()
+        stats = engine.stats()
+    assert stats.tensors_offloaded > 0 and stats.bytes_read > 0
+    assert len(calls) >= 2 * stats.tensors_offloaded  # the guess, then the real alignment
+    assert all(torch.equal(a, b) for a, b in zip(_grads(model), _grads(ref), strict=True))
