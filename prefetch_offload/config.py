@@ -7,8 +7,9 @@ a message that names the bad value and says how to fix it.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -16,7 +17,9 @@ __all__ = [
     "IO_METHODS",
     "STAGE_WRITES",
     "TARGETS",
+    "ByteSize",
     "OffloadConfig",
+    "parse_bytes",
     "validate_offload_config",
 ]
 
@@ -29,6 +32,71 @@ _ALIGN = 4096
 
 IOMethod = Literal["auto", "direct", "buffered", "mmap"]
 StageWrites = Literal["auto", "always", "never"]
+# A byte count: an int, or a str with a decimal or binary unit ("6GiB", "512MB").
+ByteSize = int | str
+
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_bytes(name: str, value: object) -> int:
+    """``value`` as a whole number of bytes: an int >= 0, or a str such as "6GiB".
+
+    Raises:
+        TypeError: not an int or str (floats and bools included).
+        ValueError: negative, an unknown unit, or a fraction of a byte.
+
+    Example:
+        >>> parse_bytes("host_budget", "1.5KiB")
+        1536
+    """
+    example = f'{name}=6 << 30 or {name}="6GiB"'
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise TypeError(
+            f"prefetch_offload: {name} must be an int or a str with a unit, got "
+            f"{type(value).__name__} ({value!r}); e.g. {example}."
+        )
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"prefetch_offload: {name} must be >= 0, got {value}; e.g. {example}.")
+        return value
+    match = _SIZE.fullmatch(value)
+    unit = match.group(2).lower() if match else ""
+    if match is None or (unit not in _UNITS and unit != ""):
+        raise ValueError(
+            f"prefetch_offload: {name}={value!r} is not a byte size; use a number with one of "
+            f"the units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, e.g. {example}."
+        )
+    number = match.group(1)
+    whole, _, frac = number.partition(".")
+    scale = _UNITS.get(unit, 1)
+    numerator = int(whole + frac) * scale
+    denominator = 10 ** len(frac)
+    if numerator % denominator:
+        raise ValueError(
+            f"prefetch_offload: {name}={value!r} is not a whole number of bytes; e.g. {example}."
+        )
+    return numerator // denominator
+
+
+class _Default:
+    """Marks a field whose default depends on the target; resolved in __post_init__."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+_TARGET_DEFAULT: Any = _Default()
 
 
 def _check_int(name: str, value: object, minimum: int, hint: str) -> None:
@@ -87,6 +155,17 @@ class OffloadConfig:
     # CRC-32 of every packed span, checked when it is read back: a corrupted byte
     # raises OffloadIOError instead of giving a wrong gradient. Costs CPU time.
     verify: bool = False
+    # NOTE [tiers] in policy.py. Bytes of saved activations that may stay where they
+    # were made (GPU memory for CUDA tensors, RAM for CPU tensors): the newest ones,
+    # which backward needs first. 0 moves every eligible tensor. An int or "6GiB".
+    device_budget: ByteSize = 0
+    # Bytes of host RAM that copies of CUDA tensors may hold. Target "cpu": None (no
+    # limit) by default; target "disk": 0 by default (host memory only as staging),
+    # and a positive value makes RAM the middle tier before disk.
+    host_budget: ByteSize | None = _TARGET_DEFAULT
+    # Cap on the bytes one prefetch window reads ahead (NOTE [lookahead] in plan.py);
+    # None derives it from the measured read bandwidth. An int or "256MiB".
+    prefetch_bytes: ByteSize | None = None
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -162,6 +241,28 @@ class OffloadConfig:
                 0,
                 "Use None for no cap, or a byte count.",
             )
+        object.__setattr__(self, "device_budget", parse_bytes("device_budget", self.device_budget))
+        host_budget = self.host_budget
+        if host_budget is _TARGET_DEFAULT:
+            host_budget = 0 if self.target == "disk" else None
+        elif host_budget is None and self.target == "disk":
+            raise ValueError(
+                "prefetch_offload: host_budget=None (no limit) needs target 'cpu'; with target "
+                "'disk' give the bytes of RAM host copies may hold before disk, e.g. "
+                'host_budget="32GiB", or 0 to use RAM only as staging.'
+            )
+        if host_budget is not None:
+            host_budget = parse_bytes("host_budget", host_budget)
+        object.__setattr__(self, "host_budget", host_budget)
+        if self.prefetch_bytes is not None:
+            prefetch_bytes = parse_bytes("prefetch_bytes", self.prefetch_bytes)
+            if prefetch_bytes == 0:
+                raise ValueError(
+                    "prefetch_offload: prefetch_bytes must be > 0; use prefetch_depth=0 to "
+                    "turn prefetching off, None for a window sized from the read bandwidth, "
+                    'or e.g. "256MiB".'
+                )
+            object.__setattr__(self, "prefetch_bytes", prefetch_bytes)
 
 
 def validate_offload_config(

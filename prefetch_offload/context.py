@@ -14,8 +14,10 @@ from typing import Any
 import torch
 
 from .config import (
+    _TARGET_DEFAULT,
     DEFAULT_CHUNK_BYTES,
     DEFAULT_INFLIGHT_COPY_BYTES,
+    ByteSize,
     OffloadConfig,
     validate_offload_config,
 )
@@ -153,6 +155,9 @@ def offload_context(
     stage_writes: str = "auto",
     disk_bytes_limit: int | None = None,
     verify: bool = False,
+    device_budget: ByteSize = 0,
+    host_budget: ByteSize | None = _TARGET_DEFAULT,
+    prefetch_bytes: ByteSize | None = None,
 ) -> OffloadContext:
     """Offload the tensors autograd saves for backward while the block runs.
 
@@ -173,6 +178,14 @@ def offload_context(
             forward waits at the write cap; "always" or "never" force it.
         disk_bytes_limit: cap on slab bytes; past it tensors stay in memory.
         verify: checksum every packed tensor and check it when read back.
+        device_budget: bytes of saved activations that may stay where they were
+            made (GPU memory, or RAM for CPU tensors): the newest, which backward
+            needs first. An int or a str such as "6GiB"; 0 moves every eligible tensor.
+        host_budget: bytes of RAM that host copies of CUDA tensors may hold.
+            Target "cpu": no limit by default. Target "disk": 0 by default (RAM
+            only as staging); a positive value makes RAM the tier before disk.
+        prefetch_bytes: cap on the bytes one prefetch window reads ahead; None
+            sizes it from the measured read bandwidth.
 
     Returns:
         A context manager whose ``__enter__`` yields the engine (``engine.stats()``).
@@ -203,6 +216,9 @@ def offload_context(
         stage_writes=stage_writes,  # type: ignore[arg-type]
         disk_bytes_limit=disk_bytes_limit,
         verify=verify,
+        device_budget=device_budget,
+        host_budget=host_budget,
+        prefetch_bytes=prefetch_bytes,
     )
     return OffloadContext(config)
 

@@ -93,8 +93,9 @@ tensor equal in value, shape, strides, dtype and device.
 # freed, and their tensors stay in memory (they already were: that memory is
 # what max_pending_write_bytes bounds) until backward consumes them. Batches are
 # taken newest first; the first one a worker has started ends the scan (writes
-# run in submission order). Skipped records still alive when forward resumes
-# are queued again (``_requeue_skipped``).
+# run in submission order). These are cancelled demotions (NOTE [tiers] in
+# policy.py): the records return to their memory tier, and those still alive
+# when forward resumes are demoted again as the budgets require.
 #
 # NOTE [write staging]
 # O_DIRECT pins and maps every 4 KiB page of the memory it writes from, and on a
@@ -183,6 +184,7 @@ import contextlib
 import errno
 import functools
 import itertools
+import logging
 import threading
 import time
 import warnings
@@ -200,12 +202,15 @@ from .device import DeviceLayer, Placed, default_device_layer
 from .errors import OffloadError, OffloadFallbackWarning, OffloadIOError
 from .io_pool import READ, WRITE, InlineIOPool, IOFuture, IOPool, ThreadIOPool
 from .packed import Span, ViewMeta, make_view, new_read_buffer, source_buffer, view_span
-from .scheduler import PrefetchScheduler
+from .plan import PrefetchPlan, current_group_key
+from .policy import DEVICE, DISK, HOST, TierPolicy
 from .slab import Extent, SlabStore, prepare_save_dir
 from .stats import OffloadStats, StatsCounter
 from .streams import Fence
 
 __all__ = ["OffloadEngine"]
+
+logger = logging.getLogger("prefetch_offload")
 
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
@@ -267,6 +272,20 @@ _RECENT_SPANS = 3
 _STAGE_BYTES = 2 << 20
 # Cap on idle read buffers kept for reuse during backward (NOTE [read buffer pool]).
 _POOL_IDLE_BYTES = 256 << 20
+
+# NOTE [window bytes]
+# With prefetch_bytes=None a prefetch window may hold what the slabs deliver in
+# _AUTO_WINDOW_SECONDS at the read bandwidth measured so far (bytes read over
+# the IO threads' time reading them), within [_AUTO_WINDOW_MIN, _AUTO_WINDOW_MAX];
+# _AUTO_WINDOW_START until enough has been read to measure. A window bounded so
+# has its reads done in about that time, which is the backward compute of a
+# block or two that it must hide behind; a larger one holds memory for reads
+# that could not have been late anyway. Eager windows are usually bounded by
+# prefetch_depth first (NOTE [lookahead] in plan.py).
+_AUTO_WINDOW_SECONDS = 0.1
+_AUTO_WINDOW_START = 64 << 20
+_AUTO_WINDOW_MIN = 16 << 20
+_AUTO_WINDOW_MAX = 512 << 20
 
 # A record queued for writing: its pieces (views of its host bytes) and its copy's fence.
 _Pending = tuple["_Record", list[memoryview], Fence | None]
@@ -350,6 +369,7 @@ class _Record:
         "exposed",
         "extent",
         "frozen",
+        "held",
         "host_only",
         "key",
         "on_disk",
@@ -359,9 +379,13 @@ class _Record:
         "restored",
         "saved",
         "seq",
+        "skipped",
         "source",
         "span",
+        "spos",
+        "step",
         "tainted",
+        "tier",
         "version",
         "view0",
         "write_error",
@@ -373,7 +397,7 @@ class _Record:
         engine: OffloadEngine,
         span: Span,
         extent: Extent | None,
-        source: Resident,
+        source: Resident | None,
         device: torch.device,
         seq: int,
         view0: ViewMeta,
@@ -405,7 +429,11 @@ class _Record:
         # Whether the device's memory is host memory (CPU tensors): no copies either way.
         self.host_only = engine._device.identity(device)
         self.seq = seq
-        self.pos = -1
+        self.pos = self.step = self.spos = -1  # NOTE [lookahead] in plan.py
+        self.tier = DEVICE  # NOTE [tiers] in policy.py
+        # A device span kept in the DEVICE tier (CUDA tensors; CPU ones are ``source``).
+        self.held: Resident | None = None
+        self.skipped = False  # NOTE [write tail]: a queued write was dropped
         self.pass_no = -1  # NOTE [backward passes]
         self.on_disk = False
         self.writes_left = 0
@@ -427,6 +455,11 @@ class _Record:
         now = saved._version if saved is not None else self.version
         if self.tainted or now != self.version:
             raise _version_error(self.describe(), max(now, self.version + 1), self.version)
+
+    @property
+    def nbytes(self) -> int:
+        """The span's bytes."""
+        return self.span.nbytes
 
     def resident(self) -> Resident | None:
         """The span on its device if a view handed out earlier still holds it."""
@@ -457,7 +490,7 @@ class _Record:
     def __del__(self) -> None:
         # NOTE [record lifetime]: never take a lock here.
         try:
-            self.engine._dead.append((self.extent, self.key))
+            self.engine._dead.append((self.extent, self.key, self.tier, self.span.nbytes))
         except Exception:  # interpreter shutdown
             pass
 
@@ -587,12 +620,17 @@ class OffloadEngine:
             collections.deque()
         )
         self._stats = StatsCounter()
-        self._scheduler = PrefetchScheduler(config.prefetch_depth)
+        self._plan = PrefetchPlan(
+            config.prefetch_depth, window_bytes=config.prefetch_bytes or _AUTO_WINDOW_START
+        )
+        self._policy = TierPolicy(config.device_budget, config.host_budget)
         # Storage address -> spans of live records in it (NOTE [dedup]).
         self._dedup: dict[int, list[_DedupEntry]] = {}
-        self._dead: collections.deque[tuple[Extent | None, int]] = collections.deque()
+        self._dead: collections.deque[tuple[Extent | None, int, int, int]] = collections.deque()
         self._error: BaseException | None = None
         self._warned_full = False
+        self._warned_host = False  # NOTE [tiers]: host budget exhausted with no disk
+        self._warned_cpu_budget = False
         self._seq = 0
         self._pass_no = 0
         self._closed = False
@@ -602,7 +640,6 @@ class OffloadEngine:
         self._in_backward = False
         # NOTE [recently restored]: the graph task whose end a final callback awaits.
         self._end_task: int | None = None
-        self._skipped: list[weakref.ref[_Record]] = []  # NOTE [write tail]
         self._read_pool = HostBufferPool(_POOL_IDLE_BYTES)
         # NOTE [write staging]: one 2 MiB huge-page buffer per IO worker, and
         # whether forward has waited at the write cap since the last backward.
@@ -639,6 +676,19 @@ class OffloadEngine:
                 peak_disk_bytes_in_use=store.peak_used_bytes,
             )
         self._stats.set(copy_wait_seconds=self._device.copy_wait_seconds())
+        with self._lock:
+            policy = self._policy
+            self._stats.set(
+                device_tier_bytes=policy.bytes[DEVICE],
+                host_tier_bytes=policy.bytes[HOST],
+                disk_tier_bytes=policy.bytes[DISK],
+                peak_device_tier_bytes=policy.peak[DEVICE],
+                peak_host_tier_bytes=policy.peak[HOST],
+                peak_disk_tier_bytes=policy.peak[DISK],
+                bytes_demoted_to_host=policy.demoted[HOST],
+                bytes_demoted_to_disk=policy.demoted[DISK],
+                predicted_steps=self._plan.predicted_steps,
+            )
         return self._stats.snapshot()
 
     def flush(self) -> None:
@@ -671,13 +721,16 @@ class OffloadEngine:
         if self._in_backward:  # forward again
             self._in_backward = False
             self._end_task = None  # in case that backward raised (no final callback)
-            if self._skipped:
-                self._requeue_skipped()
+            with self._lock:
+                self._plan.begin_forward()  # NOTE [learned order]
+            self._enforce_budgets()  # NOTE [tiers]: what the write tail kept
             self._recent.clear()  # NOTE [recently restored]
             # NOTE [read buffer pool]: unmapping takes a while; an IO thread does it.
             self._pool.submit(self._background(self._read_pool.trim), READ)
         if not self._eligible(t):
             self._stats.add(tensors_kept=1)
+            if not self._warned_cpu_budget and self.config.target == "cpu":
+                self._note_cpu_budget(t)
             return _Kept(t)
         storage = t.untyped_storage()
         vstart, vbytes = view_span(t)
@@ -709,51 +762,164 @@ class OffloadEngine:
         whole = storage.nbytes()
         if nbytes < whole <= 2 * nbytes:  # NOTE [whole storage]
             start, nbytes = 0, whole
-        # Slab space first, so that a full disk costs no device-to-host copy. Host
-        # memory is the storage itself, or a page-aligned host block (pad 0).
+        # Host memory is the storage itself, or a page-aligned host block (pad 0).
         identity = self._device.identity(storage.device)
-        span = Span(nbytes, (storage.data_ptr() + start) % 4096 if identity else 0)
-        store = self._store
-        extent = None
-        if store is not None:
-            extent = self._allocate(store, span.extent_bytes)
-            if extent is None:
-                return _Kept(t)
-        host, base, fence = self._device.to_host(storage, start, nbytes)
-        pad = (host.data_ptr() + base) % 4096
-        if pad != span.pad:  # a host block that is not page-aligned: reserve again
-            span = Span(nbytes, pad)
-            if store is not None and extent is not None:
-                store.free(extent)
-                extent = self._allocate(store, span.extent_bytes)
-                if extent is None:
-                    return _Kept(t)
+        span = Span(nbytes, (key + start) % 4096 if identity else 0)
         view = ViewMeta(t.dtype, shape, stride, vstart - start)
         owner = weakref.ref(owner_t)
-        # Bytes still read from t's own memory can change under it (NOTE [version check]).
-        copying = host is storage or fence is not None
-        saved = t.detach() if copying else None  # NOTE [no cycles]
+        here: Resident = (storage, start, None)
+        # NOTE [version check]: the bytes are read from t's own memory until they are
+        # copied or written; NOTE [no cycles]: a detached alias.
+        saved = t.detach()
         with self._lock:
             rec = _Record(
-                self, span, extent, (host, base, fence), t.device, self._seq, view, saved, version
+                self,
+                span,
+                None,
+                here if identity else None,
+                t.device,
+                self._seq,
+                view,
+                saved,
+                version,
             )
+            if not identity:  # NOTE [tiers]: resident on its device until demoted
+                rec.held = here
+                rec.restored = (weakref.ref(storage), start, None)
             self._seq += 1
             rec.align = (key + start) % 512
             # NOTE [checksums]: bytes no saved view holds, read from the tensor's memory.
             rec.exposed = rec.host_only and not (dense and (start, nbytes) == (vstart, vbytes))
-            self._scheduler.register(rec)
+            self._plan.register(rec, (t.dtype, shape, nbytes))
             entry = _DedupEntry(storage, owner, version, start, start + nbytes, rec)
             if dense:
                 entry.cover(vstart, vstart + vbytes)
             rec.key = key
             self._dedup.setdefault(rec.key, []).append(entry)
+            self._policy.admit(rec)
+        self._enforce_budgets()
+        return _Handle(rec, view, owner, version)
+
+    # -- tiers ----------------------------------------------------------------------------
+
+    def _enforce_budgets(self) -> None:
+        """Demote the oldest records of each tier over its budget (NOTE [tiers])."""
+        with self._lock:
+            recs = self._policy.over(DEVICE)
+        for rec in recs:
+            self._demote_from_device(rec)
+        with self._lock:
+            recs = self._policy.over(HOST)
+        for rec in recs:
+            self._demote_to_disk(rec, HOST)
+
+    def _unskip(self, rec: _Record) -> None:
+        """A write the write tail dropped is queued again (NOTE [write tail])."""
+        if rec.skipped:
+            rec.skipped = False
+            self._stats.add(writes_skipped=-1)
+
+    def _demote_from_device(self, rec: _Record) -> None:
+        """Move a DEVICE record to the next tier: disk for CPU tensors, else a host copy."""
+        if rec.host_only:  # host memory already: nothing to copy (NOTE [targets])
+            self._demote_to_disk(rec, DEVICE)
+            return
+        held = rec.held
+        assert held is not None
+        store = self._store
+        nbytes = rec.span.nbytes
+        host_budget = self._policy.budgets[HOST]
+        keep_host = host_budget is None or host_budget > 0
+        if store is None and host_budget is not None:
+            with self._lock:
+                full = self._policy.bytes[HOST] + nbytes > host_budget
+                if full:
+                    self._policy.keep(rec, DEVICE)
+            if full:
+                self._note_host_full()
+                return
+        # Straight to disk: slab space first, so that a full disk costs no copy.
+        extent = None
+        if not keep_host:
+            assert store is not None
+            extent = self._allocate(store, rec.span.extent_bytes)
+            if extent is None:
+                with self._lock:
+                    self._policy.keep(rec, DEVICE)
+                return
+        host, base, fence = self._device.to_host(held[0], held[1], nbytes)
+        pad = (host.data_ptr() + base) % 4096
+        if pad != rec.span.pad:  # a host block that is not page-aligned
+            rec.span = Span(nbytes, pad)
+            if extent is not None:
+                assert store is not None
+                store.free(extent)
+                extent = self._allocate(store, rec.span.extent_bytes)
+        with self._lock:
+            rec.source = (host, base, fence)
+            rec.held = rec.restored = None
             if fence is not None:
                 self._copying.append((fence, weakref.ref(rec)))
+            if keep_host:
+                self._policy.demote(rec, HOST)
+            elif extent is None:  # the re-reservation failed: the host copy is kept
+                self._policy.keep(rec, HOST)
+            else:
+                rec.extent = extent
+                self._policy.demote(rec, DISK)
         if store is None:  # NOTE [targets]: the host copy is the offloaded tensor
             self._stats.add(tensors_offloaded=1, bytes_offloaded=nbytes)
-        else:
+        elif rec.extent is not None:
+            self._unskip(rec)
             self._queue_write(rec, host, base, fence)
-        return _Handle(rec, view, owner, version)
+
+    def _demote_to_disk(self, rec: _Record, tier: int) -> None:
+        """Write a memory-tier record's host bytes to a slab (a full disk keeps it)."""
+        store = self._store
+        source = rec.source
+        if store is None or source is None:
+            with self._lock:
+                self._policy.keep(rec, tier)
+            return
+        extent = self._allocate(store, rec.span.extent_bytes)
+        with self._lock:
+            if extent is None:  # no space: it stays in memory (counted, warned)
+                self._policy.keep(rec, tier)
+                return
+            rec.extent = extent
+            self._policy.demote(rec, DISK)
+        self._unskip(rec)
+        self._queue_write(rec, *source)
+
+    def _note_host_full(self) -> None:
+        """Target "cpu" with host_budget exhausted: the tensor stays on its device."""
+        self._stats.add(fallbacks=1)
+        with self._lock:
+            if self._warned_host:
+                return
+            self._warned_host = True
+        warnings.warn(
+            f"prefetch_offload: host_budget={self.config.host_budget} bytes of host copies "
+            "are in use, so newer saved tensors stay on their device. Raise host_budget, "
+            "or use target 'disk' with host_budget to spill the oldest copies to disk.",
+            OffloadFallbackWarning,
+            stacklevel=4,
+        )
+
+    def _note_cpu_budget(self, t: torch.Tensor) -> None:
+        """Say once that target "cpu" has nothing to do for CPU tensors."""
+        if t.device.type != "cpu":
+            return
+        self._warned_cpu_budget = True
+        cfg = self.config
+        if cfg.device_budget or cfg.host_budget is not None:
+            logger.warning(
+                "prefetch_offload: target 'cpu' leaves CPU tensors where they are (they are "
+                "host memory already), so device_budget=%s and host_budget=%s have nothing to "
+                "do here; use target 'disk' to move saved CPU tensors out of RAM.",
+                cfg.device_budget,
+                cfg.host_budget,
+            )
 
     def _settle_copies(self, *, wait: bool = False) -> None:
         """Finish the version check of records whose device-to-host copy has ended.
@@ -969,6 +1135,7 @@ class OffloadEngine:
                 return
             rec.write_error = exc
             extent, rec.extent = rec.extent, None
+            self._policy.keep(rec, DEVICE if rec.host_only else HOST)  # NOTE [tiers]
         if extent is not None:
             self._store.free(extent)  # type: ignore[union-attr]
         self._write_failed(culprit or rec, exc)
@@ -980,6 +1147,7 @@ class OffloadEngine:
 
         def skip(rec: _Record) -> None:
             rec.writes_left = 0
+            rec.skipped = True
             self._pending_write_bytes -= rec.span.extent_bytes
             skipped.append(rec)
             if rec.extent is not None:
@@ -1006,7 +1174,9 @@ class OffloadEngine:
                 del recs
             tail.clear()  # older writes have started: none left to skip
             self._writes_idle.notify_all()
-            self._skipped.extend(weakref.ref(r) for r in skipped)
+            # NOTE [tiers]: cancelled demotions return to their memory tier.
+            self._policy.readmit([r for r in skipped if r.host_only], DEVICE)
+            self._policy.readmit([r for r in skipped if not r.host_only], HOST)
         if freed:
             assert self._store is not None
             for extent in freed:
@@ -1026,28 +1196,6 @@ class OffloadEngine:
         if extent is None:
             self._note_no_space("the slab reservation failed")
         return extent
-
-    def _requeue_skipped(self) -> None:
-        """Forward resumed: write the skipped tensors backward has not consumed yet.
-
-        An unpack during forward (``torch.autograd.grad`` inside the model, or a
-        pipeline schedule's backward between two forwards) also triggers the
-        skip; writing those tensors now keeps memory within the write cap.
-        """
-        with self._lock:
-            recs = [r for r in (ref() for ref in self._skipped) if r is not None]
-            self._skipped.clear()
-        store = self._store
-        for rec in recs:
-            source = rec.source
-            if source is None or rec.on_disk or rec.extent is not None or store is None:
-                continue
-            extent = self._allocate(store, rec.span.extent_bytes)
-            if extent is None:
-                continue  # no space: it stays in memory, as a full disk would leave it
-            rec.extent = extent
-            self._stats.add(writes_skipped=-1)
-            self._queue_write(rec, *source)
 
     def _wait_writes(self) -> None:
         """Submit the open batch; wait until every write job has finished."""
@@ -1110,6 +1258,7 @@ class OffloadEngine:
         if not self._in_backward:
             self._in_backward = True
             self._skip_tail_writes()
+            self._begin_backward()
         if _graph_task_id() != self._end_task:
             self._queue_end_of_backward()
         if self._dead:
@@ -1127,6 +1276,18 @@ class OffloadEngine:
         if built is not None and packed.view is rec.view0:
             return built  # NOTE [views built by the reader]
         return make_view(storage, base, packed.view)
+
+    def _begin_backward(self) -> None:
+        """Predict this backward's order (NOTE [learned order]) and size its window."""
+        if self.config.prefetch_bytes is None:  # NOTE [window bytes]
+            snap = self._stats.snapshot()
+            if snap.read_seconds > 0 and snap.bytes_read >= _AUTO_WINDOW_MIN:
+                bandwidth = snap.bytes_read / snap.read_seconds
+                self._plan.window_bytes = int(
+                    min(max(bandwidth * _AUTO_WINDOW_SECONDS, _AUTO_WINDOW_MIN), _AUTO_WINDOW_MAX)
+                )
+        with self._lock:
+            self._plan.begin_backward()
 
     def _queue_end_of_backward(self) -> None:
         """Let the recently restored spans go when this backward pass ends.
@@ -1160,7 +1321,7 @@ class OffloadEngine:
             with self._lock:
                 fut, rec.prefetch = rec.prefetch, None
                 if fut is not None:
-                    self._scheduler.consumed(rec)
+                    self._plan.consumed(rec)
                 source = rec.source
             if fut is None and source is not None:
                 # In host memory: the tensor itself (CPU), or a host copy to bring back.
@@ -1217,8 +1378,10 @@ class OffloadEngine:
         def job() -> Fetched:
             buf, base, region = new_read_buffer(span, lease)
             with region, _profiler_range("prefetch_offload::read"):
+                began = time.perf_counter()
                 for off in range(0, span.extent_bytes, chunk):
                     store.read(extent, off, region[off : off + chunk])
+                took = time.perf_counter() - began
                 for lo, hi, crc in crcs or ():  # NOTE [checksums]
                     a, b = _span_part(span, lo, hi)
                     if zlib.crc32(region[a:b]) != crc:
@@ -1227,7 +1390,7 @@ class OffloadEngine:
                             f"checksum mismatch in bytes {a - span.pad}..{b - span.pad} of the "
                             "span: the slab file changed after it was written",
                         )
-            stats.add(bytes_read=span.nbytes)
+            stats.add(bytes_read=span.nbytes, read_seconds=took)
             placed = to_device(buf.untyped_storage(), base, span.nbytes, device, None, align)
             if placed[2] is not None:  # still being copied: built after use() instead
                 return placed, None
@@ -1244,7 +1407,8 @@ class OffloadEngine:
         with self._lock:
             if self._closed:  # set under this lock before the pool shuts down
                 return
-            for cand in self._scheduler.window(rec):
+            self._plan.unpacked(rec, current_group_key())  # NOTE [learned order]
+            for cand in self._plan.window(rec):
                 assert isinstance(cand, _Record)
                 source = cand.source
                 if source is None:
@@ -1260,7 +1424,7 @@ class OffloadEngine:
                     )
                     cand.prefetch = fut = IOFuture(job)
                     copies.append(fut)
-                self._scheduler.issued(cand, rec)
+                self._plan.issued(cand, rec)
         for fut in copies:  # only queues the copy (NOTE [copy streams])
             if fut.claim():
                 fut.run()
@@ -1287,8 +1451,9 @@ class OffloadEngine:
         with self._lock:
             keys = set()
             while dead:
-                extent, key = dead.popleft()
-                self._scheduler.forget()
+                extent, key, tier, nbytes = dead.popleft()
+                self._plan.forget()
+                self._policy.died(tier, nbytes)
                 keys.add(key)
                 if extent is not None and store is not None:
                     store.free(extent)
@@ -1334,7 +1499,7 @@ class OffloadEngine:
         self._wait_writes()
         with self._lock:
             self._closed = True
-            self._scheduler.clear()
+            self._plan.clear()
             self._recent.clear()
         self._settle_copies(wait=True)
         self._device.close()

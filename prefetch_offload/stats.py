@@ -62,6 +62,24 @@ class OffloadStats:
     # Bytes of slab space holding live tensors right now, and the most ever.
     disk_bytes_in_use: int = 0
     peak_disk_bytes_in_use: int = 0
+    # Seconds the IO threads spent reading slabs (bytes_read / read_seconds is the
+    # read bandwidth the prefetch window is sized from: NOTE [window bytes]).
+    read_seconds: float = 0.0
+    # NOTE [tiers] in policy.py: bytes of live offloaded tensors in each tier right
+    # now (device: kept where they were made; host: host copies of CUDA tensors;
+    # disk: written or being written), and the most each tier ever held.
+    device_tier_bytes: int = 0
+    host_tier_bytes: int = 0
+    disk_tier_bytes: int = 0
+    peak_device_tier_bytes: int = 0
+    peak_host_tier_bytes: int = 0
+    peak_disk_tier_bytes: int = 0
+    # Bytes demoted into the host tier and into the disk tier (cumulative).
+    bytes_demoted_to_host: int = 0
+    bytes_demoted_to_disk: int = 0
+    # Backward passes whose prefetches followed the order learned from the step
+    # before (NOTE [learned order] in plan.py); the others used reverse pack order.
+    predicted_steps: int = 0
 
     @property
     def hit_rate(self) -> float:

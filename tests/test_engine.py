@@ -370,7 +370,7 @@ def test_unpack_during_forward_keeps_memory_within_the_cap(
         # Skipped writes were queued again when forward resumed: of the chain's 30 saved
         # tensors, only the last unpack's skips (at most a cap's worth) are in memory.
         gc.collect()
-        live = [r() for r in engine._scheduler._order]
+        live = [r() for r in engine._plan._order]
         in_memory = [r for r in live if r is not None and r.source is not None]
         assert len(in_memory) <= cap // (1 << 18) + 1, len(in_memory)
         assert stats.tensors_offloaded >= 30 - len(in_memory)
@@ -744,7 +744,7 @@ def test_verify_catches_a_corrupted_byte(
         y = (x * 2).sin()
         engine.flush()
         real_read = engine._store.read
-        (rec,) = [r() for r in engine._scheduler._order if r() is not None]
+        (rec,) = [r() for r in engine._plan._order if r() is not None]
         pad, nbytes = rec.span.pad, rec.span.nbytes
         target = pad if where == "first" else pad + nbytes - 1
 

@@ -1,0 +1,132 @@
+"""The tier policy: where each record lives, under the memory budgets.
+
+# NOTE [tiers]
+# A record lives in one of three tiers: DEVICE (its bytes stay where they were
+# made: GPU memory for CUDA tensors, RAM for CPU tensors), HOST (a host copy of
+# a CUDA tensor) and DISK (a slab extent). Each memory tier has a budget
+# (``device_budget``, ``host_budget``; None is no limit). A packed record enters
+# DEVICE; whenever a tier holds more bytes than its budget, its oldest records
+# (packed earliest, so needed last by backward) are demoted to the next tier:
+# DEVICE to HOST for CUDA tensors, DEVICE to DISK for CPU tensors (which have no
+# host copy to make), HOST to DISK. So the tensors backward needs first stay in
+# the fastest tier, no knowledge of the step's size is needed (step 1 already
+# works), and the bytes a tier keeps never exceed its budget once a pack
+# returns. Demotion is asynchronous: a record being demoted still occupies its
+# old memory until its copy or write lands, which ``max_pending_write_bytes``
+# and ``max_inflight_copy_bytes`` bound. With budget 0 every eligible record is
+# demoted as it is packed.
+#
+# The write tail (NOTE [write tail] in engine.py) is the one exception: when
+# backward starts, demotions that have not started are cancelled and their
+# records return to the front (oldest end) of their memory tier, over budget,
+# because backward is about to consume them. When forward resumes, the budgets
+# are enforced again, which demotes whatever of them is still alive.
+#
+# A record that cannot be demoted (no space on disk, no host budget left and no
+# disk) stays where it is, outside the tier's queue: it is never tried again,
+# and the engine warns once and counts it as a fallback.
+#
+# The policy has no lock of its own; the engine calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Protocol
+
+__all__ = ["DEVICE", "DISK", "HOST", "TIER_NAMES", "TierPolicy", "Tiered"]
+
+DEVICE, HOST, DISK = 0, 1, 2
+TIER_NAMES = ("device", "host", "disk")
+
+
+class Tiered(Protocol):
+    """What the policy needs from a record."""
+
+    tier: int  # set by the policy
+    seq: int  # pack order
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the record occupies in any tier."""
+        ...
+
+
+class TierPolicy:
+    """Bytes per tier, the budgets, and which records to demote next.
+
+    Args:
+        device_budget: bytes DEVICE may keep.
+        host_budget: bytes HOST may keep; None is no limit.
+    """
+
+    def __init__(self, device_budget: int, host_budget: int | None) -> None:
+        self.budgets: tuple[int | None, int | None] = (device_budget, host_budget)
+        # DEVICE and HOST records that may be demoted, oldest first (weakly held).
+        self._queues: tuple[collections.deque[weakref.ref[Tiered]], ...] = (
+            collections.deque(),
+            collections.deque(),
+        )
+        self.bytes = [0, 0, 0]  # per tier, right now
+        self.peak = [0, 0, 0]  # per tier, the most ever
+        self.demoted = [0, 0, 0]  # bytes demoted into each tier
+
+    def admit(self, rec: Tiered) -> None:
+        """A newly packed record enters DEVICE, at the newest end."""
+        rec.tier = DEVICE
+        self._add(rec, DEVICE)
+        self._queues[DEVICE].append(weakref.ref(rec))
+
+    def _add(self, rec: Tiered, tier: int) -> None:
+        self.bytes[tier] += rec.nbytes
+        if self.bytes[tier] > self.peak[tier]:
+            self.peak[tier] = self.bytes[tier]
+
+    def over(self, tier: int) -> list[Tiered]:
+        """The oldest records of ``tier`` to demote to bring it within its budget.
+
+        They are still counted in ``tier``: the caller moves each one with
+        :meth:`demote`, or keeps it with :meth:`keep`.
+        """
+        budget = self.budgets[tier]
+        if budget is None:
+            return []
+        queue = self._queues[tier]
+        excess = self.bytes[tier] - budget
+        picked: list[Tiered] = []
+        while excess > 0 and queue:
+            rec = queue.popleft()()
+            if rec is None or rec.tier != tier:
+                continue  # died (drained soon) or moved already
+            picked.append(rec)
+            excess -= rec.nbytes
+        return picked
+
+    def demote(self, rec: Tiered, tier: int) -> None:
+        """Move ``rec`` to the slower ``tier``; HOST records may be demoted again later."""
+        self.bytes[rec.tier] -= rec.nbytes
+        rec.tier = tier
+        self._add(rec, tier)
+        self.demoted[tier] += rec.nbytes
+        if tier == HOST:
+            self._queues[HOST].append(weakref.ref(rec))
+
+    def keep(self, rec: Tiered, tier: int) -> None:
+        """``rec`` stays in (or returns to) memory ``tier`` for good: never demoted."""
+        self.bytes[rec.tier] -= rec.nbytes
+        rec.tier = tier
+        self._add(rec, tier)
+
+    def readmit(self, recs: list[Tiered], tier: int) -> None:
+        """Cancelled demotions: ``recs`` return to the oldest end of ``tier``."""
+        for rec in sorted(recs, key=lambda r: r.seq, reverse=True):
+            self.bytes[rec.tier] -= rec.nbytes
+            self.demoted[rec.tier] -= rec.nbytes
+            rec.tier = tier
+            self._add(rec, tier)
+            self._queues[tier].appendleft(weakref.ref(rec))
+
+    def died(self, tier: int, nbytes: int) -> None:
+        """A record of ``tier`` died."""
+        self.bytes[tier] -= nbytes
