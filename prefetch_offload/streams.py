@@ -41,8 +41,21 @@ each copy with a :class:`Fence` that says when it has finished.
 # gone when they run, so a copy the in-flight list stopped holding fails in CI
 # as it would corrupt bytes on a GPU.
 # D2H bytes in flight are capped (``max_inflight_bytes``): past it, the next
-# D2H waits for the oldest one on the host, which bounds the device memory
-# that copies hold on to when the link is slower than compute.
+# D2H waits for the oldest one on the host, which bounds how far the host runs
+# ahead of the link (and the device memory copies hold on to) when the link is
+# slower than compute.
+#
+# NOTE [copy chunks]
+# The cap bounds bytes, not tensors: a D2H copy larger than a chunk (a quarter
+# of the cap, at least min(cap, 4 MiB)) is issued as several copies of at most
+# a chunk each, and each one waits only for room for itself. A whole tensor at
+# or above the cap would otherwise wait until every earlier copy had finished
+# (the copy stream runs dry and the host stops queueing compute), and then put
+# more than the cap in flight at once. The chunks run in order on one stream,
+# so the last one's fence says the whole copy is done; the CPU twin's fence
+# waits for every chunk, so a failed middle chunk still fails the copy. (The
+# source storage stays alive until its last chunk is done: chunking bounds
+# bytes in flight, not the device memory of one large tensor.)
 #
 # No host synchronisation on the hot path: packs and unpacks only queue work
 # and query events. The host waits on a fence only in an IO thread (a write
@@ -66,7 +79,7 @@ import torch
 from .config import DEFAULT_INFLIGHT_COPY_BYTES
 from .errors import OffloadError
 
-__all__ = ["CopyStreams", "CudaStreams", "Fence", "ThreadStreams"]
+__all__ = ["CopyStreams", "CudaStreams", "Fence", "ThreadStreams", "chunk_bytes"]
 
 
 class Fence:
@@ -169,32 +182,76 @@ class _Inflight:
             self.poll()
 
 
+class _Joined(Fence):
+    """The end of a copy issued in chunks: done when every chunk is (NOTE [copy chunks])."""
+
+    __slots__ = ("_fences",)
+
+    def __init__(self, fences: list[Fence]) -> None:
+        self._fences = fences
+
+    def done(self) -> bool:
+        return all(f.done() for f in reversed(self._fences))
+
+    def wait(self) -> None:
+        for f in self._fences:
+            f.wait()
+
+
+_MIN_CHUNK = 4 << 20
+_CHUNK_GRAIN = 64 << 10
+
+
+def chunk_bytes(max_inflight_bytes: int) -> int:
+    """The largest single D2H copy under a cap of ``max_inflight_bytes`` (NOTE [copy chunks])."""
+    chunk = max(max_inflight_bytes // 4, min(max_inflight_bytes, _MIN_CHUNK))
+    return chunk // _CHUNK_GRAIN * _CHUNK_GRAIN if chunk >= _CHUNK_GRAIN else chunk
+
+
 class CopyStreams:
     """Side-stream copies for one device (NOTE [copy streams])."""
 
     def __init__(self, *, max_inflight_bytes: int) -> None:
         self.max_inflight_bytes = max_inflight_bytes
+        self._chunk = chunk_bytes(max_inflight_bytes)
         self._d2h_inflight = _Inflight()
         self._h2d_inflight = _Inflight()
         #: Seconds the host waited because D2H bytes in flight were at the cap.
         self.throttle_seconds = 0.0
+        #: The most D2H bytes that were in flight at once (never above the cap).
+        self.peak_inflight_bytes = 0
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
         """Copy device bytes ``src`` into host bytes ``dst`` after the compute stream's work.
 
-        Both tensors stay alive until the copy is done (NOTE [copies keep their buffers]).
+        Copies larger than a chunk are issued chunk by chunk, each waiting only for
+        room under the cap (NOTE [copy chunks]). Both tensors stay alive until the
+        copy is done (NOTE [copies keep their buffers]).
         """
         self.poll()
         n = src.numel()
-        inflight = self._d2h_inflight
-        if inflight.bytes and inflight.bytes + n > self.max_inflight_bytes:
+        fences = []
+        for lo in range(0, n, self._chunk) if n else [0]:
+            hi = min(n, lo + self._chunk)
+            fences.append(self._d2h_chunk(dst[lo:hi], src[lo:hi]))
+        return fences[0] if len(fences) == 1 else self._joined(fences)
+
+    def _d2h_chunk(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
+        n = src.numel()
+        inflight, cap = self._d2h_inflight, self.max_inflight_bytes
+        if inflight.bytes and inflight.bytes + n > cap:
             start = time.perf_counter()
-            while inflight.bytes and inflight.bytes + n > self.max_inflight_bytes:
+            while inflight.bytes and inflight.bytes + n > cap:
                 inflight.wait_oldest()
             self.throttle_seconds += time.perf_counter() - start
         fence = self._d2h(dst, src)
         inflight.add(fence, n, dst, src)
+        self.peak_inflight_bytes = max(self.peak_inflight_bytes, inflight.bytes)
         return fence
+
+    def _joined(self, fences: list[Fence]) -> Fence:
+        """One fence for a copy issued as ``fences`` (chunks, in stream order)."""
+        return _Joined(fences)
 
     def h2d(
         self, src: torch.Tensor, after: Fence | None, pad: int = 0
@@ -262,6 +319,11 @@ class CudaStreams(CopyStreams):
     def poll(self) -> None:
         with torch.cuda.device(self.device):
             super().poll()
+
+    def _joined(self, fences: list[Fence]) -> Fence:
+        # One stream runs the chunks in order: the last event is the whole copy's, and
+        # it stays a CUDA event, which an H2D copy can wait on without the host.
+        return fences[-1]
 
     def _d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
         side = self._d2h_stream

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -82,3 +84,82 @@ def test_close_stops_the_workers_and_later_copies_run_inline() -> None:
     out, fence = streams.h2d(torch.full((8,), 3, dtype=torch.uint8), after=None)
     assert fence.done() and torch.equal(out, torch.full((8,), 3, dtype=torch.uint8))
     assert time.perf_counter() - start < 1.0
+
+
+def _recording_d2h(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Record (bytes already in flight, bytes of this copy) at every D2H copy issued."""
+    seen: list[tuple[int, int]] = []
+    real = ThreadStreams._d2h
+
+    def recording(self: ThreadStreams, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        seen.append((self._d2h_inflight.bytes, src.numel()))
+        return real(self, dst, src)
+
+    monkeypatch.setattr(ThreadStreams, "_d2h", recording)
+    return seen
+
+
+def test_large_copy_is_chunked_so_the_cap_bounds_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [copy chunks]: a copy above the cap never puts more than the cap in flight."""
+    seen = _recording_d2h(monkeypatch)
+    cap = 4096
+    streams = ThreadStreams(delay=0.005, max_inflight_bytes=cap)
+    try:
+        small = torch.full((1000,), 1, dtype=torch.uint8)
+        streams.d2h(torch.empty(1000, dtype=torch.uint8), small)
+        src = torch.arange(20_000, dtype=torch.int64).to(torch.uint8)
+        dst = torch.empty(20_000, dtype=torch.uint8)
+        fence = streams.d2h(dst, src)
+        fence.wait()
+        assert torch.equal(dst, src)  # the last fence covers every chunk
+        assert [n for _, n in seen] == [1000, 4096, 4096, 4096, 4096, 3616]
+        assert max(before + n for before, n in seen) <= cap
+        assert streams.peak_inflight_bytes <= cap
+    finally:
+        streams.close()
+
+
+def test_large_copy_does_not_wait_for_every_earlier_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before chunking, a copy at or above the cap waited until nothing was in flight."""
+    seen = _recording_d2h(monkeypatch)
+    cap = 16 << 20  # chunks of 4 MiB
+    streams = ThreadStreams(delay=0.02, max_inflight_bytes=cap)
+    src = torch.randint(0, 255, (20 << 20,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    small = [torch.ones(2 << 20, dtype=torch.uint8) for _ in range(6)]
+    try:
+        for i in range(3):
+            streams.d2h(small[2 * i], small[2 * i + 1])
+        streams.d2h(dst, src).wait()
+        assert torch.equal(dst, src)
+        first_chunk = seen[3]
+        assert first_chunk == (6 << 20, 4 << 20)  # issued behind the small ones, at once
+        assert max(before + n for before, n in seen) <= cap
+    finally:
+        streams.close()
+
+
+def test_a_failed_chunk_fails_the_whole_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The twin's fence for a chunked copy waits for every chunk and raises any failure."""
+    real = ThreadStreams._d2h
+    calls = []
+    short: list[torch.Tensor] = []  # the twin holds copy tensors weakly: keep it alive
+
+    def second_fails(self: ThreadStreams, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        calls.append(src.numel())
+        if len(calls) == 2:
+            short.append(dst[:-1])  # a size mismatch: this chunk's copy fails
+            dst = short[-1]
+        return real(self, dst, src)
+
+    monkeypatch.setattr(ThreadStreams, "_d2h", second_fails)
+    streams = ThreadStreams(delay=0.01, max_inflight_bytes=16 << 20)  # 4 MiB chunks
+    try:
+        dst = torch.empty(12 << 20, dtype=torch.uint8)
+        fence = streams.d2h(dst, torch.ones(12 << 20, dtype=torch.uint8))
+        assert len(calls) == 3
+        with pytest.raises(OffloadError, match="asynchronous copy failed"):
+            fence.wait()
+    finally:
+        with contextlib.suppress(OffloadError):
+            streams.close()
