@@ -10,12 +10,41 @@
 # opened through a symlink and no two processes or contexts can collide.
 #
 # NOTE [slab allocation]
-# Each slab is one file of ``slab_bytes`` reserved up front with
-# posix_fallocate, so a full disk shows up as a failed reservation (the tensor
-# stays in memory) rather than as an IO error in the middle of a write. Space is
-# handed out in whole pages, first fit, and coalesced on free, so the same
-# activations reuse the same space step after step. A tensor larger than a slab
-# gets a dedicated slab of its own size, kept for reuse by the next step.
+# Each slab is one file of ``slab_bytes`` (smaller near a full disk: NOTE [slab
+# sizes on a full disk]) reserved up front with posix_fallocate, so a full disk
+# shows up as a failed reservation (the tensor stays in memory) rather than as
+# an IO error in the middle of a write. Space is handed out in whole pages,
+# first fit, and coalesced on free, so the same activations reuse the same space
+# step after step. A tensor larger than a slab gets a dedicated slab of its own
+# size, kept for reuse by the next step.
+#
+# NOTE [slab sizes on a full disk]
+# A filesystem with less free space than one slab still takes what it has.
+# When a new slab fails for space (ENOSPC or EDQUOT, from creating the file or
+# reserving its bytes), the store tries again at half the size, in whole
+# pages, down to a floor: the request itself, rounded up to a page. Each try is
+# a fresh unlinked file, closed at once if it fails, so a half-reserved file
+# never stays behind. Halving from ``slab_bytes`` (or from what
+# ``disk_bytes_limit`` leaves) fills the free space down to less than the
+# request that is refused, in one slab per halving step.
+#
+# The smallest size that failed is remembered. While it is, new slabs start at
+# half of it, and a request at least that large is refused with no reservation
+# tried; every failure at least halves the next start, so from one reset to the
+# next the failed reservations number about log2(slab_bytes / 4096) in all,
+# not a ladder per request. If creating the file itself fails for space (no
+# inode left), no size is tried until a reset. Space may have come back, and
+# the memory is reset, when:
+#   * ``trim`` closes a slab: the next slab tries the full ``slab_bytes``;
+#   * the filesystem reports more free bytes or inodes (statvfs, one call per
+#     new slab while a failure is remembered) than after the last reservation
+#     that failed or came out small: the next slab starts at the free bytes
+#     reported, so the churn of a shared disk costs a try or two, not a ladder
+#     from the top.
+# Where statvfs cannot tell (it fails, or a quota holds this user below the
+# free space), only ``trim`` resets the memory. Filesystems without fallocate
+# get a sparse file (ftruncate) of the full size: there a full disk shows up
+# at write time instead.
 """
 
 from __future__ import annotations
@@ -49,6 +78,8 @@ _O_TMPFILE = getattr(os, "O_TMPFILE", 0)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 # Buffers per vectored write (Linux IOV_MAX).
 _IOV_MAX = 1024
+# A reservation that fails with one of these is a full disk, not an error.
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 def open_scratch_file(directory: str, *, direct: bool) -> int:
@@ -191,12 +222,18 @@ class _Slab:
             self.free[i - 1][1] += self.free.pop(i)[1]
 
 
+class _NoInode(Exception):
+    """No scratch file could be created for lack of space (no size would fit)."""
+
+
 class SlabStore:
     """Slab files in one folder, an allocator over them, and the byte movers.
 
     ``allocate``/``free`` are thread-safe. ``write``/``read`` may run
     concurrently from many threads on disjoint extents. ``close`` must only be
-    called once no request is in flight.
+    called once no request is in flight. Slabs are ``slab_bytes`` long, or
+    shorter where the disk or ``disk_bytes_limit`` has less room (NOTE [slab
+    sizes on a full disk]).
     """
 
     def __init__(
@@ -227,6 +264,10 @@ class SlabStore:
         self.peak_reserved_bytes = 0
         self.peak_used_bytes = 0
         self.closed = False
+        # NOTE [slab sizes on a full disk]: the smallest slab size that failed for
+        # space since the last reset (None: none), and the free space seen after it.
+        self._failed_size: int | None = None
+        self._free_after_failure: tuple[int, int] = (0, 0)
 
     # -- allocation -----------------------------------------------------------------
 
@@ -254,13 +295,13 @@ class SlabStore:
                 if room < length:
                     return None
                 size = min(size, room)
-            slab = self._new_slab(size)
+            slab = self._new_slab(size, floor=max(-(-length // ALIGN) * ALIGN, ALIGN))
             if slab is None:
                 return None
             sid = self._next_id
             self._next_id += 1
             self._slabs[sid] = slab
-            self.reserved_bytes += size
+            self.reserved_bytes += slab.size
             self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
             off = slab.take(length)
             assert off == 0
@@ -271,23 +312,83 @@ class SlabStore:
         self.used_bytes += length
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
 
-    def _new_slab(self, size: int) -> _Slab | None:
-        fd = open_scratch_file(self.directory, direct=self.io_method == "direct")
+    def _new_slab(self, size: int, *, floor: int) -> _Slab | None:
+        """The largest slab of ``size``, ``size / 2``, ... ``floor`` bytes the disk takes.
+
+        Returns None when not even ``floor`` bytes fit; see NOTE [slab sizes on a
+        full disk] for the sizes tried and what a failure is remembered as.
+        Called with ``self._lock`` held.
+        """
+        if self._failed_size is not None:
+            free = self._free_space()
+            if any(now > then for now, then in zip(free, self._free_after_failure, strict=True)):
+                self._failed_size = None  # space came back: start at what is free
+                size = min(size, max(free[0] // ALIGN * ALIGN, floor))
+            elif floor >= self._failed_size:
+                return None  # known not to fit: no reservation tried
+            else:
+                size = max(min(size, self._failed_size // 2 // ALIGN * ALIGN), floor)
+        try:
+            while True:
+                try:
+                    slab = self._try_slab(size)
+                except _NoInode:
+                    self._failed_size = ALIGN  # no file at all: no size fits
+                    return None
+                if slab is not None:
+                    return slab
+                self._failed_size = size
+                if size <= floor:
+                    return None
+                size = max(size // 2 // ALIGN * ALIGN, floor)
+        finally:
+            if self._failed_size is not None:
+                # What a later "space came back" is measured against: the free
+                # space after this failure, or after the smaller slab taken since.
+                self._free_after_failure = self._free_space()
+
+    def _try_slab(self, size: int) -> _Slab | None:
+        """A new slab of exactly ``size`` bytes, or None where the disk has no room for it.
+
+        Raises:
+            _NoInode: the file itself could not be made for lack of space.
+            OSError: any other failure.
+        """
+        try:
+            fd = open_scratch_file(self.directory, direct=self.io_method == "direct")
+        except OSError as exc:
+            if exc.errno not in _SPACE_ERRNOS:
+                raise
+            raise _NoInode from exc  # no inode left, or an inode quota
         try:
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    os.close(fd)
+                if exc.errno in _SPACE_ERRNOS:
+                    os.close(fd)  # unlinked: closing returns what was half-reserved
                     return None
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
-                os.ftruncate(fd, size)
+                try:
+                    os.ftruncate(fd, size)
+                except OSError as exc2:
+                    if exc2.errno not in _SPACE_ERRNOS:
+                        raise
+                    os.close(fd)
+                    return None
             mm = mmap.mmap(fd, size) if self.io_method == "mmap" else None
         except BaseException:
             os.close(fd)
             raise
         return _Slab(fd, size, mm)
+
+    def _free_space(self) -> tuple[int, int]:
+        """Free bytes and free inodes of the slab folder's filesystem; (0, 0) if unknown."""
+        try:
+            st = os.statvfs(self.directory)
+        except OSError:
+            return (0, 0)
+        return (st.f_bavail * st.f_frsize, st.f_favail)
 
     def free(self, extent: Extent) -> None:
         """Return an extent's space to the allocator."""
@@ -305,6 +406,7 @@ class SlabStore:
                 slab = self._slabs.pop(sid)
                 self.reserved_bytes -= slab.size
                 _close_slab(slab)
+                self._failed_size = None  # NOTE [slab sizes on a full disk]
 
     def close(self) -> None:
         """Close every slab. Idempotent."""
