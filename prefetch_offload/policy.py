@@ -68,44 +68,61 @@ class TierPolicy:
             collections.deque(),
             collections.deque(),
         )
-        self.bytes = [0, 0, 0]  # per tier, right now
-        self.peak = [0, 0, 0]  # per tier, the most ever
+        self.bytes = [0, 0, 0]  # per tier, right now (records being demoted included)
+        self.peak = [0, 0, 0]  # per tier, the most ever kept there once a pack returned
         self.demoted = [0, 0, 0]  # bytes demoted into each tier
+        # Records over() handed out and not yet moved, by id: their bytes, and per tier.
+        self._leaving: dict[int, int] = {}
+        self._leaving_bytes = [0, 0, 0]
 
     def admit(self, rec: Tiered) -> None:
-        """A newly packed record enters DEVICE, at the newest end."""
+        """A newly packed record enters DEVICE, at the newest end (call :meth:`over` next)."""
         rec.tier = DEVICE
-        self._add(rec, DEVICE)
+        self.bytes[DEVICE] += rec.nbytes
         self._queues[DEVICE].append(weakref.ref(rec))
 
     def _add(self, rec: Tiered, tier: int) -> None:
         self.bytes[tier] += rec.nbytes
-        if self.bytes[tier] > self.peak[tier]:
-            self.peak[tier] = self.bytes[tier]
+        self._note_peak(tier)
+
+    def _note_peak(self, tier: int) -> None:
+        kept = self.bytes[tier] - self._leaving_bytes[tier]
+        if kept > self.peak[tier]:
+            self.peak[tier] = kept
+
+    def _leave(self, rec: Tiered) -> None:
+        """``rec`` moves out of its tier: first from the records over() handed out."""
+        nbytes = self._leaving.pop(id(rec), None)
+        if nbytes is not None:
+            self._leaving_bytes[rec.tier] -= nbytes
+        self.bytes[rec.tier] -= rec.nbytes
 
     def over(self, tier: int) -> list[Tiered]:
         """The oldest records of ``tier`` to demote to bring it within its budget.
 
-        They are still counted in ``tier``: the caller moves each one with
-        :meth:`demote`, or keeps it with :meth:`keep`.
+        They are still counted in ``tier`` until the caller moves each one with
+        :meth:`demote`, or keeps it with :meth:`keep`, but are never handed out
+        twice, and a second call does not pick more for the same excess.
         """
         budget = self.budgets[tier]
-        if budget is None:
-            return []
-        queue = self._queues[tier]
-        excess = self.bytes[tier] - budget
         picked: list[Tiered] = []
-        while excess > 0 and queue:
-            rec = queue.popleft()()
-            if rec is None or rec.tier != tier:
-                continue  # died (drained soon) or moved already
-            picked.append(rec)
-            excess -= rec.nbytes
+        if budget is not None:
+            queue = self._queues[tier]
+            excess = self.bytes[tier] - self._leaving_bytes[tier] - budget
+            while excess > 0 and queue:
+                rec = queue.popleft()()
+                if rec is None or rec.tier != tier or id(rec) in self._leaving:
+                    continue  # died (drained soon) or moved already
+                picked.append(rec)
+                self._leaving[id(rec)] = rec.nbytes
+                self._leaving_bytes[tier] += rec.nbytes
+                excess -= rec.nbytes
+        self._note_peak(tier)
         return picked
 
     def demote(self, rec: Tiered, tier: int) -> None:
         """Move ``rec`` to the slower ``tier``; HOST records may be demoted again later."""
-        self.bytes[rec.tier] -= rec.nbytes
+        self._leave(rec)
         rec.tier = tier
         self._add(rec, tier)
         self.demoted[tier] += rec.nbytes
@@ -114,14 +131,14 @@ class TierPolicy:
 
     def keep(self, rec: Tiered, tier: int) -> None:
         """``rec`` stays in (or returns to) memory ``tier`` for good: never demoted."""
-        self.bytes[rec.tier] -= rec.nbytes
+        self._leave(rec)
         rec.tier = tier
         self._add(rec, tier)
 
     def readmit(self, recs: list[Tiered], tier: int) -> None:
         """Cancelled demotions: ``recs`` return to the oldest end of ``tier``."""
         for rec in sorted(recs, key=lambda r: r.seq, reverse=True):
-            self.bytes[rec.tier] -= rec.nbytes
+            self._leave(rec)
             self.demoted[rec.tier] -= rec.nbytes
             rec.tier = tier
             self._add(rec, tier)

@@ -1,0 +1,272 @@
+"""Memory budgets per tier (NOTE [tiers]): the policy's accounting, and the engine under it."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_helpers import engine_with_hooks
+
+from prefetch_offload import (
+    OffloadConfig,
+    OffloadEngine,
+    OffloadFallbackWarning,
+    offload_context,
+)
+from prefetch_offload.device import RoutingDevice, SpanCopyDevice
+from prefetch_offload.policy import DEVICE, DISK, HOST, TierPolicy
+
+N = 1 << 14  # elements per saved tensor
+SIZE = N * 4  # its bytes
+LINKS = 8  # saved tensors per chain
+
+
+class Rec:
+    def __init__(self, seq: int, nbytes: int = 10) -> None:
+        self.seq = seq
+        self.nbytes = nbytes
+        self.tier = -1
+
+
+# -- the policy's accounting --------------------------------------------------------------
+
+
+def test_the_oldest_records_over_the_budget_are_demoted() -> None:
+    policy = TierPolicy(25, None)
+    recs = [Rec(i) for i in range(4)]
+    picked = []
+    for r in recs:
+        policy.admit(r)
+        picked += policy.over(DEVICE)
+        for p in policy.over(DEVICE):
+            raise AssertionError(p)  # over() hands out each record once
+        for p in picked:
+            if p.tier == DEVICE:
+                policy.demote(p, DISK)
+    assert [r.seq for r in picked] == [0, 1]
+    assert policy.bytes == [20, 0, 20] and policy.peak[DEVICE] == 20
+    assert policy.demoted == [0, 0, 20]
+
+
+def test_kept_records_are_never_offered_again_and_readmitted_ones_come_first() -> None:
+    policy = TierPolicy(0, 0)
+    a, b, c = Rec(0), Rec(1), Rec(2)
+    for r in (a, b, c):
+        policy.admit(r)
+    assert policy.over(DEVICE) == [a, b, c]
+    policy.keep(a, DEVICE)  # e.g. no disk space: stays, never tried again
+    policy.demote(b, HOST)
+    policy.demote(c, HOST)
+    assert policy.over(HOST) == [b, c]
+    policy.demote(b, DISK)
+    policy.demote(c, DISK)
+    policy.readmit([c, b], HOST)  # the write tail cancelled both writes
+    assert policy.bytes == [10, 20, 0] and policy.demoted == [0, 20, 0]
+    assert policy.over(HOST) == [b, c]  # oldest first again
+    assert policy.over(DEVICE) == []  # a was kept
+
+
+def test_no_limit_demotes_nothing_and_deaths_are_subtracted() -> None:
+    policy = TierPolicy(0, None)
+    r = Rec(0)
+    policy.admit(r)
+    policy.demote(r, HOST)
+    assert policy.over(HOST) == []
+    policy.died(HOST, r.nbytes)
+    assert policy.bytes == [0, 0, 0] and policy.peak[HOST] == 10
+
+
+# -- the engine, CPU tensors to disk -------------------------------------------------------
+
+
+def _chain(x: torch.Tensor, engine: OffloadEngine | None = None, budget: int = -1) -> torch.Tensor:
+    """LINKS saved tensors of SIZE bytes; checks the device tier after every pack."""
+    h = x
+    for i in range(LINKS):
+        h = (h * (1.0 + i / 64)).sin()
+        if engine is not None and budget >= 0:
+            assert engine.stats().device_tier_bytes <= max(budget, 0)
+    return h.sum()
+
+
+def _reference(x: torch.Tensor) -> torch.Tensor:
+    ref = x.detach().clone().requires_grad_()
+    _chain(ref).backward()
+    assert ref.grad is not None
+    return ref.grad
+
+
+@pytest.mark.parametrize(
+    ("budget", "kept"),
+    [
+        (0, 0),
+        (SIZE // 2, 0),  # smaller than one tensor
+        (SIZE, 1),  # exactly one tensor
+        (3 * SIZE + 100, 3),
+        (LINKS * SIZE * 4, LINKS),  # larger than the step: nothing moves
+    ],
+)
+def test_device_budget_keeps_the_newest_tensors(save_dir: Path, budget: int, kept: int) -> None:
+    x = torch.randn(N, requires_grad=True)
+    with engine_with_hooks(save_dir, device_budget=budget, chunk_bytes=4096) as engine:
+        loss = _chain(x, engine, budget)
+        engine.flush()
+        stats = engine.stats()
+        assert stats.device_tier_bytes == kept * SIZE
+        assert stats.disk_tier_bytes == stats.bytes_demoted_to_disk == (LINKS - kept) * SIZE
+        assert stats.bytes_offloaded == (LINKS - kept) * SIZE
+        loss.backward()
+        stats = engine.stats()
+    # Backward read exactly what was demoted: the kept tensors were the newest.
+    assert stats.bytes_read == (LINKS - kept) * SIZE
+    assert stats.peak_device_tier_bytes == kept * SIZE
+    assert x.grad is not None and torch.equal(x.grad, _reference(x))
+
+
+def test_budgets_take_units_and_change_between_contexts(save_dir: Path) -> None:
+    x = torch.randn(N, requires_grad=True)
+    moved = []
+    for budget in ("128KiB", 0, "1MiB"):
+        x.grad = None
+        with offload_context("disk", save_dir, device_budget=budget, min_offload_bytes=0) as eng:
+            loss = _chain(x)
+            eng.flush()
+            moved.append(eng.stats().bytes_demoted_to_disk)
+            loss.backward()
+        assert x.grad is not None and torch.equal(x.grad, _reference(x))
+    assert moved == [(LINKS - 2) * SIZE, LINKS * SIZE, 0]
+
+
+def test_tiers_are_empty_after_the_step(save_dir: Path) -> None:
+    x = torch.randn(N, requires_grad=True)
+    with engine_with_hooks(save_dir, device_budget=2 * SIZE, chunk_bytes=4096) as engine:
+        for _ in range(3):
+            loss = _chain(x)
+            engine.flush()  # nothing left for the write tail to return to memory
+            loss.backward()
+        gc.collect()
+        stats = engine.stats()
+    assert (stats.device_tier_bytes, stats.host_tier_bytes, stats.disk_tier_bytes) == (0, 0, 0)
+    assert stats.peak_device_tier_bytes == 2 * SIZE
+
+
+def test_write_tail_records_are_demoted_when_forward_resumes(save_dir: Path) -> None:
+    """The cancelled demotions of an unpack during forward return to the device tier,
+    over budget, and the next pack demotes those still alive (NOTE [tiers])."""
+    x = torch.randn(N, requires_grad=True)
+    with engine_with_hooks(save_dir) as engine:  # big batches: the writes stay queued
+        ys = [(x * (i + 2)).sin() for i in range(4)]
+        torch.autograd.grad(ys[0].sum(), x, retain_graph=True)
+        assert engine.stats().device_tier_bytes == 4 * SIZE
+        (x * 9).sin()
+        engine.flush()
+        stats = engine.stats()
+        assert stats.device_tier_bytes == 0 and stats.writes_skipped == 0
+        sum(y.sum() for y in ys).backward()
+
+
+def test_target_cpu_on_cpu_tensors_says_budgets_have_nothing_to_do(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="prefetch_offload")
+    x = torch.randn(N, requires_grad=True)
+    with offload_context("cpu", device_budget="1MiB") as engine:
+        _chain(x).backward()
+        _chain(x).backward()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "nothing to" in msgs[0] and "target 'disk'" in msgs[0]
+    assert engine.stats().tensors_offloaded == 0
+    caplog.clear()
+    with offload_context("cpu") as engine:  # no budget asked for: nothing to say
+        _chain(x).backward()
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        ({"device_budget": -1}, ValueError, "device_budget must be >= 0"),
+        ({"device_budget": 1.5}, TypeError, "device_budget must be an int or a str"),
+        ({"host_budget": "6 gigs"}, ValueError, "host_budget='6 gigs' is not a byte size"),
+        ({"host_budget": "0.5B"}, ValueError, "not a whole number of bytes"),
+        ({"host_budget": None}, ValueError, "host_budget=None .* needs target 'cpu'"),
+        ({"prefetch_bytes": 0}, ValueError, "prefetch_bytes must be > 0"),
+        ({"prefetch_bytes": True}, TypeError, "prefetch_bytes must be an int or a str"),
+    ],
+)
+def test_bad_budgets_are_refused_with_a_fix(
+    tmp_path: Path, kw: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        offload_context("disk", tmp_path, **kw)
+
+
+def test_budget_defaults_follow_the_target(tmp_path: Path) -> None:
+    assert OffloadConfig(target="disk", save_dir=str(tmp_path)).host_budget == 0
+    assert OffloadConfig(target="cpu").host_budget is None
+    cfg = OffloadConfig(target="cpu", device_budget="6GiB", host_budget="512MB")
+    assert (cfg.device_budget, cfg.host_budget) == (6 << 30, 512 * 10**6)
+
+
+# -- the CPU twin of the CUDA path: the host tier ------------------------------------------
+
+
+@contextlib.contextmanager
+def _twin(target: str, save_dir: Path, **kw: Any) -> Iterator[OffloadEngine]:
+    kw.setdefault("min_offload_bytes", 0)
+    if target == "disk":
+        kw.update(save_dir=str(save_dir), chunk_bytes=4096)
+    layer = SpanCopyDevice("cpu")
+    engine = OffloadEngine(OffloadConfig(target=target, **kw), device=RoutingDevice([layer]))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+            yield engine
+    finally:
+        engine.close(raise_errors=False)
+
+
+def test_twin_host_budget_spills_the_oldest_copies_to_disk(save_dir: Path) -> None:
+    x = torch.randn(N, requires_grad=True)
+    with _twin("disk", save_dir, device_budget=SIZE, host_budget=2 * SIZE) as engine:
+        loss = _chain(x)
+        engine.flush()
+        stats = engine.stats()
+        assert (stats.device_tier_bytes, stats.host_tier_bytes) == (SIZE, 2 * SIZE)
+        assert stats.disk_tier_bytes == (LINKS - 3) * SIZE
+        assert stats.bytes_demoted_to_host == (LINKS - 1) * SIZE
+        assert stats.bytes_demoted_to_disk == (LINKS - 3) * SIZE
+        loss.backward()
+        assert engine.stats().bytes_read == (LINKS - 3) * SIZE
+    assert x.grad is not None and torch.equal(x.grad, _reference(x))
+
+
+def test_twin_device_budget_serves_resident_tensors_without_copies(save_dir: Path) -> None:
+    x = torch.randn(N, requires_grad=True)
+    with _twin("disk", save_dir, device_budget=LINKS * SIZE) as engine:
+        _chain(x).backward()
+        stats = engine.stats()
+    assert stats.bytes_demoted_to_host == stats.bytes_demoted_to_disk == 0
+    assert stats.prefetch_misses == 0 and stats.bytes_read == 0
+    assert x.grad is not None and torch.equal(x.grad, _reference(x))
+
+
+def test_twin_cpu_target_with_host_budget_exhausted_stays_on_device(save_dir: Path) -> None:
+    x = torch.randn(N, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with _twin("cpu", save_dir, host_budget=3 * SIZE) as engine:
+            _chain(x).backward()
+            stats = engine.stats()
+    fallback = [w for w in caught if issubclass(w.category, OffloadFallbackWarning)]
+    assert len(fallback) == 1 and "host_budget" in str(fallback[0].message)
+    assert stats.tensors_offloaded == 3 and stats.fallbacks == LINKS - 3
+    assert stats.peak_host_tier_bytes == 3 * SIZE
+    assert stats.peak_device_tier_bytes == (LINKS - 3) * SIZE
+    assert x.grad is not None and torch.equal(x.grad, _reference(x))
