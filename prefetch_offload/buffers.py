@@ -26,21 +26,9 @@
 # mappings aligned to 2 MiB that ask for huge pages (the kernel may still
 # refuse: then they behave as before).
 #
-# NOTE [pinned pool]
-# The CUDA path stages every copy through page-locked (pinned) host memory:
-# only from pinned memory is a copy truly asynchronous. Pinning costs
-# milliseconds per call, so the same pool class keeps pinned blocks for reuse.
-# Pinned blocks come from PyTorch's own pinned allocator (``torch.empty(...,
-# pin_memory=True)``), which also keeps what this pool lets go cached for the
-# next context, and which fails cleanly (raising, with CUDA's error state
-# cleared) where registering memory ourselves could leave a stale CUDA error
-# for the next kernel launch to trip over. Its idle cap follows its use: idle
-# blocks are kept up to the most bytes that were ever leased at once (the next
-# step needs the same blocks again), and idle blocks are dropped at close. A
-# block that cannot be pinned is replaced by pageable memory (copies are then
-# synchronous, still correct) and counted. PyTorch's pinned allocator rounds
-# each allocation up to a power of two, so target "cpu" may hold up to twice
-# the offloaded bytes in pinned host memory.
+# Pinned host memory for the CUDA path is not pooled here: it comes from a few
+# large arenas (NOTE [pinned arena] in arena.py). Its pageable fallback uses
+# this pool.
 """
 
 from __future__ import annotations
@@ -55,10 +43,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["Block", "HostBufferPool", "mapped_block", "pinned_block"]
+__all__ = ["Block", "HostBufferPool", "mapped_block"]
 
 _GRAIN = 64 << 10  # size classes: multiples of 64 KiB
-_PAGE = 4096
 
 
 class Block:
@@ -108,19 +95,6 @@ def mapped_block(size: int) -> Block:
     return Block(buffer, size, pinned=False, owner=m)
 
 
-def pinned_block(size: int) -> Block:
-    """Pinned memory from PyTorch's allocator (NOTE [pinned pool]); pageable if that fails."""
-    try:
-        t = torch.empty((size,), dtype=torch.uint8, pin_memory=True)
-        if t.data_ptr() % _PAGE:  # cudaHostAlloc gives whole pages; O_DIRECT needs them
-            t = torch.empty((size + _PAGE,), dtype=torch.uint8, pin_memory=True)
-    except RuntimeError:
-        return mapped_block(size)
-    array = t.numpy()
-    lead = (-t.data_ptr()) % _PAGE
-    return Block(array[lead : lead + size], size, pinned=True, owner=t)
-
-
 class HostBufferPool:
     """Page-aligned host buffers by size class, recycled when their storage dies.
 
@@ -128,7 +102,8 @@ class HostBufferPool:
         max_idle_bytes: idle bytes kept for reuse.
         allocate: makes a block of the given size (default: an anonymous mapping).
         follow_peak: keep idle blocks up to the most bytes ever leased at once,
-            if that is more than ``max_idle_bytes`` (NOTE [pinned pool]).
+            if that is more than ``max_idle_bytes`` (the next step needs the same
+            blocks again).
     """
 
     def __init__(
@@ -154,8 +129,6 @@ class HostBufferPool:
         # Sizes of blocks returned after close: counted without the lock (NOTE
         # [read buffer pool]: a finalizer may run where the lock is held).
         self._late: collections.deque[int] = collections.deque()
-        #: Blocks that were asked pinned and came back pageable.
-        self.pin_failures = 0
 
     @property
     def leased_bytes(self) -> int:
@@ -190,8 +163,6 @@ class HostBufferPool:
                 self._count_lease(size)
         if block is None:
             block = self.allocate(size)  # counted once made: a failure leased nothing
-            if self.allocate is pinned_block and not block.pinned:
-                self.pin_failures += 1
             with self._lock:
                 self._count_lease(size)
         out = torch.frombuffer(block.buffer, dtype=torch.uint8)

@@ -8,8 +8,8 @@ Both directions may be asynchronous: each returns the bytes' location and a
 
 - :class:`HostDevice`: CPU tensors are host memory already; both directions
   are the identity. This is the whole path for CPU training.
-- :class:`SpanCopyDevice`: copies spans through pooled pinned host blocks
-  (NOTE [pinned pool]) on side streams (NOTE [copy streams]). For ``"cuda"``
+- :class:`SpanCopyDevice`: copies spans through a pinned arena (NOTE [pinned
+  arena] in arena.py) on side streams (NOTE [copy streams]). For ``"cuda"``
   it uses CUDA streams and events; built for ``"cpu"`` it is the CPU twin
   that CI runs: the same code over worker-thread streams.
 - :class:`RoutingDevice`: sends each span to the layer for its device type.
@@ -21,7 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from .buffers import HostBufferPool, mapped_block, pinned_block
+from .arena import PinnedArena, pin_block
+from .buffers import Block, mapped_block
 from .config import DEFAULT_INFLIGHT_COPY_BYTES
 from .streams import CopyStreams, CudaStreams, Fence, ThreadStreams
 
@@ -40,8 +41,8 @@ Placed = tuple[torch.UntypedStorage, int, Fence | None]
 # Returns a page-aligned uint8 host tensor of at least n bytes, and a buffer over them.
 Lease = Callable[[int], tuple[torch.Tensor, memoryview]]
 
-# Idle pinned bytes kept at least (the pool keeps up to its peak use anyway).
-_PINNED_IDLE_BYTES = 64 << 20
+# The first pinned arena's size (NOTE [pinned arena]).
+_ARENA_STEP_BYTES = 64 << 20
 
 
 def _bytes(storage: torch.UntypedStorage, base: int, nbytes: int) -> torch.Tensor:
@@ -97,6 +98,14 @@ class DeviceLayer:
         """Seconds packs waited at the cap on device-to-host bytes in flight."""
         return 0.0
 
+    def pageable_fallbacks(self) -> int:
+        """Host buffers served from pageable memory because pinning failed or the pinned
+        limit was reached (NOTE [pinned arena]): copies to and from them are synchronous."""
+        return 0
+
+    def set_host_budget(self, nbytes: int | None) -> None:
+        """Cap the pinned host bytes this layer holds (None: its default limit)."""
+
     def close(self) -> None:
         """Wait for every copy in flight and release idle host buffers.
 
@@ -128,12 +137,16 @@ class HostDevice(DeviceLayer):
 
 
 class SpanCopyDevice(DeviceLayer):
-    """Copies spans of ``device_type`` storages to pinned host blocks and back.
+    """Copies spans of ``device_type`` storages to pinned host memory and back.
 
     Args:
         device_type: ``"cuda"``, or ``"cpu"`` for the CPU twin (NOTE [copy streams]).
         max_inflight_bytes: cap on device-to-host bytes in flight.
         twin_delay: the twin's delay before each copy (tests use it to provoke races).
+        host_budget: cap on pinned host bytes (None: half the RAM or cgroup limit).
+        arena_step_bytes: the first pinned arena's size (NOTE [pinned arena]).
+        pin: makes one pinned block, raising when it cannot (default: PyTorch's
+            pinned allocator for ``"cuda"``, anonymous mappings for the twin).
     """
 
     def __init__(
@@ -142,15 +155,17 @@ class SpanCopyDevice(DeviceLayer):
         *,
         max_inflight_bytes: int = DEFAULT_INFLIGHT_COPY_BYTES,
         twin_delay: float = 0.0,
+        host_budget: int | None = None,
+        arena_step_bytes: int = _ARENA_STEP_BYTES,
+        pin: Callable[[int], Block] | None = None,
     ) -> None:
         self.device_type = device_type
         self.max_inflight_bytes = max_inflight_bytes
         self.twin_delay = twin_delay
-        self.pool = HostBufferPool(
-            _PINNED_IDLE_BYTES,
-            allocate=pinned_block if device_type == "cuda" else mapped_block,
-            follow_peak=True,
-        )
+        if pin is None:
+            pin = pin_block if device_type == "cuda" else mapped_block
+        #: The pinned host memory every copy goes through (NOTE [pinned arena]).
+        self.pool = PinnedArena(pin, step_bytes=arena_step_bytes, limit_bytes=host_budget)
         self._streams: dict[torch.device, CopyStreams] = {}
 
     def streams(self, device: torch.device) -> CopyStreams:
@@ -196,6 +211,12 @@ class SpanCopyDevice(DeviceLayer):
     def copy_wait_seconds(self) -> float:
         return sum(s.throttle_seconds for s in list(self._streams.values()))
 
+    def pageable_fallbacks(self) -> int:
+        return self.pool.pageable_fallbacks
+
+    def set_host_budget(self, nbytes: int | None) -> None:
+        self.pool.set_limit(nbytes)
+
     def close(self) -> None:
         for streams in list(self._streams.values()):
             streams.close()
@@ -237,6 +258,13 @@ class RoutingDevice(DeviceLayer):
 
     def copy_wait_seconds(self) -> float:
         return sum(layer.copy_wait_seconds() for layer in self.layers)
+
+    def pageable_fallbacks(self) -> int:
+        return sum(layer.pageable_fallbacks() for layer in self.layers)
+
+    def set_host_budget(self, nbytes: int | None) -> None:
+        for layer in self.layers:
+            layer.set_host_budget(nbytes)
 
     def close(self) -> None:
         for layer in self.layers:

@@ -7,7 +7,7 @@ import mmap
 
 import torch
 
-from prefetch_offload.buffers import Block, HostBufferPool, pinned_block
+from prefetch_offload.buffers import Block, HostBufferPool
 
 
 def test_blocks_are_page_aligned_and_sized_up() -> None:
@@ -69,8 +69,9 @@ class _Counting:
         return block
 
 
-def test_pinned_style_pool_reuses_blocks_and_keeps_up_to_its_peak() -> None:
-    """NOTE [pinned pool]: a step's blocks are re-used by the next step, not re-made."""
+def test_follow_peak_pool_reuses_blocks_and_keeps_up_to_its_peak() -> None:
+    """A step's blocks are re-used by the next step, not re-made (the arena's pageable
+    fallback pool works this way)."""
     factory = _Counting()
     pool = HostBufferPool(0, allocate=factory, follow_peak=True)
     for _ in range(3):  # three "steps" of the same four tensors
@@ -85,22 +86,3 @@ def test_pinned_style_pool_reuses_blocks_and_keeps_up_to_its_peak() -> None:
     del kept
     gc.collect()
     assert not factory.alive  # returned after close: released at once, not parked
-
-
-def test_pinned_block_falls_back_to_pageable_without_cuda() -> None:
-    block = pinned_block(1 << 16)
-    if torch.cuda.is_available():
-        assert block.pinned
-    else:  # torch raises for pin_memory without CUDA: a pageable block instead
-        assert not block.pinned
-    t = torch.frombuffer(block.buffer, dtype=torch.uint8)
-    assert t.data_ptr() % 4096 == 0 and t.numel() == 1 << 16
-
-
-def test_failed_pin_is_counted() -> None:
-    pool = HostBufferPool(1 << 20, allocate=pinned_block)
-    t, region = pool.lease(5000)
-    region[:3] = b"abc"
-    region.release()
-    assert bytes(t[:3].tolist()) == b"abc"
-    assert pool.pin_failures == (0 if torch.cuda.is_available() else 1)
