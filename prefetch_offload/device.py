@@ -13,17 +13,38 @@ Both directions may be asynchronous: each returns the bytes' location and a
   it uses CUDA streams and events; built for ``"cpu"`` it is the CPU twin
   that CI runs: the same code over worker-thread streams.
 - :class:`RoutingDevice`: sends each span to the layer for its device type.
+
+# NOTE [direct IO from pinned memory]
+# The disk target writes the host copies of CUDA tensors to the slabs straight
+# from the pinned arena with O_DIRECT, and reads them back into it. The kernel
+# pins the pages of every O_DIRECT request itself; memory the CUDA driver has
+# page-locked normally allows that, but some sandboxes (gVisor) and some
+# driver and kernel pairs refuse it (EFAULT, EINVAL) although the same folder
+# takes O_DIRECT from ordinary memory. A refusal would surface as an IO error
+# at the first write. So ``direct_io_ok`` tries a round trip (write, read back,
+# compare) through one arena lease, once per folder, before the engine uses
+# O_DIRECT there; if the kernel refuses it, it warns and the engine moves those
+# bytes through the page cache. bench/gpu_preflight.py measures the same round
+# trip at size, on the GPU machine, before the rest of the suite runs.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import time
+import warnings
+import zlib
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from .arena import PinnedArena, pin_block
 from .buffers import Block, mapped_block
 from .config import DEFAULT_INFLIGHT_COPY_BYTES
+from .errors import OffloadFallbackWarning, OffloadIOError
+from .slab import direct_io_supported, open_scratch_file
 from .streams import CopyStreams, CudaStreams, Fence, ThreadStreams
 
 __all__ = [
@@ -34,6 +55,7 @@ __all__ = [
     "RoutingDevice",
     "SpanCopyDevice",
     "default_device_layer",
+    "direct_io_roundtrip",
 ]
 
 # Bytes [base, base + nbytes) of a storage, ready once the fence (if any) is done.
@@ -43,6 +65,9 @@ Lease = Callable[[int], tuple[torch.Tensor, memoryview]]
 
 # The first pinned arena's size (NOTE [pinned arena]).
 _ARENA_STEP_BYTES = 64 << 20
+# Bytes of the O_DIRECT round trip that ``direct_io_ok`` tries, and its request size.
+_DIRECT_PROBE_BYTES = 1 << 20
+_DIRECT_REQUEST_BYTES = 8 << 20
 
 
 def _bytes(storage: torch.UntypedStorage, base: int, nbytes: int) -> torch.Tensor:
@@ -106,6 +131,12 @@ class DeviceLayer:
     def set_host_budget(self, nbytes: int | None) -> None:
         """Cap the pinned host bytes this layer holds (None: its default limit)."""
 
+    def direct_io_ok(self, directory: str) -> bool:
+        """Whether O_DIRECT requests from this layer's host buffers work in ``directory``
+        (NOTE [direct IO from pinned memory]); False also where the folder takes no
+        O_DIRECT at all."""
+        return direct_io_supported(directory)
+
     def close(self) -> None:
         """Wait for every copy in flight and release idle host buffers.
 
@@ -167,6 +198,8 @@ class SpanCopyDevice(DeviceLayer):
         #: The pinned host memory every copy goes through (NOTE [pinned arena]).
         self.pool = PinnedArena(pin, step_bytes=arena_step_bytes, limit_bytes=host_budget)
         self._streams: dict[torch.device, CopyStreams] = {}
+        # NOTE [direct IO from pinned memory]: the round trip's outcome per folder.
+        self._direct: dict[str, bool] = {}
 
     def streams(self, device: torch.device) -> CopyStreams:
         """The copy streams of ``device`` (created at first use)."""
@@ -217,6 +250,32 @@ class SpanCopyDevice(DeviceLayer):
     def set_host_budget(self, nbytes: int | None) -> None:
         self.pool.set_limit(nbytes)
 
+    def direct_io_ok(self, directory: str) -> bool:
+        ok = self._direct.get(directory)
+        if ok is not None:
+            return ok
+        ok = direct_io_supported(directory)
+        if ok:  # the folder takes O_DIRECT from ordinary pages: now from ours
+            host, region = self.pool.lease(_DIRECT_PROBE_BYTES)
+            try:
+                direct_io_roundtrip(directory, region)
+            except (OSError, OffloadIOError) as exc:
+                ok = False
+                warnings.warn(
+                    f"prefetch_offload: {directory!r} takes O_DIRECT, but not from pinned "
+                    f"host memory ({exc}); the host copies of CUDA tensors go to and from "
+                    "the disk through the page cache there instead, which costs a memory "
+                    "copy per byte. Pick a save_dir on a local disk, or pass "
+                    "io_method='buffered' to choose that path knowingly.",
+                    OffloadFallbackWarning,
+                    stacklevel=2,
+                )
+            finally:
+                region.release()
+                del host
+        self._direct[directory] = ok
+        return ok
+
     def close(self) -> None:
         for streams in list(self._streams.values()):
             streams.close()
@@ -266,6 +325,9 @@ class RoutingDevice(DeviceLayer):
         for layer in self.layers:
             layer.set_host_budget(nbytes)
 
+    def direct_io_ok(self, directory: str) -> bool:
+        return all(layer.direct_io_ok(directory) for layer in self.layers)
+
     def close(self) -> None:
         for layer in self.layers:
             layer.close()
@@ -280,3 +342,64 @@ def default_device_layer(
     if target == "disk":
         layers.append(HostDevice())
     return RoutingDevice(layers)
+
+
+def direct_io_roundtrip(
+    directory: str, buf: memoryview, *, request: int = _DIRECT_REQUEST_BYTES
+) -> tuple[float, float]:
+    """Write ``buf`` to a new O_DIRECT scratch file in ``directory``, read it back into
+    ``buf`` and check the bytes (NOTE [direct IO from pinned memory]).
+
+    ``buf`` must start a page and be whole pages long; it is overwritten with a
+    pattern. Requests are at most ``request`` bytes.
+
+    Returns:
+        Seconds the write and the read took.
+
+    Raises:
+        OSError: the folder or the kernel refused (EINVAL where the folder takes no
+            O_DIRECT; EFAULT or EINVAL where the memory cannot be used for it).
+        OffloadIOError: the bytes read back differ from those written.
+    """
+    n = len(buf)
+    data = np.frombuffer(buf, dtype=np.uint8)
+    data[:] = np.resize(np.frombuffer(os.urandom(4096), dtype=np.uint8), n)
+    crc = zlib.crc32(buf)
+    try:
+        fd = open_scratch_file(directory, direct=True)
+    except BaseException:
+        del data  # the caller releases ``buf``: nothing may still export it
+        raise
+    try:
+        try:
+            os.posix_fallocate(fd, 0, n)
+        except OSError as exc:  # as SlabStore does: some filesystems cannot reserve
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(fd, n)
+        start = time.perf_counter()
+        _whole(lambda view, pos: os.pwrite(fd, view, pos), buf, request, "write")
+        wrote = time.perf_counter() - start
+        data[:] = 0
+        start = time.perf_counter()
+        _whole(lambda view, pos: os.preadv(fd, [view], pos), buf, request, "read")
+        read = time.perf_counter() - start
+    finally:
+        os.close(fd)
+        del data
+    if zlib.crc32(buf) != crc:
+        raise OffloadIOError(
+            f"prefetch_offload: an O_DIRECT round trip through {directory!r} read back other "
+            "bytes than it wrote; do not use O_DIRECT in this folder (io_method='buffered')."
+        )
+    return wrote, read
+
+
+def _whole(op: Callable[[memoryview, int], int], buf: memoryview, request: int, what: str) -> None:
+    """Run ``op(view, position)`` over all of ``buf``, ``request`` bytes at most at a time."""
+    pos, n = 0, len(buf)
+    while pos < n:
+        done = op(buf[pos : min(n, pos + request)], pos)
+        if done <= 0:
+            raise OSError(errno.EIO, f"short O_DIRECT {what} at offset {pos}")
+        pos += done

@@ -10,6 +10,7 @@ import copy
 import gc
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -333,6 +334,34 @@ def test_cuda_chunked_copies_are_exact_under_a_small_cap() -> None:
         assert torch.equal(x.grad, expected)
     finally:
         engine.close()
+
+
+def test_cuda_direct_io_from_pinned_memory(save_dir: Path) -> None:
+    """NOTE [direct IO from pinned memory]: the layer's verdict matches a round trip
+    through a pinned block, and it warns exactly when it says no."""
+    from prefetch_offload.arena import pin_block
+    from prefetch_offload.device import direct_io_roundtrip
+    from prefetch_offload.errors import OffloadFallbackWarning
+
+    if not direct_io_supported(str(save_dir)):
+        pytest.skip("no folder here takes O_DIRECT")
+    layer = SpanCopyDevice("cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ok = layer.direct_io_ok(str(save_dir))
+    warned = [w for w in caught if issubclass(w.category, OffloadFallbackWarning)]
+    assert len(warned) == (0 if ok else 1)
+    block = pin_block(64 << 20)
+    buf = memoryview(block.buffer)
+    try:
+        direct_io_roundtrip(str(save_dir), buf)
+        works = True
+    except OSError:
+        works = False
+    finally:
+        buf.release()
+    assert ok == works
+    layer.close()
 
 
 def test_cuda_peak_memory_drops_by_the_offloaded_bytes(save_dir: Path) -> None:

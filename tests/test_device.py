@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import gc
+import os
 import threading
 import time
 import warnings
@@ -23,7 +25,8 @@ import pytest
 import torch
 
 from prefetch_offload import OffloadConfig, OffloadEngine, OffloadError, OffloadFallbackWarning
-from prefetch_offload.device import RoutingDevice, SpanCopyDevice
+from prefetch_offload.device import RoutingDevice, SpanCopyDevice, direct_io_roundtrip
+from prefetch_offload.slab import direct_io_supported
 from prefetch_offload.testing import TinyTransformer, make_batch
 
 
@@ -207,6 +210,54 @@ def test_twin_pinned_limit_bounds_the_arenas(save_dir: Path) -> None:
     assert "limit of 524288 bytes" in message
     assert layer.pageable_fallbacks() > 0
     assert all(torch.equal(a, b) for a, b in zip(_grads(model), _grads(ref), strict=True))
+
+
+def test_twin_direct_io_from_pinned_memory(save_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [direct IO from pinned memory]: a round trip through an arena lease decides,
+    once per folder; a kernel that refuses O_DIRECT from that memory gets one warning."""
+    if not direct_io_supported(str(save_dir)):
+        pytest.skip("this folder takes no O_DIRECT")
+    layer = SpanCopyDevice("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert layer.direct_io_ok(str(save_dir))
+    assert not _fallback_warnings(caught)
+    layer.close()
+
+    real = os.pwrite
+
+    def refuse_probe(fd: int, data: Any, pos: int) -> int:
+        if len(data) >= 1 << 20:  # the probe's requests, not direct_io_supported's page
+            raise OSError(errno.EFAULT, "Bad address")
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(os, "pwrite", refuse_probe)
+    layer = SpanCopyDevice("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not layer.direct_io_ok(str(save_dir))
+        assert not layer.direct_io_ok(str(save_dir))  # decided once
+        routed = RoutingDevice([layer])
+        assert not routed.direct_io_ok(str(save_dir))
+    (message,) = _fallback_warnings(caught)
+    assert "not from pinned host memory" in message and "Bad address" in message
+    assert layer.pool.leased_bytes == 0  # the probe's lease went back
+    layer.close()
+
+
+def test_direct_io_roundtrip_checks_the_bytes(save_dir: Path) -> None:
+    if not direct_io_supported(str(save_dir)):
+        pytest.skip("this folder takes no O_DIRECT")
+    layer = SpanCopyDevice("cpu")
+    host, region = layer.pool.lease(3 << 20)
+    try:
+        wrote, read = direct_io_roundtrip(str(save_dir), region, request=1 << 20)
+        assert wrote > 0 and read > 0
+    finally:
+        region.release()
+        del host
+        layer.close()
+    assert not list(save_dir.iterdir())  # the scratch file was never visible
 
 
 def test_twin_write_waits_for_its_copy(save_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
