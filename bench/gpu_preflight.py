@@ -1,0 +1,363 @@
+"""The GPU suite's first stage, under 40 s: what the machine is, and whether the rest is worth it.
+
+Each check is written to ``--json`` as soon as it ends (a run killed by its time
+limit still leaves what it measured) and printed as one line:
+
+- ``env``: Python, torch and its CUDA, the driver, the kernel (``uname`` and
+  ``/proc/version``: gVisor shows there), the GPU, the RAM or cgroup limit and
+  the pinned arena's default limit (NOTE [pinned arena]).
+- ``pin``: seconds to pin ``--pin-gib`` GiB with PyTorch's pinned allocator (one
+  GiB at a time, stopping after ``--pin-deadline`` seconds), and one 64 MiB arena
+  step through the library's ``pin_block``.
+- ``link``: pinned device-to-host and host-to-device GB/s (1 GiB, best of three).
+- ``pageable``: with about 100 ms of GPU work queued, how long a ``non_blocking``
+  device-to-host copy takes to return into pageable memory, and into pinned
+  memory: a copy that returns only after the queued work is synchronous (what a
+  pageable fallback costs every pack).
+- ``direct_io``: an O_DIRECT write and read-back (NOTE [direct IO from pinned
+  memory]) of ``--direct-mib`` MiB in the scratch folder, from pinned memory and
+  from an ordinary mapping, in GB/s, or the error the kernel gave. ``disk_ok``:
+  both pinned rates (without CUDA: the mapping's) reach ``--disk-min-gbps``; the
+  suite runs its disk stage only then.
+- ``capture``: CUDA calls the engine's threads might make while another thread
+  captures a CUDA graph (issue 14, item 1): an event query in the capturing
+  thread and in another thread, an event synchronize and a pinned allocation in
+  another thread (global capture mode), and an event query from another thread
+  in thread_local mode. For each, whether the call raised and whether the capture
+  survived. It runs last: a broken capture may leave the context unusable.
+
+Without CUDA only ``env`` and ``direct_io`` (from an ordinary mapping) run: the
+suite's twin mode and a smoke check use that.
+
+Example (repository root, on the GPU machine):
+    python3 bench/gpu_preflight.py --json out/preflight.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _common import filesystem_type, scratch_folder
+
+from prefetch_offload.arena import host_memory_limit, pin_block
+from prefetch_offload.buffers import mapped_block
+from prefetch_offload.device import direct_io_roundtrip
+from prefetch_offload.slab import direct_io_supported
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+class Report:
+    """The preflight's JSON, rewritten whole after every check."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+    def run(self, name: str, check: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        start = time.perf_counter()
+        try:
+            result = check()
+        except Exception as exc:  # recorded: the next check still runs
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        result["seconds"] = round(time.perf_counter() - start, 3)
+        self.data[name] = result
+        self.write()
+        print(f"preflight {name}: {json.dumps(result)}", flush=True)
+        return result
+
+    def write(self) -> None:
+        if self.path is None:
+            return
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, indent=1)
+        os.replace(tmp, self.path)  # a kill mid-write leaves the previous version
+
+
+def _first_line(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.readline().strip()
+    except OSError:
+        return None
+
+
+def _driver() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return _first_line("/proc/driver/nvidia/version")
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+
+
+def check_env() -> dict[str, Any]:
+    cuda = torch.cuda.is_available()
+    ram = host_memory_limit()
+    env: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": cuda,
+        "kernel": platform.release(),
+        "proc_version": _first_line("/proc/version"),
+        "cpus": os.cpu_count(),
+        "host_memory_limit_bytes": ram,
+        "pinned_default_limit_bytes": None if ram is None else ram // 2,
+    }
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        env.update(
+            driver=_driver(),
+            gpu=props.name,
+            gpu_memory_bytes=props.total_memory,
+            capability=f"{props.major}.{props.minor}",
+        )
+    return env
+
+
+def _sync_seconds(fn: Callable[[], object]) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+class Pinned:
+    """The big pinned block the later checks share (pinned once: pinning is slow)."""
+
+    tensor: torch.Tensor | None = None
+
+
+def check_pin(gib: int, deadline: float, pinned: Pinned) -> dict[str, Any]:
+    """Pin ``gib`` GiB, one GiB per allocation, stopping once ``deadline`` seconds have
+    passed (a slow sandbox must not eat the preflight); the first GiB is kept."""
+    times = []
+    blocks = []
+    for _ in range(gib):
+        start = time.perf_counter()
+        blocks.append(torch.empty(GiB, dtype=torch.uint8, pin_memory=True))
+        times.append(time.perf_counter() - start)
+        if sum(times) > deadline:
+            break
+    pinned.tensor = blocks[0]
+    del blocks
+    start = time.perf_counter()
+    block = pin_block(64 * MiB)
+    step = time.perf_counter() - start
+    del block
+    total = sum(times)
+    return {
+        "gib_pinned": len(times),
+        "gib_wanted": gib,
+        "pin_seconds": round(total, 3),
+        "pin_gbps": round(len(times) * GiB / total / 1e9, 2),
+        "per_gib_seconds": [round(t, 3) for t in times],
+        "arena_step_64mib_ms": round(step * 1e3, 2),
+    }
+
+
+def check_link(pinned: Pinned) -> dict[str, Any]:
+    host = pinned.tensor[: 1 * GiB] if pinned.tensor is not None else None
+    if host is None:
+        host = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
+        best = min(
+            _sync_seconds(lambda d=dst, s=src: d.copy_(s, non_blocking=True)) for _ in range(3)
+        )
+        out[f"{name}_gbps"] = round(GiB / best / 1e9, 2)
+    del dev
+    torch.cuda.empty_cache()
+    return out
+
+
+def _gpu_sleep_cycles(ms: float) -> int:
+    """``torch.cuda._sleep`` cycles that keep the GPU busy about ``ms`` milliseconds."""
+    cycles = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return int(cycles * ms / max(start.elapsed_time(end), 1e-3))
+
+
+def check_pageable(pinned: Pinned) -> dict[str, Any]:
+    nbytes = 256 * MiB
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    pageable.fill_(0)  # fault the pages in: only the copy is timed
+    pin = pinned.tensor[:nbytes] if pinned.tensor is not None else pageable.pin_memory()
+    cycles = _gpu_sleep_cycles(100.0)
+    out: dict[str, Any] = {}
+    for name, dst in (("pageable", pageable), ("pinned", pin)):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        torch.cuda._sleep(cycles)
+        dst.copy_(dev, non_blocking=True)
+        returned = time.perf_counter() - start
+        torch.cuda.synchronize()
+        out[f"{name}_return_ms"] = round(returned * 1e3, 2)
+        out[f"{name}_done_ms"] = round((time.perf_counter() - start) * 1e3, 2)
+    # About 100 ms of GPU work was queued before each copy: a copy that returned only
+    # after half of it had the host wait for the GPU.
+    out["queued_gpu_ms"] = 100.0
+    out["pageable_copy_blocks"] = out["pageable_return_ms"] > 50.0
+    out["pinned_copy_blocks"] = out["pinned_return_ms"] > 50.0
+    return out
+
+
+def check_direct_io(
+    save_dir: str | None, direct_mib: int, min_gbps: float, pinned: Pinned
+) -> dict[str, Any]:
+    nbytes = direct_mib * MiB
+    with scratch_folder(save_dir, prefix="preflight-") as folder:
+        out: dict[str, Any] = {
+            "folder": os.path.abspath(folder),
+            "filesystem": filesystem_type(folder),
+            "o_direct": direct_io_supported(folder),
+        }
+        if not out["o_direct"]:
+            out["disk_ok"] = False
+            return out
+        sources: list[tuple[str, Callable[[], tuple[memoryview, Any]]]] = [
+            ("mapped", lambda: _mapped(nbytes))
+        ]
+        if pinned.tensor is not None:
+            sources.insert(0, ("pinned", lambda: _pinned(pinned.tensor, nbytes)))
+        for name, make in sources:
+            buf, keep = make()
+            try:
+                wrote, read = direct_io_roundtrip(folder, buf)
+                out[f"{name}_write_gbps"] = round(nbytes / wrote / 1e9, 2)
+                out[f"{name}_read_gbps"] = round(nbytes / read / 1e9, 2)
+            except Exception as exc:
+                out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+            finally:
+                buf.release()
+                del keep
+    # The rates of the memory the disk target writes from: pinned on a GPU machine.
+    src = "pinned" if pinned.tensor is not None else "mapped"
+    rates = (out.get(f"{src}_write_gbps", 0.0), out.get(f"{src}_read_gbps", 0.0))
+    out["disk_ok"] = min(rates) >= min_gbps
+    return out
+
+
+def _pinned(t: torch.Tensor, nbytes: int) -> tuple[memoryview, Any]:
+    array = t.numpy()
+    lead = (-t.data_ptr()) % 4096
+    return memoryview(array[lead : lead + nbytes]), array
+
+
+def _mapped(nbytes: int) -> tuple[memoryview, Any]:
+    block = mapped_block(nbytes)
+    return memoryview(block.buffer), block
+
+
+def _attempt(fn: Callable[[], object]) -> str:
+    try:
+        value = fn()
+    except Exception as exc:
+        return f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return f"ok ({value!r})"
+
+
+def _in_thread(fn: Callable[[], object]) -> str:
+    result: list[str] = []
+    th = threading.Thread(target=lambda: result.append(_attempt(fn)), daemon=True)
+    th.start()
+    th.join(10)
+    return result[0] if result else "still running after 10 s"
+
+
+def check_capture() -> dict[str, Any]:
+    x = torch.ones(1 << 20, device="cuda")
+    event = torch.cuda.Event()
+    event.record()
+    torch.cuda.synchronize()
+    cases: dict[str, tuple[str, Callable[[], str]]] = {
+        "query_same_thread_global": ("global", lambda: _attempt(event.query)),
+        "query_other_thread_global": ("global", lambda: _in_thread(event.query)),
+        "synchronize_other_thread_global": ("global", lambda: _in_thread(event.synchronize)),
+        "pin_other_thread_global": (
+            "global",
+            lambda: _in_thread(
+                lambda: torch.empty(3 * MiB + 4096, dtype=torch.uint8, pin_memory=True).numel()
+            ),
+        ),
+        "query_other_thread_thread_local": ("thread_local", lambda: _in_thread(event.query)),
+    }
+    out: dict[str, Any] = {}
+    for name, (mode, call) in cases.items():
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        outcome: dict[str, str] = {}
+        try:
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode=mode):
+                y = x * 2
+                outcome["call"] = call()
+                y = y + 1
+            outcome["capture"] = "ok"
+        except Exception as exc:
+            outcome["capture"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        outcome["after"] = _attempt(lambda: float((torch.ones(4, device="cuda") * 2).sum()))
+        out[name] = outcome
+        del graph
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", default=None, help="write the results here (after each check)")
+    p.add_argument("--pin-gib", type=int, default=4, help="GiB to pin, one GiB at a time")
+    p.add_argument("--pin-deadline", type=float, default=12.0, help="stop pinning after this")
+    p.add_argument("--direct-mib", type=int, default=256, help="MiB of the O_DIRECT round trip")
+    p.add_argument("--disk-min-gbps", type=float, default=1.0, help="disk_ok threshold")
+    p.add_argument("--save-dir", default=None, help="parent of the scratch folder (./.scratch)")
+    args = p.parse_args(argv)
+    report = Report(args.json)
+    env = report.run("env", check_env)
+    pinned = Pinned()
+    cuda = bool(env.get("cuda_available"))
+    if cuda:
+        report.run("pin", lambda: check_pin(args.pin_gib, args.pin_deadline, pinned))
+        report.run("link", lambda: check_link(pinned))
+        report.run("pageable", lambda: check_pageable(pinned))
+    report.run(
+        "direct_io",
+        lambda: check_direct_io(args.save_dir, args.direct_mib, args.disk_min_gbps, pinned),
+    )
+    if cuda:
+        pinned.tensor = None
+        report.run("capture", check_capture)
+    report.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    report.write()
+    failed = [k for k, v in report.data.items() if isinstance(v, dict) and "error" in v]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
