@@ -32,6 +32,13 @@ backward kernels may use atomics) and after a control that runs ``none``
 twice: if the model itself is not reproducible, the column says so instead of
 claiming anything.
 
+After the table come issue 14's targets for the GPU run, each PASS, FAIL or n/a:
+exact gradients; target "cpu" within 1.03x of ``none`` with its forward peak cut by
+80% or more, ahead of ``save_on_cpu`` on both; no pinned arena made (no
+``cudaHostAlloc``) and no pageable fallback during the timed steps (NOTE [pinned
+arena]); reserved memory the same at the start of every timed step. Only inexact
+gradients make the exit status non-zero.
+
 ``--twin`` runs the same script on the CPU through the CUDA path's CPU twin
 (memory columns read 0 there): the smoke test in tests/test_bench.py uses it.
 
@@ -63,7 +70,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import round_order, scratch_folder
 
 from prefetch_offload import OffloadConfig, OffloadEngine
-from prefetch_offload.device import RoutingDevice, SpanCopyDevice
+from prefetch_offload.device import (
+    DeviceLayer,
+    RoutingDevice,
+    SpanCopyDevice,
+    default_device_layer,
+)
 from prefetch_offload.probe import raw_bandwidth
 from prefetch_offload.testing import TinyTransformer, make_batch
 
@@ -102,6 +114,13 @@ class GpuRow:
     # Growth of the caching allocator's reserved memory over each step: blocks cached
     # for the copy streams (NOTE [copy streams]) show here, not in allocated memory.
     reserved_growth_bytes: tuple[int, ...] = ()
+    # The caching allocator's reserved memory when each timed step began (all modes
+    # share that allocator): what "no growth step over step" is judged on.
+    reserved_start_bytes: tuple[int, ...] = ()
+    # Library modes: pinned arenas made during the timed steps (cudaHostAlloc calls,
+    # NOTE [pinned arena]) and host buffers that fell back to pageable memory.
+    pin_calls_timed: int | None = None
+    pageable_fallbacks: int | None = None
 
     @property
     def median_step_s(self) -> float:
@@ -198,6 +217,7 @@ def run(args: argparse.Namespace) -> tuple[list[GpuRow], dict[str, float]]:
                 folder, args.disk_probe_mb << 20, 8 << 20, 4
             )
         engines: dict[str, OffloadEngine] = {}
+        layers: dict[str, DeviceLayer] = {}
         ctx: dict[str, Callable[[], AbstractContextManager[Any]]] = {"none": nullcontext}
         for mode in ("cpu", "disk"):
             if mode in modes:
@@ -209,8 +229,12 @@ def run(args: argparse.Namespace) -> tuple[list[GpuRow], dict[str, float]]:
                     min_offload_bytes=args.min_offload_bytes,
                     chunk_bytes=args.chunk_bytes,
                 )
-                twin = None if gpu.cuda else RoutingDevice([SpanCopyDevice("cpu")])
-                eng = engines[mode] = OffloadEngine(cfg, device=twin)
+                layer = layers[mode] = (
+                    default_device_layer(mode, max_inflight_bytes=cfg.max_inflight_copy_bytes)
+                    if gpu.cuda
+                    else RoutingDevice([SpanCopyDevice("cpu")])
+                )
+                eng = engines[mode] = OffloadEngine(cfg, device=layer)
                 ctx[mode] = functools.partial(saved_tensors_hooks, eng.pack, eng.unpack)
         if "save_on_cpu" in modes:
             ctx["save_on_cpu"] = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)
@@ -222,6 +246,7 @@ def run(args: argparse.Namespace) -> tuple[list[GpuRow], dict[str, float]]:
         opts = {m: torch.optim.SGD(models[m].parameters(), lr=1e-4) for m in modes}
 
         reserved_growth: dict[str, list[int]] = {m: [] for m in modes}
+        reserved_start: dict[str, list[int]] = {m: [] for m in modes}
 
         def step(mode: str, *, update: bool = True) -> tuple[float, int, int, list[torch.Tensor]]:
             model = models[mode]
@@ -229,6 +254,7 @@ def run(args: argparse.Namespace) -> tuple[list[GpuRow], dict[str, float]]:
             gpu.reset_peak()
             start_mem = gpu.allocated()
             start_reserved = gpu.reserved()
+            reserved_start[mode].append(start_reserved)
             t0 = time.perf_counter()
             with ctx[mode]():
                 loss = model(tokens, targets)
@@ -260,9 +286,11 @@ def run(args: argparse.Namespace) -> tuple[list[GpuRow], dict[str, float]]:
 
         samples: dict[str, list[tuple[float, int, int]]] = {m: [] for m in modes}
         before = {m: e.stats() for m, e in engines.items()}
+        pins_before = {m: _pin_counts(layer) for m, layer in layers.items()}
         for r in range(args.warmup + args.steps):
             if r == args.warmup:
                 before = {m: e.stats() for m, e in engines.items()}
+                pins_before = {m: _pin_counts(layer) for m, layer in layers.items()}
             order = round_order(modes, r)
             times = []
             for mode in order:
@@ -284,11 +312,14 @@ def run(args: argparse.Namespace) -> tuple[list[GpuRow], dict[str, float]]:
                     b.prefetch_hits - a.prefetch_hits,
                     b.prefetch_misses - a.prefetch_misses,
                 )
+                pins, fallbacks = _pin_counts(layers[mode])
                 extra = dict(
                     bytes_offloaded_per_step=(b.bytes_offloaded - a.bytes_offloaded) / n,
                     hit_rate=hits / (hits + misses) if hits + misses else 0.0,
                     stall_seconds_per_step=(b.stall_seconds - a.stall_seconds) / n,
                     pack_wait_seconds_per_step=(b.pack_wait_seconds - a.pack_wait_seconds) / n,
+                    pin_calls_timed=pins - pins_before[mode][0],
+                    pageable_fallbacks=fallbacks,
                 )
             rows.append(
                 GpuRow(
@@ -298,12 +329,79 @@ def run(args: argparse.Namespace) -> tuple[list[GpuRow], dict[str, float]]:
                     tuple(x[2] for x in s),
                     exact[mode],
                     reserved_growth_bytes=tuple(reserved_growth[mode][-args.steps :]),
+                    reserved_start_bytes=tuple(reserved_start[mode][-args.steps :]),
                     **extra,
                 )
             )
         for e in engines.values():
             e.close()
     return rows, env
+
+
+def _pin_counts(layer: DeviceLayer) -> tuple[int, int]:
+    """(pinned arenas made so far, pageable fallbacks) of a library mode's device layer."""
+    parts = layer.layers if isinstance(layer, RoutingDevice) else [layer]
+    pins = sum(p.pool.pin_calls for p in parts if isinstance(p, SpanCopyDevice))
+    return pins, layer.pageable_fallbacks()
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def targets(rows: list[GpuRow]) -> list[dict[str, str]]:
+    """Issue 14's targets for the GPU run, each judged PASS, FAIL or n/a from the rows."""
+    by = {r.mode: r for r in rows}
+    ref = by["none"]
+    out = []
+
+    def add(target: str, ok: bool | None, value: str) -> None:
+        out.append({"target": target, "verdict": _verdict(ok), "value": value})
+
+    others = rows[1:]
+    exact = (
+        None
+        if any(r.exact.startswith("n/a") for r in others)
+        else all(r.exact == "yes" for r in others)
+    )
+    add("gradients bit-identical to none", exact, ", ".join(f"{r.mode} {r.exact}" for r in others))
+    cpu = by.get("cpu")
+    if cpu is not None:
+        ratio = cpu.median_step_s / ref.median_step_s
+        add("cpu: step time at most 1.03x none", ratio <= 1.03, f"{ratio:.3f}x")
+        cut = 1 - cpu.fwd_peak / ref.fwd_peak if ref.fwd_peak else None
+        add(
+            "cpu: forward peak allocated memory cut by 80% or more",
+            None if cut is None else cut >= 0.80,
+            "not measured (CPU twin)" if cut is None else f"{cut:.0%}",
+        )
+        soc = by.get("save_on_cpu")
+        if soc is not None:
+            faster = cpu.median_step_s < soc.median_step_s
+            smaller = cpu.fwd_peak <= soc.fwd_peak
+            add(
+                "cpu: ahead of save_on_cpu in step time and forward peak",
+                faster and smaller,
+                f"{cpu.median_step_s * 1e3:.1f} vs {soc.median_step_s * 1e3:.1f} ms, "
+                f"{cpu.fwd_peak / 1e9:.2f} vs {soc.fwd_peak / 1e9:.2f} GB",
+            )
+    for r in rows:
+        if r.pin_calls_timed is not None:
+            add(
+                f"{r.mode}: no pinning after warm-up, nothing pageable",
+                r.pin_calls_timed == 0 and r.pageable_fallbacks == 0,
+                f"{r.pin_calls_timed} arenas pinned in the timed steps, "
+                f"{r.pageable_fallbacks} pageable fallbacks",
+            )
+    starts = [b for r in rows for b in r.reserved_start_bytes]
+    if starts:
+        grew = max(starts) - min(starts)
+        add(
+            "reserved memory does not grow step over step after warm-up",
+            grew == 0,
+            f"{grew / 1e6:.0f} MB between the timed steps' starts",
+        )
+    return out
 
 
 def table(rows: list[GpuRow], env: dict[str, float], args: argparse.Namespace) -> str:
@@ -394,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows, env = run(args)
     print(table(rows, env, args), flush=True)
+    verdicts = targets(rows)
+    for t in verdicts:
+        print(f"target {t['verdict']:>4}: {t['target']} ({t['value']})", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -405,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                     "rows": [
                         dataclasses.asdict(r) | {"median_step_s": r.median_step_s} for r in rows
                     ],
+                    "targets": verdicts,
                 },
                 f,
                 indent=1,
