@@ -28,13 +28,14 @@
 # the machine's RAM or of the cgroup's memory limit, whichever is smaller
 # (pinned memory cannot be swapped or reclaimed, and the rest of the process
 # needs room); ``set_limit`` replaces it (the engine passes its host budget plus
-# what staging needs). A lease that fits nowhere under the limit, or arrives
-# after pinning failed once, is served from pageable memory instead: correct,
-# but every copy from or to it is synchronous (the host waits for the GPU).
-# Such leases are counted in ``pageable_fallbacks`` and the first one warns
-# (``OffloadFallbackWarning``) with the reason and what to change. Pinning is
-# not retried after a failure: each try costs milliseconds, and what failed
-# (the RAM or the container's limit) rarely changes within a run.
+# what staging needs), never above the RAM or cgroup limit itself. A lease that
+# fits nowhere under the limit, or arrives after pinning failed once, is served
+# from pageable memory instead: correct, but every copy from or to it is
+# synchronous (the host waits for the GPU). Such leases are counted in
+# ``pageable_fallbacks`` and the first one warns (``OffloadFallbackWarning``)
+# with the reason and what to change. Pinning is not retried after a failure:
+# each try costs milliseconds, and what failed (the RAM or the container's
+# limit) rarely changes within a run.
 #
 # After ``close`` leases still work (a graph may be unpacked after its context
 # exits): each is one pinned block of its own, freed with its storage, and
@@ -115,9 +116,12 @@ def host_memory_limit() -> int | None:
     return min(limits) if limits else None
 
 
-def _default_limit() -> int | None:
+def _limit(limit_bytes: int | None) -> int | None:
+    """``limit_bytes`` capped at the RAM or cgroup limit; None: half of that limit."""
     ram = host_memory_limit()
-    return None if ram is None else ram // 2
+    if limit_bytes is None:
+        return None if ram is None else ram // 2
+    return limit_bytes if ram is None else min(limit_bytes, ram)
 
 
 def _pow2_at_least(n: int) -> int:
@@ -171,8 +175,8 @@ class PinnedArena:
         pin: makes one pinned block of the given size; raises when it cannot pin
             (:func:`pin_block` for CUDA; the CPU twin passes an anonymous mapping).
         step_bytes: the size of the first arena, and the least any later one adds.
-        limit_bytes: the most bytes the arenas may hold; by default half the RAM or
-            cgroup limit (None where neither can be read: no limit).
+        limit_bytes: the most bytes the arenas may hold, at most the RAM or cgroup
+            limit; by default half of it (no limit where neither can be read).
     """
 
     def __init__(
@@ -190,7 +194,7 @@ class PinnedArena:
         self.pin = pin
         self.step_bytes = _pow2_at_least(step_bytes)
         self._default_limit = limit_bytes is None
-        self.limit_bytes = _default_limit() if limit_bytes is None else limit_bytes
+        self.limit_bytes = _limit(limit_bytes)
         self._lock = threading.Lock()
         self._arenas: list[_Arena] = []
         self._returned: collections.deque[tuple[_Arena, int, int]] = collections.deque()
@@ -210,14 +214,15 @@ class PinnedArena:
     # -- limits ---------------------------------------------------------------------------
 
     def set_limit(self, limit_bytes: int | None) -> None:
-        """Cap the arenas at ``limit_bytes`` (None: the default, half the RAM limit).
+        """Cap the arenas at ``limit_bytes``, at most the RAM or cgroup limit (None: the
+        default, half of it).
 
         Arenas already pinned are kept; the cap stops growth, and ``trim`` releases
         idle arenas.
         """
         with self._lock:
             self._default_limit = limit_bytes is None
-            self.limit_bytes = _default_limit() if limit_bytes is None else limit_bytes
+            self.limit_bytes = _limit(limit_bytes)
 
     # -- leases ---------------------------------------------------------------------------
 
@@ -324,7 +329,7 @@ class PinnedArena:
                     + (
                         "(half of the RAM or cgroup memory limit)"
                         if self._default_limit
-                        else "(host_budget, plus what staging needs)"
+                        else "(host_budget plus what staging needs, at most the RAM limit)"
                     )
                     + ". Raise host_budget, or offload fewer bytes (device_budget, "
                     "min_offload_bytes)"

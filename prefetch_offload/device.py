@@ -255,6 +255,8 @@ class SpanCopyDevice(DeviceLayer):
         if ok is not None:
             return ok
         ok = direct_io_supported(directory)
+        if self.device_type == "cuda" and not torch.cuda.is_available():
+            return ok  # no CUDA tensor will come: nothing to pin, nothing to probe
         if ok:  # the folder takes O_DIRECT from ordinary pages: now from ours
             host, region = self.pool.lease(_DIRECT_PROBE_BYTES)
             try:

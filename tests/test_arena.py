@@ -210,9 +210,15 @@ def test_step_bytes_must_be_a_grain() -> None:
         PinnedArena(_Pins(), step_bytes=4096)
 
 
-def test_host_memory_limit_is_the_smaller_of_ram_and_cgroup() -> None:
-    limit = host_memory_limit()
-    assert limit is None or limit > 0
+def test_host_memory_limit_bounds_every_limit() -> None:
+    ram = host_memory_limit()
+    assert ram is None or ram > 0
+    arena = PinnedArena(_Pins(), limit_bytes=1 << 62)
+    assert arena.limit_bytes == (1 << 62 if ram is None else ram)
+    arena.set_limit(None)
+    assert arena.limit_bytes == (None if ram is None else ram // 2)
+    arena.set_limit(MiB)
+    assert arena.limit_bytes == MiB
 
 
 def test_pin_block_pins_or_raises() -> None:

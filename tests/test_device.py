@@ -245,6 +245,17 @@ def test_twin_direct_io_from_pinned_memory(save_dir: Path, monkeypatch: pytest.M
     layer.close()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without CUDA only")
+def test_cuda_layer_without_cuda_probes_nothing(save_dir: Path) -> None:
+    """CPU training with target disk: the CUDA layer must not try to pin (and warn)."""
+    layer = SpanCopyDevice("cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert layer.direct_io_ok(str(save_dir)) == direct_io_supported(str(save_dir))
+    assert not caught and layer.pool.pin_calls == 0 and layer.pageable_fallbacks() == 0
+    layer.close()
+
+
 def test_direct_io_roundtrip_checks_the_bytes(save_dir: Path) -> None:
     if not direct_io_supported(str(save_dir)):
         pytest.skip("this folder takes no O_DIRECT")
