@@ -31,7 +31,7 @@ from prefetch_offload import (
     OffloadIOError,
     offload_context,
 )
-from prefetch_offload import engine as engine_module
+from prefetch_offload import writer as writer_module
 from prefetch_offload.testing import TinyTransformer, make_batch
 
 
@@ -385,7 +385,7 @@ def test_unpack_during_forward_keeps_memory_within_the_cap(
 
 
 def test_write_requests_are_page_aligned_and_near_equal() -> None:
-    from prefetch_offload.engine import _split
+    from prefetch_offload.writer import split_requests as _split
 
     for pages in (1, 2, 15, 16, 17, 31, 32, 33, 273, 1000):
         for chunk_pages in (1, 2, 16, 2048):
@@ -846,14 +846,14 @@ def test_restored_spans_are_let_go_when_backward_ends(save_dir: Path) -> None:
         y = (x * 2).sin()
         engine.flush()
         refs: list[weakref.ref[torch.UntypedStorage]] = []
-        y.grad_fn.register_hook(lambda *_: refs.append(weakref.ref(engine._recent[-1])))
+        y.grad_fn.register_hook(lambda *_: refs.append(weakref.ref(engine._reader.recent[-1])))
         y.sum().backward()
         gc.collect()
-        assert refs and refs[0]() is None and not engine._recent
+        assert refs and refs[0]() is None and not engine._reader.recent
         y2 = (x * 3).sin()
         y2.sum().backward(retain_graph=True)
         y2.sum().backward()  # a second pass queues its own callback
-        assert not engine._recent
+        assert not engine._reader.recent
     got, x.grad = x.grad, None
     (x * 2).sin().sum().backward()
     y2 = (x * 3).sin()
@@ -935,7 +935,7 @@ def test_skipped_batch_of_a_dropped_graph_releases_its_bytes(
         gc.collect()
         (x * 9).sin().sum().backward()  # the first unpack skips the queued batches
         engine.flush()
-        assert engine._pending_write_bytes == 0
+        assert engine._writer.pending_bytes == 0
         assert engine.stats().writes_skipped > 0
 
 
@@ -951,7 +951,7 @@ def test_a_backward_that_raises_does_not_stop_end_of_backward_cleanup(save_dir: 
         w = (x * 4).sin()
         engine.flush()
         w.sum().backward()
-        assert engine._end_task is None and not engine._recent
+        assert engine._end_task is None and not engine._reader.recent
 
 
 # -- NOTE [write staging] ----------------------------------------------------------------
@@ -974,7 +974,7 @@ def test_staged_writes_are_exact(save_dir: Path) -> None:
         engine.flush()  # every record is on disk: backward reads all of them
         loss.backward()
         stats = engine.stats()
-        leased = engine._stage_pool.leased_bytes
+        leased = engine._writer.stage_pool.leased_bytes
     assert_same_grads(grads_of(model), ref)
     assert stats.bytes_read > 0
     # Everything written went through staging (whole pages: at least the span bytes).
@@ -1016,8 +1016,8 @@ def test_auto_staging_starts_when_forward_waits_and_ends_with_backward(
         assert waited.pack_wait_seconds > 0  # the cap was hit: forward waited on writes
         assert 0 < waited.bytes_staged <= waited.bytes_offloaded + 12 * 4096
         sum(y.sum() for y in ys).backward()
-        assert not engine._staging  # the next forward starts unstaged
-        assert engine._stage_pool.idle_bytes == 0  # its buffers were let go
+        assert not engine._writer.staging  # the next forward starts unstaged
+        assert engine._writer.stage_pool.idle_bytes == 0  # its buffers were let go
         # A forward that never waits stages nothing.
         before = engine.stats().bytes_staged
         monkeypatch.undo()
@@ -1067,8 +1067,8 @@ def test_failed_staged_write_keeps_the_tensor_and_returns_the_buffer(
         monkeypatch.setattr(engine._store, "write", broken)
         y = (x * 3).sin()
         engine._wait_writes()
-        pool = engine._stage_pool
-        assert pool.idle_bytes == engine_module._STAGE_BYTES  # re-files what came back
+        pool = engine._writer.stage_pool
+        assert pool.idle_bytes == writer_module._STAGE_BYTES  # re-files what came back
         assert pool.leased_bytes == 0
         with pytest.raises(OffloadIOError) as err:
             (x * 4).sin()

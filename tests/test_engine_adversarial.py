@@ -317,7 +317,7 @@ def test_forward_that_raises_midway_leaves_nothing_pending(save_dir: Path) -> No
         gc.collect()
         stats = engine.stats()
         assert stats.disk_bytes_in_use == 0
-        assert engine._pending_write_bytes == 0 and not engine._dedup
+        assert engine._writer.pending_bytes == 0 and not engine._dedup
     assert_same_grads(grads_of(model), grads_of(ref))
 
 

@@ -389,8 +389,8 @@ def test_read_pool_keeps_nothing_after_close_with_a_prefetch_in_flight(save_dir:
 
         engine._pool.shutdown = shutdown  # type: ignore[method-assign]
     assert torch.equal(a.grad, 7 * (a.detach() * 7).cos())
-    assert engine._read_pool.leased_bytes == 0
-    assert engine._read_pool.idle_bytes == 0
+    assert engine._reader.read_pool.leased_bytes == 0
+    assert engine._reader.read_pool.idle_bytes == 0
     del other
 
 
@@ -419,7 +419,9 @@ def test_verify_accepts_bytes_outside_saved_views_changing_during_the_write(
         # Hold the write job where it reads the memory (again): the store's write, or
         # the staging copy (staged writes copy first, then write from the copy).
         owner, name = (
-            (engine, "_staged_write") if stage_writes == "always" else (engine._store, "write")
+            (engine._writer, "_staged_write")
+            if stage_writes == "always"
+            else (engine._store, "write")
         )
         real_write = getattr(owner, name)
 
@@ -558,5 +560,5 @@ def test_twin_grads_bit_identical_with_staging_verify_and_copy_delays(
     if kw.get("stage_writes") == "always" and engine.io_method == "direct":
         assert stats.bytes_staged >= stats.bytes_offloaded
     assert layer is not None and layer.pool.leased_bytes == 0 and layer.pool.idle_bytes == 0
-    for pool in (engine._read_pool, engine._stage_pool):
+    for pool in (engine._reader.read_pool, engine._writer.stage_pool):
         assert pool.leased_bytes == 0 and pool.idle_bytes == 0

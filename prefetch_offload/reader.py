@@ -1,0 +1,250 @@
+"""The read path: records back into memory, prefetched in the order the plan predicts.
+
+# NOTE [memory handed to autograd]
+# Unpack returns a view either of the original storage (its write had not
+# finished, or it was never written) or of a fresh allocation that a read
+# filled. The engine never writes into memory it has handed out, and keeps only
+# a weak reference to the storage (so that the next view of the same record
+# shares it instead of reading again, exactly as the original views shared
+# theirs), plus the last few spans (NOTE [recently restored]). Read buffers come
+# from a pool, but a block returns to it only when its storage has died, that
+# is, when no tensor uses it (NOTE [read buffer pool]).
+#
+# NOTE [views built by the reader]
+# Building a tensor from a storage (``torch.empty(0).set_(...)``) releases the
+# GIL, and on a machine whose cores compute is keeping busy, getting it back in
+# the hook thread can wait behind an IO thread that was preempted while holding
+# it: measured at a third of a millisecond per unpack here, most of the unpack
+# hook's time. So the IO thread that reads a record also builds the record's
+# first saved view over the buffer it filled, and unpack hands that tensor out
+# when the first view is the one asked for (once: later views, and later passes,
+# build their own).
+#
+# NOTE [recently restored]
+# Autograd frees a node's saved tensors as soon as the node has run, so when
+# two adjacent nodes saved the same span (nll_loss and log_softmax both save the
+# log-probabilities) the second would find the restored copy already gone and
+# read it again. The engine keeps the last few restored spans alive: a bounded
+# cost (this many spans, during backward only: they are let go when the backward
+# pass ends, through an autograd final callback, or at the next pack) that
+# removes those repeated reads.
+#
+# NOTE [window bytes]
+# With prefetch_bytes=None a prefetch window may hold what the slabs deliver in
+#
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import functools
+import threading
+import time
+import weakref
+import zlib
+from typing import Any
+
+import torch
+
+from .buffers import HostBufferPool
+from .config import OffloadConfig
+from .device import DeviceLayer
+from .errors import OffloadIOError
+from .io_pool import READ, IOFuture, IOPool
+from .packed import make_view, new_read_buffer
+from .plan import PrefetchPlan, current_group_key
+from .profiling import profiler_range
+from .records import Fetched, Record
+from .slab import SlabStore
+from .stats import StatsCounter
+from .streams import Fence
+from .writer import span_part
+
+__all__ = ["AUTO_WINDOW_START", "ReadPath"]
+
+_RECENT_SPANS = 3
+# Cap on idle read buffers kept for reuse during backward (NOTE [read buffer pool]).
+_POOL_IDLE_BYTES = 256 << 20
+_AUTO_WINDOW_SECONDS = 0.1
+AUTO_WINDOW_START = 64 << 20
+_AUTO_WINDOW_MIN = 16 << 20
+_AUTO_WINDOW_MAX = 512 << 20
+
+
+class ReadPath:
+    """Brings records back for unpack: in memory, prefetched, or read now.
+
+    It shares the engine's lock, counters, plan and IO pool; ``closed`` is set
+    by the engine under the lock before the pool shuts down.
+    """
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        store: SlabStore | None,
+        device: DeviceLayer,
+        pool: IOPool,
+        stats: StatsCounter,
+        lock: threading.Lock,
+        plan: PrefetchPlan,
+    ) -> None:
+        self.config = config
+        self._store = store
+        self._device = device
+        self.pool = pool  # replaced by the engine at close
+        self._stats = stats
+        self._lock = lock
+        self._plan = plan
+        self.closed = False
+        self.recent: collections.deque[torch.UntypedStorage] = collections.deque(
+            maxlen=_RECENT_SPANS
+        )
+        self.read_pool = HostBufferPool(_POOL_IDLE_BYTES)
+
+    def begin_backward(self) -> None:
+        """Size the window (NOTE [window bytes]) and predict the order (NOTE [learned order])."""
+        if self.config.prefetch_bytes is None:
+            snap = self._stats.snapshot()
+            if snap.read_seconds > 0 and snap.bytes_read >= _AUTO_WINDOW_MIN:
+                bandwidth = snap.bytes_read / snap.read_seconds
+                self._plan.window_bytes = int(
+                    min(max(bandwidth * _AUTO_WINDOW_SECONDS, _AUTO_WINDOW_MIN), _AUTO_WINDOW_MAX)
+                )
+        with self._lock:
+            self._plan.begin_backward()
+
+    def end_backward(self) -> None:
+        """NOTE [recently restored], [read buffer pool]: nothing is kept into forward."""
+        self.recent.clear()
+        self.read_pool.trim()
+
+    def materialize(self, rec: Record) -> tuple[torch.UntypedStorage, int, torch.Tensor | None]:
+        """The record's span on its device, ready for the current stream: shared, in
+        memory, prefetched, or copied and read now; and the first view, if built."""
+        placed = rec.resident()
+        built = None
+        if placed is not None:
+            self._stats.add(prefetch_hits=1)
+        else:
+            with self._lock:
+                fut, rec.prefetch = rec.prefetch, None
+                if fut is not None:
+                    self._plan.consumed(rec)
+                source = rec.source
+            if fut is None and source is not None:
+                # In host memory: the tensor itself (CPU), or a host copy to bring back.
+                self._stats.add(**{"prefetch_hits" if rec.host_only else "prefetch_misses": 1})
+                placed = self._device.to_device(
+                    *source[:2], rec.span.nbytes, rec.device, source[2], rec.align
+                )
+            else:
+                placed, built = self._collect(rec, fut)
+            if source is None or placed[0] is not source[0]:  # NOTE [version check]
+                rec.restored = (weakref.ref(placed[0]), placed[1], placed[2])
+            if not self.closed:
+                self.recent.append(placed[0])  # NOTE [recently restored]
+        storage, base, fence = placed
+        if fence is not None:  # a copy to the device (CPU storages have none)
+            self._device.use(storage, fence)  # NOTE [copy streams]
+        return storage, base, built
+
+    def _collect(self, rec: Record, fut: IOFuture[Fetched] | None) -> Fetched:
+        """The read's result, counting a hit if it was ready and stall time if not."""
+        if fut is not None and fut.done():
+            self._stats.add(prefetch_hits=1)
+            return self._read_result(rec, fut)
+        start = time.perf_counter()
+        if fut is None:
+            fut = IOFuture(self._read_job(rec))
+        try:
+            with profiler_range("prefetch_offload::stall"):
+                if fut.claim():  # NOTE [claiming jobs]: read here, not behind a queue
+                    fut.run()
+                fut.wait()
+            return self._read_result(rec, fut)
+        finally:
+            self._stats.add(prefetch_misses=1, stall_seconds=time.perf_counter() - start)
+
+    def _read_result(self, rec: Record, fut: IOFuture[Fetched]) -> Fetched:
+        try:
+            return fut.result()
+        except OSError as exc:
+            raise OffloadIOError(
+                f"prefetch_offload: reading {rec.describe()} back from {self.config.save_dir!r} "
+                f"failed: {exc}. The gradient cannot be computed without it."
+            ) from exc
+
+    def _read_job(self, rec: Record) -> Any:
+        # The job must not reference the record: the record holds the job's future.
+        extent, span, crcs, device, align = rec.extent, rec.span, rec.crcs, rec.device, rec.align
+        meta = rec.view0
+        store, chunk, stats = self._store, self.config.chunk_bytes, self._stats
+        lease = self._device.lease_for(device) or self.read_pool.lease
+        to_device = self._device.to_device
+        assert extent is not None and store is not None
+
+        def job() -> Fetched:
+            buf, base, region = new_read_buffer(span, lease)
+            with region, profiler_range("prefetch_offload::read"):
+                began = time.perf_counter()
+                for off in range(0, span.extent_bytes, chunk):
+                    store.read(extent, off, region[off : off + chunk])
+                took = time.perf_counter() - began
+                for lo, hi, crc in crcs or ():  # NOTE [checksums]
+                    a, b = span_part(span, lo, hi)
+                    if zlib.crc32(region[a:b]) != crc:
+                        raise OSError(
+                            errno.EIO,
+                            f"checksum mismatch in bytes {a - span.pad}..{b - span.pad} of the "
+                            "span: the slab file changed after it was written",
+                        )
+            stats.add(bytes_read=span.nbytes, read_seconds=took)
+            placed = to_device(buf.untyped_storage(), base, span.nbytes, device, None, align)
+            if placed[2] is not None:  # still being copied: built after use() instead
+                return placed, None
+            return placed, make_view(placed[0], placed[1], meta)
+
+        return job
+
+    def prefetch_after(self, rec: Record) -> None:
+        """Prefetch the lookahead window below ``rec`` (NOTE [lookahead]): reads from
+        disk on the IO threads, copies from host memory to the device right here."""
+        if self.config.prefetch_depth == 0:
+            return
+        copies: list[IOFuture[Fetched]] = []
+        with self._lock:
+            if self.closed:  # set under this lock before the pool shuts down
+                return
+            self._plan.unpacked(rec, current_group_key())  # NOTE [learned order]
+            for cand in self._plan.window(rec):
+                assert isinstance(cand, Record)
+                source = cand.source
+                if source is None:
+                    cand.prefetch = self.pool.submit(self._read_job(cand), READ)
+                else:  # a host copy (needs_read is False for host-only records)
+                    job = functools.partial(
+                        self._copy_job,
+                        *source[:2],
+                        cand.span.nbytes,
+                        cand.device,
+                        source[2],
+                        cand.align,
+                    )
+                    cand.prefetch = fut = IOFuture(job)
+                    copies.append(fut)
+                self._plan.issued(cand, rec)
+        for fut in copies:  # only queues the copy (NOTE [copy streams])
+            if fut.claim():
+                fut.run()
+
+    def _copy_job(
+        self,
+        storage: torch.UntypedStorage,
+        base: int,
+        nbytes: int,
+        device: torch.device,
+        after: Fence | None,
+        align: int,
+    ) -> Fetched:
+        return self._device.to_device(storage, base, nbytes, device, after, align), None

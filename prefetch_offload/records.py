@@ -1,0 +1,335 @@
+"""Records and handles: what autograd holds for an offloaded tensor, and its state.
+
+# NOTE [record lifetime]
+# Autograd owns the handles. A handle is one saved view (ViewMeta); it points at
+# the Record holding its storage span, shared by every view of that span (NOTE
+# [dedup]). A record lives while any handle, or a write job still reading its
+# source, references it. The engine and the scheduler
+# hold records only weakly. When a record dies, its extent is queued for release
+# with a deque append (safe from any thread, including inside the garbage
+# collector) and returned to the allocator at the next pack or unpack,
+# ``stats()`` call, or context exit (after exit, unpack and stats also unmap
+# slabs that hold nothing any more). So slab space is freed when autograd releases the
+# saved tensor, not at unpack, and ``backward(retain_graph=True)`` can read it
+# again. Records hold the engine strongly: a graph built inside the context
+# stays usable after it exits, and the slab files close when the last record
+# and the last user reference to the engine are gone. A record still in the open
+# write batch (NOTE [write batches]) is held by the batch until it is submitted
+# or skipped, even if its graph was dropped: at most one batch of bytes.
+#
+# NOTE [dedup]
+# The same storage is often saved several times: one tensor by several ops (a
+# layer's input feeds q, k and v), or several views of it (softmax saves the
+# 4-D attention probabilities, the next matmul a 3-D view of them). A pack whose
+# span lies inside a live record's span of the same storage, at the same
+# version, shares that record: its bytes are written once and read once. The
+# storage is identified by a weak reference to the storage object, never by
+# address alone: a freed tensor's address is reused by the next allocation, and
+# a dead weak reference can never match a new storage. The version counter
+# (shared by all views of a tensor) catches in-place updates between two saves.
+# Not every byte of a span is a saved element: the gaps of a strided view (x[::2]
+# spans x[1::2]) and the rest of a whole storage (NOTE [whole storage]) may still
+# be written legally through a tensor with a counter of its own (``x.data``, a
+# numpy or frombuffer alias of the same memory), unseen by the version check.
+# So once a CPU record's write has begun reading the tensor's memory (``frozen``),
+# a pack shares the record only if its span lies inside a dense view saved there
+# (``covered``), whose bytes autograd forbids changing; before that, the write
+# reads what every later save sees. (A device record's bytes are copied at its
+# first pack; they are not checked this way.)
+#
+# NOTE [whole storage]
+# Views that overlap without one containing the other defeat containment
+# dedup: attention's q, k and v are strided views of one fused qkv output, each
+# spanning nearly all of it from a different first element, and would be
+# offloaded three times. A view that covers at least half of its storage takes
+# the whole storage as its record's span instead: the others then lie inside it
+# and share the record. The cost is at most twice the view's own bytes, and
+# only for a view that already spans half its storage.
+#
+# NOTE [version check]
+# Autograd normally refuses to backward through a saved tensor that was
+# modified in place after it was saved, but skips that check whenever
+# saved-tensor hooks are installed. An offloading engine makes the mistake
+# worse (the async write may capture either value), so every handle remembers
+# the version of the tensor that owns the saved view's version counter (its
+# base), weakly, and unpack raises the same error autograd would. If the owner
+# is gone, nothing can have modified it since.
+# A CPU record in memory hands out the saved tensor's own memory. Once written,
+# the record lets go of the tensor (``saved``) and cannot see that memory's
+# version any more, so that memory is never remembered as the record's restored
+# span: an alias sharing the dead owner's counter (``y.detach()``) may modify it
+# after the write, and a later unpack must read the written bytes instead.
+#
+# NOTE [no cycles]
+# When an op saves its own output, the tensor handed to pack holds the op's
+# grad_fn, which holds the saved-tensor payload. A payload that kept that tensor
+# would close a loop through C++ that Python's collector cannot see, and a graph
+# dropped without backward would never be freed. Payloads therefore keep
+# ``t.detach()`` (same storage, same version counter, no grad_fn), never ``t``.
+#
+# NOTE [backward passes]
+# A record that backward has already consumed must not be prefetched again in
+# the same pass (a node unpacks its saved tensors in save order, so the window
+# below the second one would include the first). Each unpack stamps the record
+# with the current pass number; the window skips stamped records. A pass ends
+# when a handle is unpacked a second time (``backward(retain_graph=True)``
+# again): then every record is fair game once more.
+#
+# NOTE [targets]
+# Target "disk" writes each record's host bytes to a slab and lets go of them.
+# Target "cpu" stops after the device layer: the record keeps the host copy (for
+# CUDA tensors, a pinned CPU copy; CPU tensors are not taken at all, they are
+# host memory already). Both share the record, dedup and lifetime machinery.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from .device import Placed
+from .errors import OffloadError
+from .io_pool import IOFuture
+from .packed import Span, ViewMeta
+from .policy import DEVICE
+from .slab import Extent
+from .streams import Fence
+
+if TYPE_CHECKING:
+    from .engine import OffloadEngine
+
+__all__ = ["DedupEntry", "Fetched", "Handle", "Kept", "Record", "Resident", "version_error"]
+
+# A span in memory: bytes [base, base + nbytes) of an untyped storage, there once
+# its fence (if any) is done (NOTE [copy streams]).
+Resident = Placed
+# A fetch's result: the span, and the record's first view over it when the fetching
+# thread could build it (NOTE [views built by the reader]).
+Fetched = tuple[Resident, "torch.Tensor | None"]
+
+
+def version_error(what: str, now: int, then: int) -> OffloadError:
+    return OffloadError(
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: {what} is at version {now}; expected version {then} instead. "
+        "PyTorch skips this check when saved-tensor hooks are installed; prefetch_offload "
+        "keeps it (NOTE [version check]). Do not modify a tensor in place after an op saved it."
+    )
+
+
+class Kept:
+    """A saved tensor left in memory, with its version at save time."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        # NOTE [no cycles]: a detached alias (same storage and version counter).
+        self.tensor = t.detach()
+        self.version = -1 if torch.is_inference(t) else t._version
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if self.version >= 0 and t._version != self.version:
+            what = f"a saved tensor (shape {list(t.shape)}, {t.dtype})"
+            raise version_error(what, t._version, self.version)
+        return t
+
+
+class Handle:
+    """What autograd stores for an offloaded tensor: a view of a record's span."""
+
+    __slots__ = ("owner", "pass_no", "record", "version", "view")
+
+    def __init__(
+        self, record: Record, view: ViewMeta, owner: weakref.ref[torch.Tensor], version: int
+    ) -> None:
+        self.record = record
+        self.view = view
+        self.pass_no = -1  # NOTE [backward passes]
+        # NOTE [version check]: the tensor that owns the saved view's version counter.
+        self.owner = owner
+        self.version = version
+
+    def check_version(self) -> None:
+        owner = self.owner()
+        if owner is not None and owner._version != self.version:
+            raise version_error(self.record.describe(), owner._version, self.version)
+        self.record.check_version()
+
+    def __repr__(self) -> str:
+        return f"<prefetch_offload handle {self.record.describe()}>"
+
+
+class Record:
+    """One offloaded storage span: where its bytes are, and what is in memory."""
+
+    __slots__ = (
+        "__weakref__",
+        "align",
+        "crcs",
+        "device",
+        "engine",
+        "exposed",
+        "extent",
+        "frozen",
+        "held",
+        "host_only",
+        "key",
+        "on_disk",
+        "pass_no",
+        "pos",
+        "prefetch",
+        "restored",
+        "saved",
+        "seq",
+        "skipped",
+        "source",
+        "span",
+        "spos",
+        "step",
+        "tainted",
+        "tier",
+        "version",
+        "view0",
+        "write_error",
+        "writes_left",
+    )
+
+    def __init__(
+        self,
+        engine: OffloadEngine,
+        span: Span,
+        extent: Extent | None,
+        source: Resident | None,
+        device: torch.device,
+        seq: int,
+        view0: ViewMeta,
+        saved: torch.Tensor | None,
+        version: int,
+    ) -> None:
+        self.engine = engine
+        self.span = span
+        # NOTE [version check]: the saved tensor while its bytes are read from its own
+        # memory (shares its version counter), the version at save time, and whether
+        # the bytes on disk may hold a later value.
+        self.saved = saved
+        self.version = version
+        self.tainted = False
+        # NOTE [dedup]: whether a write has begun reading the span from the tensor's memory.
+        self.frozen = False
+        self.key = 0  # the dedup table key (storage address), set by pack
+        # NOTE [checksums]: (lo, hi, crc32 of the span bytes in [lo, hi)) per write request.
+        self.crcs: list[tuple[int, int, int]] | None = None
+        # Whether span bytes outside the first saved view may change while it is written.
+        self.exposed = False
+        self.view0 = view0  # the first saved view, for messages
+        self.extent = extent
+        # The span in host memory while its bytes are not safely on disk.
+        self.source: Resident | None = source
+        self.device = device
+        # The span's address modulo 512 on its device, kept when it is copied back.
+        self.align = 0
+        # Whether the device's memory is host memory (CPU tensors): no copies either way.
+        self.host_only = engine._device.identity(device)
+        self.seq = seq
+        self.pos = self.step = self.spos = -1  # NOTE [lookahead] in plan.py
+        self.tier = DEVICE  # NOTE [tiers] in policy.py
+        # A device span kept in the DEVICE tier (CUDA tensors; CPU ones are ``source``).
+        self.held: Resident | None = None
+        self.skipped = False  # NOTE [write tail]: a queued write was dropped
+        self.pass_no = -1  # NOTE [backward passes]
+        self.on_disk = False
+        self.writes_left = 0
+        self.write_error: BaseException | None = None
+        self.prefetch: IOFuture[Fetched] | None = None
+        # The span on its device, while any view handed to autograd keeps it alive.
+        self.restored: tuple[weakref.ref[torch.UntypedStorage], int, Fence | None] | None = None
+
+    def describe(self) -> str:
+        v = self.view0
+        return (
+            f"saved tensor #{self.seq} (shape {list(v.shape)}, {v.dtype}, "
+            f"{self.span.nbytes} bytes on {self.device})"
+        )
+
+    def check_version(self) -> None:
+        """Raise autograd's in-place error if the saved bytes are not the saved values."""
+        saved = self.saved
+        now = saved._version if saved is not None else self.version
+        if self.tainted or now != self.version:
+            raise version_error(self.describe(), max(now, self.version + 1), self.version)
+
+    @property
+    def nbytes(self) -> int:
+        """The span's bytes."""
+        return self.span.nbytes
+
+    def resident(self) -> Resident | None:
+        """The span on its device if a view handed out earlier still holds it."""
+        restored = self.restored
+        if restored is None:
+            return None
+        storage = restored[0]()
+        return None if storage is None else (storage, restored[1], restored[2])
+
+    # Scheduler protocol -------------------------------------------------------------
+
+    def needs_read(self) -> bool:
+        """Whether a prefetch would help: a read from disk, or a copy to the device."""
+        if self.prefetch is not None or self.pass_no == self.engine._pass_no:
+            return False
+        if self.source is not None:
+            if self.host_only:
+                return False  # in memory, where autograd wants it
+        elif not self.on_disk:
+            return False
+        return self.resident() is None
+
+    def drop_prefetch(self) -> None:
+        fut, self.prefetch = self.prefetch, None
+        if fut is not None:
+            fut.cancel()
+
+    def __del__(self) -> None:
+        # NOTE [record lifetime]: never take a lock here.
+        try:
+            self.engine._dead.append((self.extent, self.key, self.tier, self.span.nbytes))
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class DedupEntry:
+    """A live record's span within one storage (NOTE [dedup])."""
+
+    __slots__ = ("covered", "end", "owner", "record", "start", "storage", "version")
+
+    def __init__(
+        self,
+        storage: torch.UntypedStorage,
+        owner: weakref.ref[torch.Tensor],
+        version: int,
+        start: int,
+        end: int,
+        rec: Record,
+    ) -> None:
+        self.storage = weakref.ref(storage)
+        # The same storage can sit under tensors with separate version counters
+        # (``a`` and ``a.data``): only views of one owner share a counter.
+        self.owner = owner
+        self.version = version
+        self.start = start
+        self.end = end
+        self.record = weakref.ref(rec)
+        # Byte ranges of dense views saved into the record (NOTE [dedup]).
+        self.covered: list[tuple[int, int]] = []
+
+    def is_covered(self, start: int, end: int) -> bool:
+        """Whether bytes ``[start, end)`` lie inside one dense view saved in the record."""
+        return any(lo <= start and end <= hi for lo, hi in self.covered)
+
+    def cover(self, start: int, end: int) -> None:
+        """Note a dense view of bytes ``[start, end)`` saved in the record."""
+        if not self.is_covered(start, end):
+            self.covered.append((start, end))

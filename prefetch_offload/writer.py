@@ -1,0 +1,471 @@
+"""The write path: write batches, the pending-bytes cap, staging, checksums, the write tail.
+
+# NOTE [write batches]
+# The kernel's CPU cost per byte of O_DIRECT falls with request size, and on a
+# machine whose cores compute keeps busy that CPU is step time. So pack does not
+# hand each record to the IO threads: records join an open batch, which is
+# submitted as one job once it holds ``chunk_bytes`` (at most half of
+# ``max_pending_write_bytes``, so that a full cap always has a submitted batch
+# to wait for), when the cap is reached, at flush() and at exit. The job waits
+# for each record's host copy (NOTE [copy streams]), then writes every run of
+# extents that are adjacent in one slab with one vectored write straight from
+# the records' own pages, and publishes each record's outcome (a failed run
+# fails exactly its records). Bytes in the open batch count as pending, so the
+# cap still bounds what forward holds.
+#
+# NOTE [write tail]
+# When backward starts, the last tensors forward saved are the first it needs,
+# and their writes are often still queued behind the others. Writing them and
+# reading them straight back would cost twice their bytes for nothing: at the
+# first unpack after a forward, the open batch (never submitted) and every
+# submitted batch that no IO thread has started yet are dropped, their extents
+# freed, and their tensors stay in memory (they already were: that memory is
+# what max_pending_write_bytes bounds) until backward consumes them. Batches are
+# taken newest first; the first one a worker has started ends the scan (writes
+# run in submission order). These are cancelled demotions (NOTE [tiers] in
+# policy.py): the records return to their memory tier, and those still alive
+# when forward resumes are demoted again as the budgets require.
+#
+# NOTE [write staging]
+# O_DIRECT pins and maps every 4 KiB page of the memory it writes from, and on a
+# VM the host handles each page as a separate piece of the request. Activations
+# live in ordinary 4 KiB pages; measured on the project's 2-core VM (bench/
+# hostcost.py), writes from them ran at 0.9-1.1 GB/s with 54-69 ms of guest
+# kernel CPU per GB, against 3.0-4.0 GB/s and 6-7 ms/GB from huge pages. A copy
+# into a huge-page buffer first costs a memcpy per byte: CPU time, which pays
+# where the writes are the bottleneck and is wasted where compute is (always
+# staging measured 1.31x of no offload against 1.29x unstaged on the
+# compute-bound benchmark step, within noise, with more user CPU). So with
+# stage_writes="auto" a write job stages its runs only while forward is
+# IO-bound, which the cap tells: from the first pack that waits at
+# max_pending_write_bytes until the backward pass ends. Then forward waits
+# anyway, and the copy runs on the CPU it leaves idle. Each IO worker stages
+# through one 2 MiB buffer (one huge page; 8 MiB buffers measured no better),
+# so staging holds at most io_workers * 2 MiB beyond the cap; the buffers are
+# unmapped when backward ends, with the read pool's idle blocks. Staging applies
+# to O_DIRECT only: buffered and mmap writes copy through the kernel or memcpy
+# already. (With verify=True, runs holding an exposed CPU record are staged with
+# any io_method, for their checksums: NOTE [checksums].)
+#
+# NOTE [checksums]
+# With ``verify=True`` each write request records the CRC-32 of the span bytes
+# it carries (only the span: the rest of its first and last page belongs to
+# other tensors and may change), computed by the IO thread from the same memory
+# it writes. The read job recomputes them over what it read and raises
+# OffloadIOError at the unpack on any mismatch, instead of returning a wrong
+# tensor. zlib.crc32 runs at about 4 GB/s here and releases the GIL.
+# A CPU record's span may hold bytes outside its first saved view (the gaps of a
+# strided view, the rest of a whole storage) that may legally change while the
+# write reads them (NOTE [dedup]): memory read twice, once for the checksum and
+# once for the write, could differ, and a good tensor would fail its read. Such
+# a record (``exposed``) is written staged (NOTE [write staging]) and checksummed
+# from the staging copy, which is exactly what reaches the disk.
+#
+# NOTE [errors from workers]
+# A write that fails leaves the record's source tensor in memory, so nothing is
+# lost. A full disk (ENOSPC/EDQUOT, or ``disk_bytes_limit``) is expected
+# operation: one warning, a fallback count, training goes on. Any other write
+# error is stored and raised as OffloadIOError at the next pack or unpack call,
+# or at context exit. A failed read raises OffloadIOError at the unpack that
+# needed it, naming the tensor and chaining the OSError.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import functools
+import itertools
+import threading
+import time
+import warnings
+import weakref
+import zlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from .buffers import HostBufferPool
+from .config import OffloadConfig
+from .errors import OffloadFallbackWarning, OffloadIOError
+from .io_pool import WRITE, IOFuture, IOPool
+from .packed import Span, source_buffer
+from .policy import DEVICE, HOST, TierPolicy
+from .profiling import profiler_range
+from .slab import Extent, SlabStore
+from .stats import StatsCounter
+from .streams import Fence
+
+if TYPE_CHECKING:
+    from .records import Record as _Record
+
+__all__ = ["WritePath", "span_part", "split_requests"]
+
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# One staging buffer per IO worker, one huge page each (NOTE [write staging]).
+_STAGE_BYTES = 2 << 20
+
+# A record queued for writing: its pieces (views of its host bytes) and its copy's fence.
+_Pending = tuple["_Record", list[memoryview], Fence | None]
+# A checksum a staged write fills in: the record's crcs, the piece's index in them, and
+# the bytes [a, b) of the piece that belong to the span (NOTE [checksums]).
+_Sum = tuple[list[tuple[int, int, int]], int, int, int]
+
+
+def span_part(span: Span, lo: int, hi: int) -> tuple[int, int]:
+    """The part of ``[lo, hi)`` (extent offsets) that holds the span's own bytes."""
+    a = min(max(lo, span.pad), hi)
+    return a, max(a, min(hi, span.pad + span.nbytes))
+
+
+def _wanted_sums(rec: _Record, pieces: int) -> list[_Sum | None]:
+    """What a staged write must checksum for ``rec``'s pieces (None: no checksum)."""
+    crcs = rec.crcs
+    if crcs is None:
+        return [None] * pieces
+    wanted: list[_Sum | None] = []
+    for i, (lo, hi, _) in enumerate(crcs):
+        a, b = span_part(rec.span, lo, hi)
+        wanted.append((crcs, i, a - lo, b - lo))
+    return wanted
+
+
+def split_requests(nbytes: int, chunk: int) -> list[int]:
+    """Boundaries of ``max(1, nbytes // chunk)`` page-aligned requests of near-equal size.
+
+    Every request is at least ``chunk`` bytes (unless ``nbytes`` is smaller) and
+    under ``2 * chunk``; sizes differ by at most one page. ``nbytes`` is whole pages.
+    """
+    pages, parts = nbytes // 4096, max(1, nbytes // chunk)
+    size, extra = divmod(pages, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + (size + (i < extra)) * 4096)
+    return bounds
+
+
+class WritePath:
+    """Moves records' host bytes into their slab extents (target "disk" only).
+
+    It shares the engine's lock (its condition variable wakes packs waiting at
+    the cap), counters and IO pool; errors that are not a full disk go to
+    ``report``, which the engine raises at the next hook call.
+    """
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        store: SlabStore,
+        pool: IOPool,
+        stats: StatsCounter,
+        lock: threading.Lock,
+        policy: TierPolicy,
+        report: Callable[[BaseException], None],
+    ) -> None:
+        self.config = config
+        self._store = store
+        self.pool = pool  # replaced by the engine at close
+        self._stats = stats
+        self._lock = lock
+        self._policy = policy
+        self._report = report
+        self._writes_idle = threading.Condition(lock)
+        self.pending_bytes = 0
+        # Write jobs in submission order (NOTE [record lifetime]: flush waits on them).
+        self._futs: collections.deque[IOFuture[None]] = collections.deque()
+        # The open write batch: records queued but not yet submitted (NOTE [write batches]).
+        self._open: list[_Pending] = []
+        self._open_bytes = 0
+        # Submitted batches, oldest first, that backward may still skip (NOTE [write tail]).
+        self._tail: collections.deque[tuple[IOFuture[None], list[weakref.ref[_Record]]]] = (
+            collections.deque()
+        )
+        self._warned_full = False
+        # NOTE [write staging]: one 2 MiB huge-page buffer per IO worker, and
+        # whether forward has waited at the write cap since the last backward.
+        self.stage_pool = HostBufferPool(config.io_workers * _STAGE_BYTES)
+        self.staging = config.stage_writes == "always"
+
+    def end_backward(self) -> None:
+        """NOTE [write staging]: the next forward stages only once it waits on writes."""
+        self.staging = self.config.stage_writes == "always"
+        self.stage_pool.trim()
+
+    def close(self) -> None:
+        """Release the staging buffers (after the IO threads stopped)."""
+        self.stage_pool.close()
+
+    def queue(
+        self, rec: _Record, host: torch.UntypedStorage, base: int, fence: Fence | None
+    ) -> None:
+        """Add ``rec`` to the open write batch (NOTE [write batches])."""
+        nbytes = rec.span.extent_bytes
+        cap = self.config.max_pending_write_bytes
+        batch = None
+        with self._lock:
+            if self.pending_bytes and self.pending_bytes + nbytes > cap:
+                batch = self._take_batch()  # the bytes being waited for may be in it
+        if batch:
+            self._submit_batch(batch)
+        pieces = split_requests(nbytes, self.config.chunk_bytes)
+        src = source_buffer(host, base, rec.span)
+        with self._lock:
+            if self.pending_bytes and self.pending_bytes + nbytes > cap:
+                if self.config.stage_writes == "auto":
+                    self.staging = True  # NOTE [write staging]: forward waits on writes
+                start = time.perf_counter()
+                while self.pending_bytes and self.pending_bytes + nbytes > cap:
+                    self._writes_idle.wait()
+                self._stats.add(pack_wait_seconds=time.perf_counter() - start)
+            self.pending_bytes += nbytes
+            self._stats.set_max("peak_pending_write_bytes", self.pending_bytes)
+            rec.writes_left = 1
+            if self.config.verify:  # NOTE [checksums]
+                rec.crcs = [(lo, hi, 0) for lo, hi in itertools.pairwise(pieces)]
+            views = [src[lo:hi] for lo, hi in itertools.pairwise(pieces)]
+            self._open.append((rec, views, fence))
+            self._open_bytes += nbytes
+            target = min(self.config.chunk_bytes, max(cap // 2, 1))
+            batch = self._take_batch() if self._open_bytes >= target else None
+        if batch:
+            self._submit_batch(batch)
+
+    def _take_batch(self) -> list[_Pending]:
+        """The open batch, emptied (call under the lock)."""
+        batch, self._open, self._open_bytes = self._open, [], 0
+        return batch
+
+    def _submit_batch(self, batch: list[_Pending]) -> None:
+        fut = self.pool.submit(functools.partial(self._write_batch, batch), WRITE)
+        with self._lock:
+            futs = self._futs
+            while futs and futs[0].done():
+                futs.popleft()
+            futs.append(fut)
+            tail = self._tail  # NOTE [write tail]
+            while tail and tail[0][0].done():
+                tail.popleft()
+            tail.append((fut, [weakref.ref(rec) for rec, _, _ in batch]))
+
+    def _write_batch(self, batch: list[_Pending]) -> None:
+        """IO job: write a batch, adjacent extents with one vectored write each."""
+        store = self._store
+        runs: list[list[_Pending]] = []
+        for item in batch:
+            rec = item[0]
+            assert rec.extent is not None
+            if runs:
+                last = runs[-1][-1][0].extent
+                assert last is not None
+                if last.slab == rec.extent.slab and last.offset + last.length == rec.extent.offset:
+                    runs[-1].append(item)
+                    continue
+            runs.append([item])
+        for run in runs:
+            exc: BaseException | None = None
+            culprit = run[0][0]  # the record to name if the run fails
+            with self._lock:  # NOTE [dedup]: the bytes are read from here on
+                for rec, _, _ in run:
+                    rec.frozen = rec.host_only
+            # NOTE [checksums]: an exposed record is checksummed from its staged copy.
+            staged = (self.staging and store.io_method == "direct") or any(
+                rec.exposed and rec.crcs is not None for rec, _, _ in run
+            )
+            try:
+                views: list[memoryview] = []
+                sums: list[_Sum | None] = []  # staged runs: checksums over the staged copy
+                for rec, pieces, fence in run:
+                    culprit = rec
+                    if fence is not None:
+                        fence.wait()  # the host copy must be complete (NOTE [copy streams])
+                    crcs = rec.crcs
+                    if staged:
+                        sums.extend(_wanted_sums(rec, len(pieces)))
+                    elif crcs is not None:  # NOTE [checksums]: the span's bytes in each piece
+                        for i, (lo, hi, _) in enumerate(crcs):
+                            a, b = span_part(rec.span, lo, hi)
+                            crcs[i] = (lo, hi, zlib.crc32(pieces[i][a - lo : b - lo]))
+                    views.extend(pieces)
+                first = run[0][0].extent
+                assert first is not None
+                culprit = run[0][0]
+                with profiler_range("prefetch_offload::write"):
+                    if staged:
+                        self._staged_write(first, views, sums)  # NOTE [write staging]
+                    else:
+                        store.write(first, 0, views if len(views) > 1 else views[0])
+            except BaseException as e:  # every failure must reach the bookkeeping below
+                exc = e
+            finally:
+                for _, pieces, _ in run:
+                    for view in pieces:
+                        view.release()
+            for rec, _, _ in run:
+                self._write_done(rec, exc, culprit)
+
+    def _staged_write(
+        self, first: Extent, views: list[memoryview], sums: list[_Sum | None]
+    ) -> None:
+        """Write ``views`` back to back from ``first``, copied through a staging buffer,
+        and fill in the checksums ``sums`` asks for, one per view, over the staged bytes."""
+        store = self._store
+        size = _STAGE_BYTES
+        buf, region = self.stage_pool.lease(size)
+        staging, src = buf.numpy(), None
+        offset = fill = 0
+        try:
+            for view, want in zip(views, sums, strict=True):
+                src = np.frombuffer(view, dtype=np.uint8)
+                done = crc = 0
+                while done < len(src):
+                    n = min(len(src) - done, size - fill)
+                    np.copyto(staging[fill : fill + n], src[done : done + n])  # no GIL
+                    if want is not None:  # NOTE [checksums]: over the bytes written
+                        a, b = max(want[2], done), min(want[3], done + n)
+                        if a < b:
+                            crc = zlib.crc32(staging[fill + a - done : fill + b - done], crc)
+                    fill, done = fill + n, done + n
+                    if fill == size:
+                        store.write(first, offset, region)
+                        offset, fill = offset + fill, 0
+                if want is not None:
+                    crcs, i = want[0], want[1]
+                    crcs[i] = (crcs[i][0], crcs[i][1], crc)
+            if fill:
+                store.write(first, offset, region[:fill])
+        finally:
+            # A failure's traceback keeps this frame: drop what exports the caller's views
+            # (it releases them next) and what keeps the staging block leased.
+            region.release()
+            del buf, staging, src
+        self._stats.add(bytes_staged=offset + fill)
+
+    def _write_done(
+        self, rec: _Record, exc: BaseException | None, culprit: _Record | None = None
+    ) -> None:
+        """Publish the outcome of ``rec``'s write."""
+        with self._lock:
+            if rec.writes_left == 0:
+                return  # skipped meanwhile (NOTE [write tail])
+            rec.writes_left = 0
+            self.pending_bytes -= rec.span.extent_bytes
+            self._writes_idle.notify_all()
+            if exc is None:
+                saved = rec.saved
+                if saved is not None and saved._version != rec.version:
+                    rec.tainted = True  # NOTE [version check]: modified before it was written
+                rec.on_disk = True
+                rec.saved = None
+                rec.source = None  # NOTE [record lifetime]: the activation can go now
+                self._stats.add(tensors_offloaded=1, bytes_offloaded=rec.span.nbytes)
+                return
+            rec.write_error = exc
+            extent, rec.extent = rec.extent, None
+            self._policy.keep(rec, DEVICE if rec.host_only else HOST)  # NOTE [tiers]
+        if extent is not None:
+            self._store.free(extent)
+        self._write_failed(culprit or rec, exc)
+
+    def skip_tail(self) -> None:
+        """Drop writes that backward would read right back (NOTE [write tail])."""
+        freed: list[Extent] = []
+        skipped: list[_Record] = []
+
+        def skip(rec: _Record) -> None:
+            rec.writes_left = 0
+            rec.skipped = True
+            self.pending_bytes -= rec.span.extent_bytes
+            skipped.append(rec)
+            if rec.extent is not None:
+                freed.append(rec.extent)
+                rec.extent = None
+
+        with self._lock:
+            for rec, pieces, _ in self._take_batch():  # never submitted
+                for view in pieces:
+                    view.release()
+                skip(rec)
+            tail = self._tail
+            while tail:
+                fut, refs = tail.pop()  # newest first
+                # Strong references first: abandoning the job drops the batch, the
+                # only thing that may still keep a dropped graph's records alive.
+                recs = [ref() for ref in refs]
+                if not fut.claim():
+                    break  # a worker started it; writes run in order: older ones too
+                fut.abandon()
+                for rec in recs:
+                    if rec is not None and rec.writes_left:
+                        skip(rec)
+                del recs
+            tail.clear()  # older writes have started: none left to skip
+            self._writes_idle.notify_all()
+            # NOTE [tiers]: cancelled demotions return to their memory tier.
+            self._policy.readmit([r for r in skipped if r.host_only], DEVICE)
+            self._policy.readmit([r for r in skipped if not r.host_only], HOST)
+        if freed:
+            for extent in freed:
+                self._store.free(extent)
+        if skipped:
+            self._stats.add(writes_skipped=len(skipped))
+
+    def allocate(self, nbytes: int) -> Extent | None:
+        """Slab space for a record, or None (counted and warned) where none is left."""
+        try:
+            extent = self._store.allocate(nbytes)
+        except OSError as exc:
+            raise OffloadIOError(
+                f"prefetch_offload: could not create a slab file in "
+                f"{self.config.save_dir!r}: {exc}. Check the folder's permissions and space."
+            ) from exc
+        if extent is None:
+            self.note_no_space("the slab reservation failed")
+        return extent
+
+    def wait(self) -> None:
+        """Submit the open batch; wait until every write job has finished."""
+        with self._lock:
+            batch = self._take_batch()
+        if batch:
+            self._submit_batch(batch)
+        futs = self._futs
+        while True:
+            with self._lock:
+                while futs and futs[0].done():
+                    futs.popleft()
+                if not futs:
+                    return
+                fut = futs[0]
+            fut.wait()
+
+    def _write_failed(self, rec: _Record, exc: BaseException) -> None:
+        """NOTE [errors from workers]: the record keeps its source in memory."""
+        self._stats.add(fallbacks=1)
+        if getattr(exc, "errno", None) in _SPACE_ERRNOS:
+            self.note_no_space(f"a write failed ({exc.strerror})", counted=True)
+            return
+        err = OffloadIOError(
+            f"prefetch_offload: writing {rec.describe()} to {self.config.save_dir!r} failed: "
+            f"{exc}. The tensor was kept in memory; check the disk and the folder."
+        )
+        err.__cause__ = exc
+        self._report(err)
+
+    def note_no_space(self, what: str, *, counted: bool = False) -> None:
+        if not counted:
+            self._stats.add(fallbacks=1)
+        with self._lock:
+            if self._warned_full:
+                return
+            self._warned_full = True
+        limit = self.config.disk_bytes_limit
+        cap = f" or disk_bytes_limit={limit} was reached" if limit is not None else ""
+        warnings.warn(
+            f"prefetch_offload: no space left for activations in {self.config.save_dir!r}"
+            f"{cap} ({what}); tensors that do not fit stay in memory. Free disk space, "
+            "raise disk_bytes_limit, or pick another save_dir.",
+            OffloadFallbackWarning,
+            stacklevel=3,
+        )
