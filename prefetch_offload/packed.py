@@ -42,6 +42,7 @@ __all__ = [
     "new_read_buffer",
     "source_buffer",
     "span_bytes",
+    "span_part",
     "view_span",
 ]
 
@@ -131,3 +132,9 @@ def make_view(storage: torch.UntypedStorage, base: int, meta: ViewMeta) -> torch
     out = torch.empty((0,), dtype=meta.dtype, device=storage.device)
     itemsize = meta.dtype.itemsize
     return out.set_(storage, (base + meta.offset) // itemsize, meta.shape, meta.stride)
+
+
+def span_part(span: Span, lo: int, hi: int) -> tuple[int, int]:
+    """The part of ``[lo, hi)`` (extent offsets) that holds the span's own bytes."""
+    a = min(max(lo, span.pad), hi)
+    return a, max(a, min(hi, span.pad + span.nbytes))

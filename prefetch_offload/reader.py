@@ -52,14 +52,13 @@ from .config import OffloadConfig
 from .device import DeviceLayer
 from .errors import OffloadIOError
 from .io_pool import READ, IOFuture, IOPool
-from .packed import make_view, new_read_buffer
+from .packed import make_view, new_read_buffer, span_part
 from .plan import PrefetchPlan, current_group_key
 from .profiling import profiler_range
 from .records import Fetched, Record
 from .slab import SlabStore
 from .stats import StatsCounter
 from .streams import Fence
-from .writer import span_part
 
 __all__ = ["AUTO_WINDOW_START", "ReadPath"]
 

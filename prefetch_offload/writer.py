@@ -91,7 +91,7 @@ from .buffers import HostBufferPool
 from .config import OffloadConfig
 from .errors import OffloadFallbackWarning, OffloadIOError
 from .io_pool import WRITE, IOFuture, IOPool
-from .packed import Span, source_buffer
+from .packed import source_buffer, span_part
 from .policy import DEVICE, HOST, TierPolicy
 from .profiling import profiler_range
 from .slab import Extent, SlabStore
@@ -101,7 +101,7 @@ from .streams import Fence
 if TYPE_CHECKING:
     from .records import Record as _Record
 
-__all__ = ["WritePath", "span_part", "split_requests"]
+__all__ = ["WritePath", "split_requests"]
 
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # One staging buffer per IO worker, one huge page each (NOTE [write staging]).
@@ -112,12 +112,6 @@ _Pending = tuple["_Record", list[memoryview], Fence | None]
 # A checksum a staged write fills in: the record's crcs, the piece's index in them, and
 # the bytes [a, b) of the piece that belong to the span (NOTE [checksums]).
 _Sum = tuple[list[tuple[int, int, int]], int, int, int]
-
-
-def span_part(span: Span, lo: int, hi: int) -> tuple[int, int]:
-    """The part of ``[lo, hi)`` (extent offsets) that holds the span's own bytes."""
-    a = min(max(lo, span.pad), hi)
-    return a, max(a, min(hi, span.pad + span.nbytes))
 
 
 def _wanted_sums(rec: _Record, pieces: int) -> list[_Sum | None]:
