@@ -9,6 +9,16 @@ the read path (reader.py), which prefetches in the order the plan (plan.py)
 predicts. The engine owns the lock they share, the dedup table, the record
 lifetimes and the errors that IO threads report.
 
+# NOTE [unpack threads]
+# Autograd runs a backward's nodes on one thread per device, and separate
+# backward calls may run on threads of their own, so unpack can run on several
+# threads at once. Everything unpack changes that is shared goes under the
+# engine lock: the switch into backward (exactly one thread skips the write
+# tail and starts the plan's prediction), the graph task whose end is awaited,
+# the pass numbers (NOTE [backward passes]), the plan and prefetch state. The
+# record's span is then materialized outside the lock; two threads asking for
+# one record at once both get a correct span (at worst read twice).
+#
 # NOTE [errors from workers]
 # A write that fails leaves the record's source tensor in memory, so nothing is
 # lost. A full disk (ENOSPC/EDQUOT, or ``disk_bytes_limit``) is expected
@@ -509,12 +519,18 @@ class OffloadEngine:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, Kept):
             return packed.unpack()
-        if not self._in_backward:
-            self._in_backward = True
+        # NOTE [unpack threads]
+        with self._lock:
+            starting, self._in_backward = not self._in_backward, True
+            task = _graph_task_id()
+            new_task = task != self._end_task
+            if new_task:
+                self._end_task = task
+        if starting:
             if self._writer is not None:
                 self._writer.skip_tail()
             self._reader.begin_backward()
-        if _graph_task_id() != self._end_task:
+        if new_task:
             self._queue_end_of_backward()
         if self._dead:
             self._drain_dead()
@@ -523,11 +539,16 @@ class OffloadEngine:
         self._raise_pending()
         packed.check_version()
         rec = packed.record
-        if packed.pass_no == self._pass_no:  # NOTE [backward passes]: a new pass
-            self._pass_no += 1
-        packed.pass_no = rec.pass_no = self._pass_no
-        self._reader.prefetch_after(rec)
-        storage, base, built = self._reader.materialize(rec)
+        with self._lock:
+            if packed.pass_no == self._pass_no:  # NOTE [backward passes]: a new pass
+                self._pass_no += 1
+            packed.pass_no = rec.pass_no = self._pass_no
+        if self._reader.copy_first(rec):  # NOTE [head of line]
+            storage, base, built = self._reader.materialize(rec)
+            self._reader.prefetch_after(rec)
+        else:
+            self._reader.prefetch_after(rec)
+            storage, base, built = self._reader.materialize(rec)
         if built is not None and packed.view is rec.view0:
             return built  # NOTE [views built by the reader]
         return make_view(storage, base, packed.view)
@@ -535,14 +556,11 @@ class OffloadEngine:
     def _queue_end_of_backward(self) -> None:
         """Let the recently restored spans go when this backward pass ends.
 
-        Keyed by graph task: autograd runs no final callbacks for a backward that
-        raised, so the next backward must queue its own.
+        Keyed by graph task (``_unpack`` notes the task): autograd runs no final
+        callbacks for a backward that raised, so the next backward queues its own.
         """
-        try:
+        with contextlib.suppress(RuntimeError):  # outside backward (grad_fn._saved_self)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        except RuntimeError:
-            return  # unpacked outside a backward pass (e.g. grad_fn._saved_self)
-        self._end_task = _graph_task_id()
 
     def _end_of_backward(self) -> None:
         self._end_task = None

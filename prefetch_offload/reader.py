@@ -101,6 +101,21 @@ class ReadPath:
         )
         self.read_pool = HostBufferPool(_POOL_IDLE_BYTES)
 
+    def copy_first(self, rec: Record) -> bool:
+        """Whether ``rec`` needs a copy to its device that nothing has queued yet.
+
+        NOTE [head of line]: copies to a device run in order on one stream, so on
+        such a miss the record being waited for is copied before its window's
+        prefetches. Reads from disk are not ordered so: the window's reads go to
+        the IO threads first, and this thread reads the record itself meanwhile.
+        """
+        return (
+            rec.prefetch is None
+            and rec.source is not None
+            and not rec.host_only
+            and rec.resident() is None
+        )
+
     def begin_backward(self) -> None:
         """Size the window (NOTE [window bytes]) and predict the order (NOTE [learned order])."""
         if self.config.prefetch_bytes is None:

@@ -1,0 +1,108 @@
+"""The read path: the order copies to a device are queued in, and unpacks from threads."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from prefetch_offload import OffloadConfig, OffloadEngine
+from prefetch_offload.device import RoutingDevice, SpanCopyDevice
+
+
+@contextlib.contextmanager
+def _twin(target: str, save_dir: Path, **kw: Any) -> Iterator[tuple[OffloadEngine, Any]]:
+    kw.setdefault("min_offload_bytes", 0)
+    if target == "disk":
+        kw.update(save_dir=str(save_dir), chunk_bytes=4096)
+    layer = SpanCopyDevice("cpu")
+    engine = OffloadEngine(OffloadConfig(target=target, **kw), device=RoutingDevice([layer]))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+            yield engine, layer
+    finally:
+        engine.close(raise_errors=False)
+
+
+def test_a_missed_copy_is_queued_before_its_window(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [head of line]: copies to the device run in order on one stream; the record
+    backward waits for goes first, its window's prefetches after it."""
+    x = torch.randn(1 << 12, requires_grad=True)
+    with _twin("cpu", save_dir, prefetch_depth=3) as (engine, layer):
+        h, sizes = x, []
+        for i in range(6):
+            h = (h.repeat(2) if i else h * 1.0).sin()  # saved tensors of distinct sizes
+            sizes.append(h.numel() * 4)
+        loss = h.sum()
+        engine.flush()
+        order: list[int] = []
+        real = layer.to_device
+
+        def logged(storage: Any, base: int, nbytes: int, *args: Any) -> Any:
+            order.append(nbytes)
+            return real(storage, base, nbytes, *args)
+
+        monkeypatch.setattr(layer, "to_device", logged)
+        loss.backward()
+    # The first unpack wants the newest tensor; its window holds the three before it.
+    assert order[:4] == [sizes[-1], sizes[-2], sizes[-3], sizes[-4]], (order, sizes)
+    ref = x.detach().clone().requires_grad_()
+    h = ref
+    for i in range(6):
+        h = (h.repeat(2) if i else h * 1.0).sin()
+    h.sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, ref.grad)
+
+
+def _backward(loss: torch.Tensor, barrier: threading.Barrier, errors: list[BaseException]) -> None:
+    try:
+        barrier.wait()
+        loss.backward()
+    except BaseException as exc:  # reported by the caller
+        errors.append(exc)
+
+
+@pytest.mark.parametrize("target", ["cpu", "disk"])
+def test_unpacks_from_two_threads_at_once(save_dir: Path, target: str) -> None:
+    """NOTE [unpack threads]: two backward calls on two threads, over graphs packed by
+    one engine, both get exact gradients, and every unpack is counted once."""
+    xs = [torch.randn(1 << 13, requires_grad=True) for _ in range(2)]
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for i in range(12):
+            h = (h * (1.0 + i / 32)).sin()
+        return h.sum()
+
+    refs = []
+    for x in xs:
+        r = x.detach().clone().requires_grad_()
+        chain(r).backward()
+        refs.append(r.grad)
+    with _twin(target, save_dir, prefetch_depth=2) as (engine, _):
+        for _ in range(5):
+            for x in xs:
+                x.grad = None
+            losses = [chain(x) for x in xs]
+            barrier = threading.Barrier(2)
+            errors: list[BaseException] = []
+
+            threads = [
+                threading.Thread(target=_backward, args=(loss, barrier, errors)) for loss in losses
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert not errors, errors
+            for x, ref in zip(xs, refs, strict=True):
+                assert x.grad is not None and torch.equal(x.grad, ref)
+        stats = engine.stats()
+    assert stats.prefetch_hits + stats.prefetch_misses == 5 * 2 * 12
