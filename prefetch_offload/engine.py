@@ -233,6 +233,11 @@ class OffloadEngine:
             return self._pack(t)
 
     def _pack(self, t: torch.Tensor) -> Any:
+        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+            # Before anything else: settling copies queries events, which would
+            # invalidate the capture. Saved under capture, a tensor stays in memory.
+            self._stats.add(tensors_kept=1)
+            return Kept(t)
         self._raise_pending()
         self._drain_dead()
         if self._copying:
