@@ -44,13 +44,13 @@ import torch
 
 from .config import OffloadConfig
 from .device import DeviceLayer, default_device_layer
-from .errors import OffloadError, OffloadFallbackWarning
+from .errors import ErrorSlot, OffloadError, OffloadFallbackWarning
 from .io_pool import READ, InlineIOPool, IOPool, ThreadIOPool
 from .packed import Span, ViewMeta, make_view, view_span
 from .plan import PrefetchPlan
 from .policy import DEVICE, DISK, HOST, TierPolicy
 from .profiling import profiler_range
-from .reader import AUTO_WINDOW_START, ReadPath
+from .reader import AUTO_WINDOW_MAX, AUTO_WINDOW_START, ReadPath
 from .records import DedupEntry, Handle, Kept, Record, Resident
 from .slab import Extent, SlabStore, prepare_save_dir
 from .stats import OffloadStats, StatsCounter
@@ -140,6 +140,32 @@ class OffloadEngine:
         self._device = device or default_device_layer(
             config.target, max_inflight_bytes=config.max_inflight_copy_bytes
         )
+        if config.host_budget is not None:  # NOTE [tiers]: the pinned arena's cap
+            window = config.prefetch_bytes or AUTO_WINDOW_MAX
+            self._device.set_host_budget(
+                config.host_budget
+                + config.max_pending_write_bytes
+                + config.max_inflight_copy_bytes
+                + 2 * window
+            )
+        store = self._store
+        if (
+            store is not None
+            and store.io_method == "direct"
+            and config.io_method == "auto"
+            and torch.cuda.is_available()
+            and not self._device.direct_io_ok(store.directory)
+        ):
+            # NOTE [direct IO from pinned memory] in device.py: the page cache instead.
+            store.close()
+            self._store = SlabStore(
+                store.directory,
+                slab_bytes=config.slab_bytes,
+                io_method="buffered",
+                disk_bytes_limit=config.disk_bytes_limit,
+            )
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, self._store.close)
         # Records whose device-to-host copy may still run, oldest first (NOTE [version check]).
         self._copying: collections.deque[tuple[Fence, weakref.ref[Record]]] = collections.deque()
         self._lock = threading.Lock()
@@ -152,7 +178,7 @@ class OffloadEngine:
         self._dedup: dict[int, list[DedupEntry]] = {}
         # Dead records' extents, dedup keys, tiers and bytes (NOTE [record lifetime]).
         self._dead: collections.deque[tuple[Extent | None, int, int, int]] = collections.deque()
-        self._error: BaseException | None = None
+        self._errors = ErrorSlot()  # NOTE [errors from workers]
         self._warned_host = False  # NOTE [tiers]: host budget exhausted with no disk
         self._warned_cpu_budget = False
         self._seq = 0
@@ -168,7 +194,13 @@ class OffloadEngine:
         self._writer: WritePath | None = None
         if self._store is not None:
             self._writer = WritePath(
-                config, self._store, pool, self._stats, self._lock, self._policy, self._report
+                config,
+                self._store,
+                pool,
+                self._stats,
+                self._lock,
+                self._policy,
+                self._errors.report,
             )
         self._reader = ReadPath(
             config, self._store, self._device, pool, self._stats, self._lock, self._plan
@@ -199,7 +231,10 @@ class OffloadEngine:
                 peak_disk_bytes_reserved=store.peak_reserved_bytes,
                 peak_disk_bytes_in_use=store.peak_used_bytes,
             )
-        self._stats.set(copy_wait_seconds=self._device.copy_wait_seconds())
+        self._stats.set(
+            copy_wait_seconds=self._device.copy_wait_seconds(),
+            pageable_fallbacks=self._device.pageable_fallbacks(),
+        )
         with self._lock:
             policy = self._policy
             self._stats.set(
@@ -508,12 +543,6 @@ class OffloadEngine:
         if self._writer is not None:
             self._writer.wait()
 
-    def _report(self, err: BaseException) -> None:
-        """Keep an IO thread's error for the next hook call (NOTE [errors from workers])."""
-        with self._lock:
-            if self._error is None:
-                self._error = err
-
     # -- unpack -----------------------------------------------------------------------------
 
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -608,16 +637,14 @@ class OffloadEngine:
             except Exception as exc:
                 err = OffloadError(f"prefetch_offload: background task {fn!r} failed: {exc}")
                 err.__cause__ = exc
-                self._report(err)
+                self._errors.report(err)
 
         return job
 
     def _raise_pending(self) -> None:
-        if self._error is not None:
-            with self._lock:
-                err, self._error = self._error, None
-            if err is not None:
-                raise err
+        err = self._errors.take()
+        if err is not None:
+            raise err
 
     def close(self, *, raise_errors: bool = True) -> None:
         """Finish pending writes, stop the IO threads, release unused slabs.
@@ -646,7 +673,7 @@ class OffloadEngine:
         self._drain_dead()
         if self._store is not None:
             self._store.trim()
-        err, self._error = self._error, None
+        err = self._errors.take()
         if err is not None:
             if raise_errors:
                 raise err

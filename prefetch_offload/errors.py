@@ -7,7 +7,9 @@ corrupted read, use after shutdown) raises a subclass of :class:`OffloadError`.
 
 from __future__ import annotations
 
-__all__ = ["OffloadError", "OffloadFallbackWarning", "OffloadIOError"]
+import threading
+
+__all__ = ["ErrorSlot", "OffloadError", "OffloadFallbackWarning", "OffloadIOError"]
 
 
 class OffloadError(RuntimeError):
@@ -23,7 +25,37 @@ class OffloadIOError(OffloadError):
 
 
 class OffloadFallbackWarning(UserWarning):
-    """Some saved tensors stayed in memory because the disk (or the disk cap) is full.
+    """Offloading fell short of what was asked, and training goes on.
 
-    Issued once per context; ``OffloadStats.fallbacks`` counts every such tensor.
+    Some saved tensors stayed in memory (the disk or ``disk_bytes_limit`` is
+    full, or ``host_budget`` is used up with no disk to spill to), or host
+    copies are pageable instead of pinned (copies become synchronous). Issued
+    once per cause and context; ``OffloadStats.fallbacks`` and
+    ``OffloadStats.pageable_fallbacks`` count them.
     """
+
+
+class ErrorSlot:
+    """The first error a background thread reports, kept for the next hook call.
+
+    Shared by the engine and its IO paths (it holds none of them, so it closes no
+    reference cycle). NOTE [errors from workers] in engine.py.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+
+    def report(self, err: BaseException) -> None:
+        """Keep ``err`` unless an earlier error is waiting."""
+        with self._lock:
+            if self._error is None:
+                self._error = err
+
+    def take(self) -> BaseException | None:
+        """The waiting error, cleared; None if there is none."""
+        if self._error is None:
+            return None
+        with self._lock:
+            err, self._error = self._error, None
+        return err

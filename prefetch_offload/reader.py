@@ -60,7 +60,7 @@ from .slab import SlabStore
 from .stats import StatsCounter
 from .streams import Fence
 
-__all__ = ["AUTO_WINDOW_START", "ReadPath"]
+__all__ = ["AUTO_WINDOW_MAX", "AUTO_WINDOW_START", "ReadPath"]
 
 _RECENT_SPANS = 3
 # Cap on idle read buffers kept for reuse during backward (NOTE [read buffer pool]).
@@ -68,7 +68,7 @@ _POOL_IDLE_BYTES = 256 << 20
 _AUTO_WINDOW_SECONDS = 0.1
 AUTO_WINDOW_START = 64 << 20
 _AUTO_WINDOW_MIN = 16 << 20
-_AUTO_WINDOW_MAX = 512 << 20
+AUTO_WINDOW_MAX = 512 << 20
 
 
 class ReadPath:
@@ -123,7 +123,7 @@ class ReadPath:
             if snap.read_seconds > 0 and snap.bytes_read >= _AUTO_WINDOW_MIN:
                 bandwidth = snap.bytes_read / snap.read_seconds
                 self._plan.window_bytes = int(
-                    min(max(bandwidth * _AUTO_WINDOW_SECONDS, _AUTO_WINDOW_MIN), _AUTO_WINDOW_MAX)
+                    min(max(bandwidth * _AUTO_WINDOW_SECONDS, _AUTO_WINDOW_MIN), AUTO_WINDOW_MAX)
                 )
         with self._lock:
             self._plan.begin_backward()

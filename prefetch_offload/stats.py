@@ -48,6 +48,9 @@ class OffloadStats:
     pack_wait_seconds: float = 0.0
     # Seconds pack calls spent waiting because device-to-host copies were at their cap.
     copy_wait_seconds: float = 0.0
+    # Host buffers of CUDA copies served from pageable memory because pinning failed or
+    # the pinned limit was reached (NOTE [pinned arena]): their copies are synchronous.
+    pageable_fallbacks: int = 0
     # Tensors that could not be written (full disk, disk cap, IO error) and stayed in memory.
     fallbacks: int = 0
     # Queued writes dropped because backward needed the tensor first (it stayed in memory).
