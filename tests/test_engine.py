@@ -25,6 +25,7 @@ from engine_helpers import (
 from torch.utils.checkpoint import checkpoint
 
 from prefetch_offload import (
+    OffloadConfig,
     OffloadEngine,
     OffloadError,
     OffloadFallbackWarning,
@@ -1077,3 +1078,21 @@ def test_failed_staged_write_keeps_the_tensor_and_returns_the_buffer(
         y.sum().backward()
         assert engine.stats().bytes_staged == 0
     assert torch.equal(x.grad, ref.grad)
+
+
+def test_an_engine_is_freed_without_the_cycle_collector(save_dir: Path) -> None:
+    """Its parts hold no reference back to it: dropping the last reference (no graph
+    alive) closes its slabs at once, not at some later collection."""
+    gc.collect()
+    gc.disable()
+    try:
+        engine = OffloadEngine(OffloadConfig(target="disk", save_dir=str(save_dir)))
+        x = torch.randn(1 << 14, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+            (x * 2).sin().sum().backward()
+        engine.close()
+        ref = weakref.ref(engine)
+        del engine
+        assert ref() is None
+    finally:
+        gc.enable()
