@@ -611,3 +611,37 @@ def test_hostcost_buffered_kind_reaches_the_device(
         f"drop {2 * mib} {2 * mib}",
     ]
     assert _empty(tmp_path / "s")
+
+
+# -- bench/compiled.py -------------------------------------------------------------------
+
+
+@pytest.mark.slow  # compiles: ~10 s with a warm inductor cache, ~40 s cold
+def test_compiled_main_tiny(tmp_path: Path, cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/compiled.py end to end at --tiny: eager and regional (each block compiled)
+    train under disk offload, bit-identical to the same mode without it, with per-step
+    hit rates and the logged unpack order. A torch.compile that fails here fails the test."""
+    compiled = _load("compiled")
+    out = tmp_path / "compiled.json"
+    argv = ["--tiny", "--modes", "eager,regional", "--warmup", "1", "--steps", "2"]
+    assert compiled.main([*argv, "--save-dir", str(tmp_path / "s"), "--json", str(out)]) == 0
+    assert _empty(tmp_path / "s")
+    assert "bit-identical" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["check"] == {"ok": True, "problems": []}
+    rows = {r["mode"]: r for r in doc["rows"]}
+    assert list(rows) == ["eager", "regional"]
+    for mode, row in rows.items():
+        assert row["exact"] and row["bytes_offloaded_per_step"] > 0, mode
+        assert len(row["steps"]) == len(row["ref_steps"]) == 3, mode
+        assert len(row["hit_rate_per_step"]) == 2, mode
+        assert all(0.0 <= h <= 1.0 for h in row["hit_rate_per_step"]), mode
+        last = row["steps"][-1]
+        assert not last["warmup"] and last["counters"]["bytes_read"] > 0, mode
+        order = last["unpack_order"]
+        assert order["unpacks"] > 0 and 0.0 <= order["reverse_fraction"] <= 1.0, mode
+        assert min(order["relative_seqs"]) == 0 and order["runs"], mode
+    assert rows["eager"]["graphs"] == 0
+    assert rows["regional"]["graphs"] > 0 and rows["regional"]["ref_graphs"] > 0
+    # order_runs: maximal runs of consecutive numbers in either direction.
+    assert compiled.order_runs([5, 4, 3, 3, 7, 8, 10]) == [(5, 3), (7, 8), (10, 10)]
