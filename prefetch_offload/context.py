@@ -48,6 +48,33 @@ def _summary(stats: OffloadStats, target: str | None) -> str:
     )
 
 
+# The oldest torch release the engine is tested on (the CI runs 2.13; 2.11's CUDA
+# build runs the CPU suite too). Older releases lack pieces the engine relies on
+# or changed them (saved-tensor hook semantics under compile, the autograd node
+# and graph task queries, fast profiler ranges).
+MIN_TORCH = (2, 11)
+TESTED_TORCH = "2.11 and 2.13"
+
+
+def check_torch_version(version: str) -> None:
+    """Raise :class:`OffloadError` if ``version`` is older than :data:`MIN_TORCH`.
+
+    Example:
+        >>> check_torch_version("2.13.0+cpu")
+    """
+    parts = version.split("+")[0].split(".")
+    try:
+        found = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return  # a source build with an unusual version string: let it run
+    if found < MIN_TORCH:
+        raise OffloadError(
+            f"prefetch_offload needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} (tested with "
+            f"{TESTED_TORCH}); this process has torch {version}. Upgrade torch, e.g. "
+            f"pip install 'torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}'."
+        )
+
+
 class OffloadContext:
     """Installs the offload hooks on enter and removes them on exit.
 
@@ -74,6 +101,7 @@ class OffloadContext:
         if self.config.target is None:
             self._engine = _NullEngine()
             return self._engine
+        check_torch_version(torch.__version__)
         engine = OffloadEngine(self.config)
         hooks = torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack)
         try:

@@ -18,6 +18,7 @@ from prefetch_offload import (
     offload_context,
     offload_context_from_config,
 )
+from prefetch_offload.context import check_torch_version
 
 
 def test_none_target_is_a_no_op(save_dir: Path) -> None:
@@ -183,3 +184,19 @@ def test_exiting_contexts_out_of_order_is_an_error_and_changes_nothing(tmp_path:
         outer.__exit__(None, None, None)
     assert outer_engine.closed and inner_engine.closed
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+@pytest.mark.parametrize("version", ["2.10.1", "2.4.0+cu121", "1.13.1"])
+def test_an_older_torch_fails_at_entry_naming_the_supported_versions(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch, version: str
+) -> None:
+    monkeypatch.setattr(torch, "__version__", version)
+    ctx = offload_context("disk", save_dir)
+    with pytest.raises(OffloadError, match=r"needs torch >= 2\.11 \(tested with 2\.11 and 2\.13\)"):
+        ctx.__enter__()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+@pytest.mark.parametrize("version", ["2.11.0", "2.13.0+cpu", "2.15.0a0+git1234", "unknown"])
+def test_supported_or_unparsable_torch_versions_pass(version: str) -> None:
+    check_torch_version(version)
