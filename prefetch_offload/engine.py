@@ -51,7 +51,7 @@ from .plan import PrefetchPlan
 from .policy import DEVICE, DISK, HOST, TierPolicy
 from .profiling import profiler_range
 from .reader import AUTO_WINDOW_MAX, AUTO_WINDOW_START, ReadPath
-from .records import DedupEntry, Handle, Kept, Record, Resident
+from .records import DedupEntry, Handle, Kept, Record, Resident, Wrapped, is_dtensor
 from .slab import Extent, SlabStore, prepare_save_dir
 from .stats import OffloadStats, StatsCounter
 from .streams import Fence
@@ -291,6 +291,8 @@ class OffloadEngine:
             self._reader.recent.clear()  # NOTE [recently restored]
             # NOTE [read buffer pool]: unmapping takes a while; an IO thread does it.
             self._pool.submit(self._background(self._reader.read_pool.trim), READ)
+        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            return self._pack_subclass(t)  # NOTE [wrapper subclasses]
         if not self._eligible(t):
             self._stats.add(tensors_kept=1)
             if not self._warned_cpu_budget and self.config.target == "cpu":
@@ -550,9 +552,18 @@ class OffloadEngine:
         with profiler_range("prefetch_offload::unpack"):
             return self._unpack(packed)
 
+    def _pack_subclass(self, t: torch.Tensor) -> Any:
+        """NOTE [wrapper subclasses]: a DTensor's local tensor is packed; others are kept."""
+        if is_dtensor(t) and not (t.is_leaf and t.requires_grad):
+            return Wrapped(t, self._pack(t._local_tensor))  # type: ignore[attr-defined]
+        self._stats.add(tensors_kept=1, subclasses_kept=1)
+        return Kept(t)
+
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, Kept):
             return packed.unpack()
+        if isinstance(packed, Wrapped):
+            return packed.rebuild(self._unpack(packed.inner))
         # NOTE [unpack threads]
         with self._lock:
             starting, self._in_backward = not self._in_backward, True

@@ -100,7 +100,17 @@ from .streams import Fence
 if TYPE_CHECKING:
     from .engine import OffloadEngine
 
-__all__ = ["DedupEntry", "Fetched", "Handle", "Kept", "Record", "Resident", "version_error"]
+__all__ = [
+    "DedupEntry",
+    "Fetched",
+    "Handle",
+    "Kept",
+    "Record",
+    "Resident",
+    "Wrapped",
+    "is_dtensor",
+    "version_error",
+]
 
 # A span in memory: bytes [base, base + nbytes) of an untyped storage, there once
 # its fence (if any) is done (NOTE [copy streams]).
@@ -135,6 +145,47 @@ class Kept:
             what = f"a saved tensor (shape {list(t.shape)}, {t.dtype})"
             raise version_error(what, t._version, self.version)
         return t
+
+
+# NOTE [wrapper subclasses]
+# A DTensor (tensor and sequence parallelism) is a wrapper around a plain local
+# tensor plus how it is laid out over a device mesh. The engine packs the local
+# tensor like any other saved tensor and keeps the layout; unpack rebuilds the
+# wrapper with ``from_local`` (no communication: ``run_check=False``, with the
+# global shape and stride given). Other tensor subclasses stay in memory, as
+# the engine cannot rebuild them, and ``OffloadStats.subclasses_kept`` counts
+# them; so do wrapper parameters (a leaf that requires grad).
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing it)."""
+    cls = type(t)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+
+
+class Wrapped:
+    """A DTensor's packed local tensor and what rebuilds the wrapper around it."""
+
+    __slots__ = ("cls", "inner", "mesh", "placements", "shape", "stride")
+
+    def __init__(self, t: torch.Tensor, inner: object) -> None:
+        self.cls = type(t)
+        self.inner = inner  # the local tensor's Handle or Kept
+        self.mesh = t.device_mesh  # type: ignore[attr-defined]
+        self.placements = t.placements  # type: ignore[attr-defined]
+        self.shape = t.shape
+        self.stride = t.stride()
+
+    def rebuild(self, local: torch.Tensor) -> torch.Tensor:
+        """The DTensor around ``local``, as it was saved."""
+        return self.cls.from_local(  # type: ignore[attr-defined, no-any-return]
+            local,
+            self.mesh,
+            self.placements,
+            run_check=False,
+            shape=self.shape,
+            stride=self.stride,
+        )
 
 
 class Handle:

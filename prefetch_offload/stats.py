@@ -35,6 +35,9 @@ class OffloadStats:
     # Saved tensors kept in memory because they were not eligible (parameters,
     # small, non-strided, other devices, ...).
     tensors_kept: int = 0
+    # Of tensors_kept: tensor subclasses the engine cannot rebuild (NOTE [wrapper
+    # subclasses] in records.py; a DTensor's local tensor is offloaded instead).
+    subclasses_kept: int = 0
     # Pack calls answered by an already-offloaded tensor (same storage, view and version).
     dedup_hits: int = 0
     # Unpacks served without waiting for IO (prefetched, or still in memory).
