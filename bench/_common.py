@@ -217,21 +217,32 @@ class RssSampler:
 
     Use as a context manager around the region to watch; ``peak_bytes`` holds
     the largest sample, including one taken at exit (none at entry, so that the
-    caller can read its own starting value after the thread exists).
+    caller can read its own starting value after the thread exists). With
+    ``record=True`` every sample is also kept in ``trace`` as ``(perf_counter
+    seconds, rss bytes)``: a timeline of memory over the region.
     """
 
-    def __init__(self, interval: float = 0.002) -> None:
+    def __init__(self, interval: float = 0.002, *, record: bool = False) -> None:
         self.interval = interval
         self.peak_bytes = 0
         self.samples = 0
+        self.record = record
+        self.trace: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def _sample(self) -> None:
         rss = read_rss_bytes()
         self.samples += 1
+        if self.record:
+            self.trace.append((time.perf_counter(), rss))
         if rss > self.peak_bytes:
             self.peak_bytes = rss
+
+    def peak_between(self, start: float, end: float) -> int | None:
+        """The largest recorded sample taken in ``[start, end]`` (None if none was)."""
+        inside = [rss for t, rss in self.trace if start <= t <= end]
+        return max(inside) if inside else None
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -548,40 +559,47 @@ class IOReplay:
 
 @dataclass(frozen=True)
 class StepResult:
-    """One mode's measurements: timed rounds, memory probe, default-allocator memory rounds.
+    """One mode's measurements: timed rounds and memory probes.
 
-    Raw per-step samples and cumulative counter deltas are stored; everything
-    shown in the table is a property computed from them. ``baseline_*`` are the
-    ``none`` mode's values (None when ``none`` did not run or was not measured).
+    Raw samples and cumulative counter deltas are stored; everything shown in
+    the tables is a property computed from them. ``baseline_*`` are the ``none``
+    mode's values (None when ``none`` did not run or was not probed). Memory
+    tuples hold one value per probe process: the largest over its measured
+    steps, in bytes above the process's RSS before its first step.
     """
 
     mode: str
     label: str
     # Wall seconds of forward + backward + optimizer step, one per timed round.
     step_seconds: tuple[float, ...]
-    # Memory probe (a fresh process with MALLOC_MMAP_THRESHOLD_=65536, so freed large
-    # blocks leave RSS): peak RSS during forward minus RSS at forward start, per measured step.
-    act_mem_bytes: tuple[int, ...] = ()
-    # Memory probe: malloc bytes in use (mallinfo2) at the end of forward minus at its
-    # start, per measured step; empty where mallinfo2 is unavailable.
-    act_heap_bytes: tuple[int, ...] = ()
-    # Page cache that forward added (the machine's, same probe): what buffered writes
-    # left in RAM outside the process.
-    act_cache_bytes: tuple[int, ...] = ()
-    # Memory rounds in the benchmark process, glibc's default allocator after
-    # malloc_trim(0): peak RSS during forward minus RSS at forward start, per round.
-    rss_default_bytes: tuple[int, ...] = ()
+    # Memory probes, glibc's default allocator: peak RSS (VmHWM) over whole training
+    # steps, and its forward and backward (+ optimizer step) parts.
+    peak_bytes: tuple[int, ...] = ()
+    forward_peak_bytes: tuple[int, ...] = ()
+    backward_peak_bytes: tuple[int, ...] = ()
+    # The same peak under the tuned allocator (MALLOC_MMAP_THRESHOLD_=65536).
+    tuned_peak_bytes: tuple[int, ...] = ()
+    # Default-allocator probes: malloc bytes in use at the end of the last step's forward
+    # (mallinfo2; empty where unavailable), and the page cache added over a step.
+    heap_bytes: tuple[int, ...] = ()
+    cache_bytes: tuple[int, ...] = ()
+    # Saved activations of one step (distinct storages, parameters excluded): the
+    # same for every mode, since every mode trains the same model on the same data.
+    saved_bytes: int | None = None
+    # The engine's device_budget in bytes (engine modes only).
+    device_budget: int | None = None
     # Hypervisor steal (all CPUs, from /proc/stat) during each timed step, in seconds.
     steal_seconds: tuple[float, ...] = ()
-    # Engine counter deltas over the timed rounds (``disk`` only).
+    # Engine counter deltas over the timed rounds (engine modes and replays only).
     bytes_offloaded: int | None = None
+    bytes_demoted_to_disk: int | None = None
     prefetch_hits: int | None = None
     prefetch_misses: int | None = None
     stall_seconds: float | None = None
     pack_wait_seconds: float | None = None
     baseline_step_s: float | None = None
-    baseline_act_bytes: float | None = None
-    baseline_rss_default_bytes: float | None = None
+    baseline_peak_bytes: float | None = None
+    baseline_tuned_peak_bytes: float | None = None
 
     @property
     def steps(self) -> int:
@@ -606,42 +624,55 @@ class StepResult:
         return self.median_step_s / self.baseline_step_s
 
     @property
+    def peak(self) -> float | None:
+        """Whole-step peak RSS above the RSS before training (median over probes)."""
+        return _median(self.peak_bytes)
+
+    @property
+    def forward_peak(self) -> float | None:
+        """Like ``peak``, over forward only."""
+        return _median(self.forward_peak_bytes)
+
+    @property
+    def backward_peak(self) -> float | None:
+        """Like ``peak``, over backward and the optimizer step only."""
+        return _median(self.backward_peak_bytes)
+
+    @property
+    def tuned_peak(self) -> float | None:
+        """``peak`` under the tuned allocator (MALLOC_MMAP_THRESHOLD_=65536)."""
+        return _median(self.tuned_peak_bytes)
+
+    @property
     def act_mem(self) -> float | None:
-        """Activation memory held during forward: the probe's largest RSS delta, in bytes."""
-        if not self.act_mem_bytes:
-            return None
-        return float(max(self.act_mem_bytes))
+        """Activation memory: ``peak`` minus what ``none`` holds beside its activations
+        (its peak minus the saved bytes). For ``none`` itself this is the saved bytes."""
+        return _activation_memory(self.peak, self.baseline_peak_bytes, self.saved_bytes)
 
     @property
     def act_cut(self) -> float | None:
-        """Fraction of the ``none`` activation memory this mode saved (0.8 = 80% less)."""
-        return _cut(self.act_mem, self.baseline_act_bytes)
+        """Fraction of ``none``'s activation memory (the saved bytes) this mode cut."""
+        return _cut(self.act_mem, self.saved_bytes)
 
     @property
-    def act_heap(self) -> float | None:
-        """Probe: largest malloc-in-use growth from forward start to forward end, in bytes."""
-        if not self.act_heap_bytes:
-            return None
-        return float(max(self.act_heap_bytes))
+    def tuned_act_mem(self) -> float | None:
+        """``act_mem`` under the tuned allocator, against ``none``'s tuned peak."""
+        return _activation_memory(self.tuned_peak, self.baseline_tuned_peak_bytes, self.saved_bytes)
 
     @property
-    def act_cache(self) -> float | None:
-        """Probe: largest page-cache growth over forward, in bytes (the machine's)."""
-        if not self.act_cache_bytes:
-            return None
-        return float(max(self.act_cache_bytes))
+    def tuned_act_cut(self) -> float | None:
+        """``act_cut`` under the tuned allocator."""
+        return _cut(self.tuned_act_mem, self.saved_bytes)
 
     @property
-    def rss_default(self) -> float | None:
-        """Default-allocator RSS added by forward (median of the memory rounds), in bytes."""
-        if not self.rss_default_bytes:
-            return None
-        return float(statistics.median(self.rss_default_bytes))
+    def heap(self) -> float | None:
+        """Malloc bytes in use at the end of the last forward above those before training."""
+        return _median(self.heap_bytes)
 
     @property
-    def rss_default_cut(self) -> float | None:
-        """Like ``act_cut`` for the default-allocator number (glibc free lists included)."""
-        return _cut(self.rss_default, self.baseline_rss_default_bytes)
+    def cache(self) -> float | None:
+        """Page cache a step added (median over probes; the machine's, not the process's)."""
+        return _median(self.cache_bytes)
 
     @property
     def offloaded_per_step(self) -> float | None:
@@ -649,6 +680,29 @@ class StepResult:
         if self.bytes_offloaded is None or not self.steps:
             return None
         return self.bytes_offloaded / self.steps
+
+    @property
+    def demoted_per_step(self) -> float | None:
+        """Bytes handed to the disk tier per timed step (``bytes_demoted_to_disk``)."""
+        if self.bytes_demoted_to_disk is None or not self.steps:
+            return None
+        return self.bytes_demoted_to_disk / self.steps
+
+    @property
+    def move_target(self) -> float | None:
+        """The bytes a step should move: saved bytes minus the device budget."""
+        if self.device_budget is None or self.saved_bytes is None:
+            return None
+        return float(max(self.saved_bytes - self.device_budget, 0))
+
+    @property
+    def moved_ratio(self) -> float | None:
+        """Bytes written per step over ``move_target`` (1.0: exactly what the budget
+        leaves over)."""
+        moved, target = self.offloaded_per_step, self.move_target
+        if moved is None or not target:
+            return None
+        return moved / target
 
     @property
     def hit_rate(self) -> float | None:
@@ -682,27 +736,28 @@ class StepResult:
     def to_json(self) -> dict[str, Any]:
         """Raw fields plus the computed properties, JSON-ready."""
         out = asdict(self)
-        for name in (
-            "step_seconds",
-            "act_mem_bytes",
-            "act_heap_bytes",
-            "act_cache_bytes",
-            "rss_default_bytes",
-            "steal_seconds",
-        ):
-            out[name] = list(getattr(self, name))
+        for name, value in out.items():
+            if isinstance(value, tuple):
+                out[name] = list(value)
         for name in (
             "steps",
             "median_step_s",
             "min_step_s",
             "ratio",
+            "peak",
+            "forward_peak",
+            "backward_peak",
+            "tuned_peak",
             "act_mem",
             "act_cut",
-            "act_heap",
-            "act_cache",
-            "rss_default",
-            "rss_default_cut",
+            "tuned_act_mem",
+            "tuned_act_cut",
+            "heap",
+            "cache",
             "offloaded_per_step",
+            "demoted_per_step",
+            "move_target",
+            "moved_ratio",
             "hit_rate",
             "stall_per_step",
             "steal_per_step",
@@ -710,6 +765,18 @@ class StepResult:
         ):
             out[name] = getattr(self, name)
         return out
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return float(statistics.median(values)) if values else None
+
+
+def _activation_memory(
+    peak: float | None, baseline_peak: float | None, saved: int | None
+) -> float | None:
+    if peak is None or baseline_peak is None or saved is None:
+        return None
+    return peak - (baseline_peak - saved)
 
 
 def _cut(value: float | None, baseline: float | None) -> float | None:

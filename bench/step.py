@@ -12,54 +12,64 @@ but with one training thread for every mode. (Until session 3 each mode ran on
 a thread of its own. Each such thread gets its own OpenMP team, whose workers
 spin while another mode's step runs: the same computation measured up to 10%
 apart between ``none`` and ``save_on_cpu``, which on the CPU are one thing.)
+``--warmup`` rounds come first (not counted), then ``--steps`` timed rounds
+(step times and engine counters). Sharing one process has one cost: heap memory
+that a mode gives back to the kernel (an engine that trims glibc's heap) is
+faulted in again by whichever mode allocates it next, so such a mode's page
+faults spread over every mode's step time; compare trimming against not
+trimming in separate processes.
 
-Rounds come in three phases: ``--warmup`` rounds (not counted), ``--steps``
-timed rounds (step times and engine counters), then ``--mem-rounds``
-default-allocator memory rounds (below). Timed rounds never touch the allocator.
+``budget`` is ``disk`` with ``device_budget`` set to ``--budget-fraction``
+(default 0.5) of the step's saved activation bytes, measured before the run:
+the newest saved tensors up to the budget stay in memory, the rest go to disk.
+Its bytes moved per step are reported against ``saved - budget``.
 
-Activation memory (``act MiB``, ``act cut``, ``heap MiB``) is measured in a separate
-phase: one fresh process per mode (this script with the hidden ``--memory-probe
-MODE`` flag) builds the same model and batches, runs 1 warmup step and 2 measured
-steps, and reports the largest rise of RSS during forward over RSS at forward
-start (what the model, optimizer and inputs hold is already in that baseline).
-The peak is the kernel's own high-water mark (``VmHWM``, reset through
-``/proc/self/clear_refs`` as forward starts), so no peak is too short to catch;
-a 2 ms RSS sampler runs beside it, and is the measure where the reset is not
-allowed (its numbers are in the JSON as ``act_mem_sampled_bytes``). Sizes are
-MiB (2^20 bytes) throughout. The probe runs with ``MALLOC_MMAP_THRESHOLD_=65536``:
-glibc then serves every allocation of 64 KiB or more with its own ``mmap`` and
-``munmap``s it on free, so a tensor the engine has written to disk and released
-leaves RSS at once, and RSS tracks the memory actually held. That is what the
-product target ("activation memory held during forward cut by >= 80% against no
-offload") is judged on.
+Memory is measured in separate processes, one per mode (this script with the
+hidden ``--memory-probe MODE`` flag), where nothing else shares the heap. A
+probe builds the same model and batches, sets up the mode, reads its RSS, and
+runs ``PROBE_STEPS`` whole training steps (forward, backward, optimizer step)
+from there; no warm-up comes first, because memory that the allocator keeps
+after a first step is memory the user's process holds. ``peak MiB`` is the
+largest RSS over those steps minus the RSS before the first one: what training
+added to the process at its worst moment. The peak is the kernel's own
+high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs`` before the
+first step and at each phase boundary, all against the same starting RSS), so
+no peak is too short to catch; a 1 ms RSS sampler runs beside it (the measure
+where the reset is not allowed) and its samples over the last step are kept in
+the JSON (``timelines``) for a plot of memory over a step. ``fwd``/``bwd`` split
+the peak into forward and backward (with the optimizer step).
 
-Why not the plain RSS of this process: with glibc's default allocator (dynamic
-mmap threshold, up to 32 MiB on 64-bit, raised every time a mapped block is
-freed) freed tensors go back to malloc's free lists and stay resident; they are
-reused only when a later allocation happens to fit, so during forward RSS only
-grows. The ``rss(default) MiB`` column keeps that number for comparison: in each
-memory round this process calls ``malloc_trim(0)`` before forward and measures
-the RSS that forward adds. Memory that offload released mid-forward still counts
-there while it sits in glibc's free lists, so the column mostly measures those
-lists, not what is held (at the default shape: ~175 MiB for disk against ~15-40 MiB
-held). ``heap MiB`` (from
-the probe) is malloc's bytes in use at the end of forward minus at its start:
-the activations still referenced when forward returns, with no transient peak.
-``cache MiB`` (same probe) is the growth of the machine's page cache over
-forward: the seed's ``torch.save`` files are buffered writes, so its RSS cut does
-not mean the bytes left RAM (they sit in the page cache until written back and
-dropped); the engine's O_DIRECT writes add none.
+The primary probes run with glibc's default allocator, which is what users run:
+freed tensors go back to malloc's free lists and stay resident until reused or
+trimmed, so the peak counts memory that glibc keeps as well as memory that is
+live. A second set of probes runs with ``MALLOC_MMAP_THRESHOLD_=65536`` (every
+allocation of 64 KiB or more gets its own mapping and leaves RSS when freed:
+RSS then tracks live memory); its columns are labelled ``tuned``, and stand
+beside the default figures, never instead of them.
+
+Activation memory (``act MiB``) is a mode's peak minus what ``none`` holds
+beside its activations (``none``'s peak minus the saved bytes), and ``act cut``
+is the share of the saved bytes that a mode took out of the peak. The targets
+are judged on these, default allocator: ``disk`` (``device_budget=0``) must cut
+at least 80%; ``budget`` must peak at most at its budget plus what ``none``
+holds beside its activations plus 10% of the saved bytes, and write within 10%
+of ``saved - budget`` per step. ``heap MiB`` (default-allocator probe) is
+malloc's bytes in use at the end of forward over those before the first step:
+what is live, without what glibc keeps. ``cache MiB`` is the growth of the
+machine's page cache over a step: the seed's ``torch.save`` files are buffered
+writes, so its RSS cut does not mean the bytes left RAM; the engine's O_DIRECT
+writes add none. Sizes are MiB (2^20 bytes) throughout.
 
 After the run the final parameters of every mode must be bit-identical to those
 of ``none``; if they are not, the script says which and exits with status 1.
 
-``--pending-sweep`` probes the ``disk`` mode's activation memory at other values
-of ``max_pending_write_bytes`` (the engine's cap on bytes queued for writing,
+``--pending-sweep`` probes the ``disk`` mode's memory at other values of
+``max_pending_write_bytes`` (the engine's cap on bytes queued for writing,
 which trades memory for speed: pack waits at the cap). ``bench/sweep.py``
 measures the speed side.
 
 Example:
-    .venv/bin/python bench/step.py --modes none,disk --json bench/results/step.json
+    .venv/bin/python bench/step.py --modes none,disk,budget --json bench/results/step.json
 """
 
 from __future__ import annotations
@@ -99,7 +109,6 @@ from _common import (
     StepResult,
     filesystem_type,
     heap_in_use_bytes,
-    malloc_trim,
     page_cache_bytes,
     peak_rss_bytes,
     read_rss_bytes,
@@ -120,6 +129,7 @@ __all__ = [
     "Shape",
     "StepOut",
     "add_shape_args",
+    "budget_knobs",
     "build",
     "compare_params",
     "counter_delta",
@@ -136,10 +146,19 @@ __all__ = [
     "timed_delta",
 ]
 
-MODES: tuple[str, ...] = ("none", "disk", "ioreplay", "iospread", "seed", "save_on_cpu")
+MODES: tuple[str, ...] = (
+    "none",
+    "disk",
+    "budget",
+    "ioreplay",
+    "iospread",
+    "seed",
+    "save_on_cpu",
+)
 LABELS: dict[str, str] = {
     "none": "no offload",
     "disk": "prefetch_offload, disk",
+    "budget": "disk, device_budget a share of saved",
     "ioreplay": "no hooks; disk's bytes by a bare thread",
     "iospread": "ioreplay, paced over forward and backward",
     "seed": "seed: torch.save per tensor",
@@ -147,13 +166,20 @@ LABELS: dict[str, str] = {
 }
 # Modes that train as none does while a side thread moves disk's bytes (IOReplay).
 REPLAY_MODES = frozenset({"ioreplay", "iospread"})
+# Modes that run the engine (target disk); "budget" with device_budget > 0.
+ENGINE_MODES = frozenset({"disk", "budget"})
 TORCH_THREADS = 2
 LEARNING_RATE = 1e-3
-SAMPLE_INTERVAL_S = 0.002
-# The memory probe's allocator setting: every malloc of >= 64 KiB gets its own mapping.
+# The memory probe's RSS sampler: its samples over one step are the JSON's timeline.
+SAMPLE_INTERVAL_S = 0.001
+# The tuned allocator's setting: every malloc of >= 64 KiB gets its own mapping.
 MMAP_THRESHOLD = 65536
-PROBE_WARMUP_STEPS = 1
-PROBE_STEPS = 2
+# Probe allocators: glibc's defaults (the primary figure) and the tuned one.
+ALLOCATORS: tuple[str, ...] = ("default", "tuned")
+# Whole training steps per memory probe, all measured (RSS before the first is the base).
+PROBE_STEPS = 3
+# The budget mode's device_budget as a share of the saved bytes, by default.
+BUDGET_FRACTION = 0.5
 STEP_SCRIPT = os.path.abspath(__file__)
 # Engine counters that are levels, not running totals: reported as-is, not as deltas.
 _GAUGES = frozenset(
@@ -205,6 +231,9 @@ class Knobs:
     max_pending_write_bytes: int = _CONFIG_DEFAULTS["max_pending_write_bytes"]
     min_offload_bytes: int = _CONFIG_DEFAULTS["min_offload_bytes"]
     chunk_bytes: int = _CONFIG_DEFAULTS["chunk_bytes"]
+    # Bytes of saved activations that may stay in memory (engine modes; "budget" mode
+    # sets its own from --budget-fraction).
+    device_budget: int = _CONFIG_DEFAULTS["device_budget"]
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Knobs:
@@ -277,8 +306,10 @@ def _engine_run(config: OffloadConfig) -> Iterator[OffloadEngine]:
 
 
 def make_mode(mode: str, save_dir: Path, knobs: Knobs, *, replay_bytes: int = 0) -> ModeSetup:
-    """What turns ``mode`` on; ``disk``, ``ioreplay`` and ``seed`` write under ``save_dir``.
-    ``replay_bytes``: what ``ioreplay`` writes and reads per step."""
+    """What turns ``mode`` on; ``disk``, ``budget``, ``ioreplay`` and ``seed`` write under
+    ``save_dir``. ``replay_bytes``: what ``ioreplay`` writes and reads per step. The
+    engine modes take ``knobs.device_budget`` as it is (``budget``'s is set by the
+    caller: see :func:`budget_knobs`)."""
     if mode == "none":
         return ModeSetup(contextlib.nullcontext())
     if mode in REPLAY_MODES:
@@ -286,15 +317,16 @@ def make_mode(mode: str, save_dir: Path, knobs: Knobs, *, replay_bytes: int = 0)
             str(save_dir / mode), replay_bytes, chunk=knobs.chunk_bytes, spread=mode == "iospread"
         )
         return ModeSetup(replay)
-    if mode == "disk":
+    if mode in ENGINE_MODES:
         config = OffloadConfig(
             target="disk",
-            save_dir=str(save_dir / "disk"),
+            save_dir=str(save_dir / mode),
             prefetch_depth=knobs.prefetch_depth,
             io_workers=knobs.io_workers,
             min_offload_bytes=knobs.min_offload_bytes,
             max_pending_write_bytes=knobs.max_pending_write_bytes,
             chunk_bytes=knobs.chunk_bytes,
+            device_budget=knobs.device_budget,
         )
         return ModeSetup(_engine_run(config), _engine_hooks)
     if mode == "seed":
@@ -303,6 +335,11 @@ def make_mode(mode: str, save_dir: Path, knobs: Knobs, *, replay_bytes: int = 0)
     if mode == "save_on_cpu":
         return ModeSetup(contextlib.nullcontext(), _save_on_cpu)
     raise ValueError(mode)
+
+
+def budget_knobs(knobs: Knobs, saved_bytes: int, fraction: float) -> Knobs:
+    """``knobs`` for the ``budget`` mode: device_budget = ``fraction`` of ``saved_bytes``."""
+    return dataclasses.replace(knobs, device_budget=round(saved_bytes * fraction))
 
 
 # -- arguments ---------------------------------------------------------------------------
@@ -357,17 +394,28 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed rounds (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="uncounted rounds first (default 2)")
     p.add_argument(
-        "--mem-rounds",
-        type=int,
-        default=2,
-        help="rounds after the timed ones that measure the default-allocator RSS column "
-        "(default 2; 0: skip)",
+        "--budget-fraction",
+        type=_fraction,
+        default=BUDGET_FRACTION,
+        metavar="F",
+        help="the budget mode's device_budget as a share of the step's saved activation "
+        f"bytes (default {BUDGET_FRACTION})",
     )
+    # Removed: the probe measures whole steps with the default allocator now. Accepted so
+    # that older command lines still run.
+    p.add_argument("--mem-rounds", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument(
         "--no-mem-probe",
         dest="mem_probe",
         action="store_false",
-        help="skip the per-mode memory probe processes (act MiB, act cut, heap MiB)",
+        help="skip the per-mode memory probe processes (peak, act MiB, act cut, ...)",
+    )
+    p.add_argument(
+        "--probe-repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="memory probes per mode and allocator; tables show the median (default 1)",
     )
     p.add_argument(
         "--pending-sweep",
@@ -411,17 +459,37 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=_CONFIG_DEFAULTS["chunk_bytes"],
         help="write batch and read request size",
     )
+    p.add_argument(
+        "--device-budget",
+        type=int,
+        default=_CONFIG_DEFAULTS["device_budget"],
+        help="disk mode's device_budget in bytes (default 0: offload everything)",
+    )
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write JSON here")
     # Internal: run one mode's memory probe in this process and print its JSON.
     p.add_argument("--memory-probe", choices=MODES, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
-    if args.warmup < 0 or args.mem_rounds < 0:
-        p.error("--warmup and --mem-rounds must be >= 0")
-    if args.probe_jobs < 1:
-        p.error("--probe-jobs must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    if args.probe_jobs < 1 or args.probe_repeats < 1:
+        p.error("--probe-jobs and --probe-repeats must be >= 1")
+    if args.device_budget < 0:
+        p.error("--device-budget must be >= 0")
+    if args.mem_rounds:
+        _log("note: --mem-rounds is ignored; the memory probes measure whole steps")
     return args
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"the budget fraction must be > 0, got {text!r}")
+    return value
 
 
 # -- one mode's thread -------------------------------------------------------------------
@@ -432,8 +500,6 @@ class StepOut(NamedTuple):
 
     seconds: float
     loss: float
-    # RSS added by forward in a "memory" phase step (default allocator), else None.
-    rss_default: int | None
     # Hypervisor steal during the step, all CPUs (None where /proc/stat lacks it).
     steal: float | None = None
 
@@ -445,8 +511,7 @@ class ModeWorker:
     the calling thread inside the mode's step hooks, ``finish`` leaves the run
     context (re-raising an error from it). Counters (engine stats, seed file
     counts) are snapshotted at the first step of each phase and after the run
-    context exits. A step in phase ``"memory"`` trims the heap first and measures
-    the RSS that forward adds; other phases only time the step.
+    context exits. Steps are timed; memory is the probes' (:func:`probe_memory`).
     """
 
     def __init__(
@@ -505,24 +570,13 @@ class ModeWorker:
             self._phase = phase
         tokens, targets = self.batches[round_index]
         gc.collect()
-        rss_default: int | None = None
-        # ioreplay moves its bytes in timed steps only (memory rounds measure none's RSS).
-        io = self.handle if isinstance(self.handle, IOReplay) and phase != "memory" else None
+        io = self.handle if isinstance(self.handle, IOReplay) else None
         steal0 = steal_seconds()
         with self.setup.step_hooks(self.handle):
-            if phase == "memory":
-                malloc_trim()
-                t0 = time.perf_counter()
-                with RssSampler(SAMPLE_INTERVAL_S) as sampler:
-                    rss_start = read_rss_bytes()
-                    loss = self.model(tokens, targets)
-                    rss_end = read_rss_bytes()
-                rss_default = max(rss_end, sampler.peak_bytes) - rss_start
-            else:
-                t0 = time.perf_counter()
-                if io is not None:
-                    io.forward_started()
-                loss = self.model(tokens, targets)
+            t0 = time.perf_counter()
+            if io is not None:
+                io.forward_started()
+            loss = self.model(tokens, targets)
             if io is not None:
                 io.backward_started()
             loss.backward()
@@ -533,7 +587,7 @@ class ModeWorker:
         seconds = time.perf_counter() - t0
         steal1 = steal_seconds()
         steal = None if steal0 is None or steal1 is None else steal1 - steal0
-        return StepOut(seconds=seconds, loss=loss.item(), rss_default=rss_default, steal=steal)
+        return StepOut(seconds=seconds, loss=loss.item(), steal=steal)
 
 
 def _counters(handle: Any) -> dict[str, float]:
@@ -560,7 +614,6 @@ class RoundLog:
 
     times: dict[str, list[float]]  # timed rounds only
     steal: dict[str, list[float]]  # timed rounds only, where the kernel reports steal
-    rss_default: dict[str, list[int]]  # memory rounds only
     losses: dict[str, list[float]]  # every round
 
 
@@ -579,7 +632,6 @@ def run_rounds(
     out = RoundLog(
         times={m: [] for m in modes},
         steal={m: [] for m in modes},
-        rss_default={m: [] for m in modes},
         losses={m: [] for m in modes},
     )
     where = "starting a mode"
@@ -597,8 +649,6 @@ def run_rounds(
                     out.times[mode].append(step.seconds)
                     if step.steal is not None:
                         out.steal[mode].append(step.steal)
-                if step.rss_default is not None:
-                    out.rss_default[mode].append(step.rss_default)
             if log is not None:
                 done = "  ".join(f"{m} {out.times[m][-1]:.3f}s" for m in order if phase == "timed")
                 log(f"round {r + 1}/{len(phases)} ({phase}) {done}".rstrip())
@@ -628,8 +678,7 @@ def counter_delta(start: dict[str, float], end: dict[str, float]) -> dict[str, f
 def timed_delta(worker: ModeWorker) -> dict[str, float]:
     """Counter changes over the timed phase (gauges: their level at its end)."""
     start = worker.snapshots.get("timed", {})
-    end = worker.snapshots.get("memory") or worker.snapshots.get("end", {})
-    return counter_delta(start, end)
+    return counter_delta(start, worker.snapshots.get("end", {}))
 
 
 def compare_params(
@@ -660,14 +709,25 @@ class ProbeError(RuntimeError):
 
 
 def probe_memory(
-    mode: str, shape: Shape, knobs: Knobs, save_dir: Path, *, timeout_s: float = 900.0
+    mode: str,
+    shape: Shape,
+    knobs: Knobs,
+    save_dir: Path,
+    *,
+    timeout_s: float = 900.0,
+    allocator: str = "tuned",
 ) -> dict[str, Any]:
-    """Run ``mode``'s memory probe in a fresh process (mmap-threshold allocator); its JSON.
+    """Run ``mode``'s memory probe in a fresh process; its JSON.
 
-    The environment variable must be set before the process starts (glibc reads
-    it at startup), hence the subprocess. ``save_dir`` must exist; the probe
-    makes and removes its own folder in it.
+    ``allocator`` is ``"default"`` (glibc's defaults: ``MALLOC_MMAP_THRESHOLD_`` is
+    removed from the probe's environment; the figure this script reports first) or
+    ``"tuned"`` (``MALLOC_MMAP_THRESHOLD_=65536``; the default of this function, as
+    it was before the default-allocator probe existed, for bench/sweep.py). glibc
+    reads the variable at startup, hence the subprocess. ``save_dir`` must exist;
+    the probe makes and removes its own folder in it.
     """
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator!r}")
     cmd = [
         sys.executable,
         STEP_SCRIPT,
@@ -678,17 +738,21 @@ def probe_memory(
         "--save-dir",
         str(save_dir),
     ]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
+    env = dict(os.environ)
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if allocator == "tuned":
+        env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
     proc = subprocess.run(
         cmd, capture_output=True, text=True, env=env, timeout=timeout_s, check=False
     )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         raise ProbeError(
-            f"memory probe for mode {mode!r} exited with status {proc.returncode}:\n"
-            f"$ {' '.join(cmd)}\n{proc.stderr.strip()[-8000:]}"
+            f"memory probe for mode {mode!r} ({allocator} allocator) exited with status "
+            f"{proc.returncode}:\n$ {' '.join(cmd)}\n{proc.stderr.strip()[-8000:]}"
         )
     result: dict[str, Any] = json.loads(lines[-1])
+    result["allocator"] = allocator
     return result
 
 
@@ -706,7 +770,12 @@ def _sgd_step(params: Sequence[torch.nn.Parameter]) -> None:
 
 
 def probe_many(
-    requests: Sequence[tuple[str, Knobs]], shape: Shape, save_dir: Path, *, jobs: int = 1
+    requests: Sequence[tuple[str, Knobs]],
+    shape: Shape,
+    save_dir: Path,
+    *,
+    jobs: int = 1,
+    allocator: str = "tuned",
 ) -> list[dict[str, Any]]:
     """:func:`probe_memory` for each ``(mode, knobs)``, ``jobs`` processes at a time.
 
@@ -717,9 +786,12 @@ def probe_many(
 
     def one(request: tuple[str, Knobs]) -> dict[str, Any]:
         mode, knobs = request
-        cap = f", max_pending_write_bytes {knobs.max_pending_write_bytes}"
-        _log(f"memory probe: {mode}" + (cap if mode == "disk" else ""))
-        return probe_memory(mode, shape, knobs, save_dir)
+        extra = ""
+        if mode in ENGINE_MODES:
+            extra = f", max_pending_write_bytes {knobs.max_pending_write_bytes}"
+            extra += f", device_budget {knobs.device_budget}"
+        _log(f"memory probe ({allocator} allocator): {mode}{extra}")
+        return probe_memory(mode, shape, knobs, save_dir, allocator=allocator)
 
     if jobs <= 1:
         return [one(r) for r in requests]
@@ -727,71 +799,109 @@ def probe_many(
         return list(pool.map(one, requests))
 
 
+class _Peaks:
+    """The probe's peak RSS per phase, all above one base: the RSS before the first step.
+
+    :meth:`phase` resets the kernel's high-water mark (where allowed) and, at the
+    phase's end, returns the larger of it and the sampler's peak in the phase.
+    """
+
+    def __init__(self, sampler: RssSampler, base: int) -> None:
+        self.sampler = sampler
+        self.base = base
+        self.exact = reset_peak_rss()
+
+    def reset(self) -> float:
+        self.exact = reset_peak_rss() and self.exact
+        return time.perf_counter()
+
+    def since(self, start: float) -> tuple[int, int]:
+        """(peak, sampled peak) since ``start`` (a :meth:`reset`), above the base."""
+        now = read_rss_bytes()
+        sampled = max(self.sampler.peak_between(start, time.perf_counter()) or 0, now)
+        hwm = peak_rss_bytes() if self.exact else None
+        return max(sampled, hwm or 0) - self.base, sampled - self.base
+
+
 def _memory_probe(args: argparse.Namespace) -> int:
-    """The probe process: print one JSON line with the activation memory of one mode."""
+    """The probe process: print one JSON line with the memory of one mode's whole steps."""
     mode: str = args.memory_probe
     torch.set_num_threads(TORCH_THREADS)
-    base = Path(args.save_dir) if args.save_dir is not None else Path.cwd() / ".scratch"
-    base.mkdir(parents=True, exist_ok=True)
-    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-probe-{mode}-", dir=base))
+    base_dir = Path(args.save_dir) if args.save_dir is not None else Path.cwd() / ".scratch"
+    base_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-probe-{mode}-", dir=base_dir))
+    fwd: list[int] = []
+    bwd: list[int] = []
+    sampled: list[int] = []
+    heap: list[int] = []
+    cache: list[int] = []
+    marks: list[tuple[float, float, float]] = []
     try:
-        model, batches = build(Shape.from_args(args), PROBE_WARMUP_STEPS + PROBE_STEPS)
+        model, batches = build(Shape.from_args(args), PROBE_STEPS)
         params = list(model.parameters())
-        mem: list[int] = []
-        sampled: list[int] = []
-        heap: list[int] = []
-        cache: list[int] = []
-        rss_start: list[int] = []
-        samples: list[int] = []
-        exact = False
-        warm: dict[str, float] = {}
         setup = make_mode(mode, run_dir, Knobs.from_args(args))
         with setup.run as handle:
-            for i, (tokens, targets) in enumerate(batches):
-                gc.collect()
-                with setup.step_hooks(handle):
-                    with RssSampler(SAMPLE_INTERVAL_S) as sampler:
-                        exact = reset_peak_rss()  # the kernel's high-water mark from here
-                        r0, h0 = read_rss_bytes(), heap_in_use_bytes()
-                        c0 = page_cache_bytes()
+            start_counters = _counters(handle)
+            gc.collect()
+            with RssSampler(SAMPLE_INTERVAL_S, record=True) as sampler:
+                base, heap0 = read_rss_bytes(), heap_in_use_bytes()
+                peaks = _Peaks(sampler, base)
+                for tokens, targets in batches:
+                    gc.collect()
+                    c0 = page_cache_bytes()
+                    t0 = peaks.reset()
+                    with setup.step_hooks(handle):
                         loss = model(tokens, targets)
-                        r1, h1 = read_rss_bytes(), heap_in_use_bytes()
-                        c1 = page_cache_bytes()
-                        hwm = peak_rss_bytes() if exact else None
-                    loss.backward()
-                _sgd_step(params)
-                del loss
-                if i < PROBE_WARMUP_STEPS:
-                    warm = _counters(handle)  # counters are reported for the probed steps only
-                    continue
-                peak = max(r1, sampler.peak_bytes, hwm or 0)
-                mem.append(peak - r0)
-                sampled.append(max(r1, sampler.peak_bytes) - r0)
-                rss_start.append(r0)
-                samples.append(sampler.samples)
-                if h0 is not None and h1 is not None:
-                    heap.append(h1 - h0)
-                if c0 is not None and c1 is not None:
-                    cache.append(c1 - c0)
-        stats = counter_delta(warm, _counters(handle))
+                        heap1 = heap_in_use_bytes()
+                        f_peak, f_sampled = peaks.since(t0)
+                        tb = peaks.reset()
+                        loss.backward()
+                    _sgd_step(params)
+                    del loss
+                    b_peak, b_sampled = peaks.since(tb)
+                    t1 = time.perf_counter()
+                    c1 = page_cache_bytes()
+                    fwd.append(f_peak)
+                    bwd.append(b_peak)
+                    sampled.append(max(f_sampled, b_sampled))
+                    marks.append((t0, tb, t1))
+                    if heap0 is not None and heap1 is not None:
+                        heap.append(heap1 - heap0)
+                    if c0 is not None and c1 is not None:
+                        cache.append(c1 - c0)
+            stats = counter_delta(start_counters, _counters(handle))
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+    t0, tb, t1 = marks[-1]
+    trace = [(t - t0, rss - base) for t, rss in sampler.trace if t0 <= t <= t1]
+    peak = [max(f, b) for f, b in zip(fwd, bwd, strict=True)]
     doc = {
         "mode": mode,
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "shape": dataclasses.asdict(Shape.from_args(args)),
         "knobs": dataclasses.asdict(Knobs.from_args(args)),
-        "warmup_steps": PROBE_WARMUP_STEPS,
-        # Peak RSS that forward added: the kernel's VmHWM where clear_refs resets it
-        # ("peak_exact"), else the 2 ms sampler's; the sampler's alone is kept beside it.
-        "act_mem_bytes": mem,
-        "act_mem_sampled_bytes": sampled,
-        "peak_exact": exact,
         "probed_steps": PROBE_STEPS,
-        "act_heap_bytes": heap,
-        "act_cache_bytes": cache,
-        "rss_start_bytes": rss_start,
-        "rss_samples": samples,
+        "rss_base_bytes": base,
+        # Per step, above rss_base_bytes: peak RSS over the whole step (the kernel's
+        # VmHWM where clear_refs resets it: "peak_exact"), its forward and backward parts,
+        # and the 1 ms sampler's peak alone.
+        "step_peak_bytes": peak,
+        "forward_peak_bytes": fwd,
+        "backward_peak_bytes": bwd,
+        "sampled_peak_bytes": sampled,
+        "peak_exact": peaks.exact,
+        # The step peaks again, under the name bench/sweep.py reads.
+        "act_mem_bytes": peak,
+        "heap_bytes": heap,
+        "cache_bytes": cache,
+        # RSS over the last step: seconds from its start, bytes above rss_base_bytes.
+        "timeline": {
+            "t_s": [round(t, 6) for t, _ in trace],
+            "rss_bytes": [rss for _, rss in trace],
+            "backward_s": tb - t0,
+            "end_s": t1 - t0,
+            "interval_s": SAMPLE_INTERVAL_S,
+        },
         "counters": stats,
     }
     print(json.dumps(doc), flush=True)
@@ -819,7 +929,7 @@ def _saved_activation_bytes(model: torch.nn.Module, batch: tuple[torch.Tensor, .
 
 
 def _phases(args: argparse.Namespace) -> list[str]:
-    return ["warmup"] * args.warmup + ["timed"] * args.steps + ["memory"] * args.mem_rounds
+    return ["warmup"] * args.warmup + ["timed"] * args.steps
 
 
 def _first_loss_divergence(ref: list[float], other: list[float]) -> int | None:
@@ -856,18 +966,14 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int
 
 
 def _table(rows: Sequence[StepResult]) -> str:
-    """The results as aligned text columns."""
+    """Timing and bytes moved, one line per mode."""
     header = (
         "mode",
         "what",
         "step s",
         "vs none",
-        "act MiB",
-        "act cut",
-        "heap MiB",
-        "cache MiB",
-        "rss(default) MiB",
         "offl MiB/step",
+        "vs saved-budget",
         "hit rate",
         "stall s/step",
         "steal s/step",
@@ -878,12 +984,8 @@ def _table(rows: Sequence[StepResult]) -> str:
             r.label,
             fmt(r.median_step_s, ".3f"),
             fmt(r.ratio, ".2f", suffix="x"),
-            fmt(r.act_mem, ".1f", 1 / MB),
-            fmt(r.act_cut, ".0f", 100, "%"),
-            fmt(r.act_heap, ".1f", 1 / MB),
-            fmt(r.act_cache, ".1f", 1 / MB),
-            fmt(r.rss_default, ".1f", 1 / MB),
             fmt(r.offloaded_per_step, ".1f", 1 / MB),
+            fmt(r.moved_ratio, ".2f", suffix="x"),
             fmt(r.hit_rate, ".1f", 100, "%"),
             fmt(r.stall_per_step, ".4f"),
             fmt(r.steal_per_step, ".3f"),
@@ -891,6 +993,43 @@ def _table(rows: Sequence[StepResult]) -> str:
         for r in rows
     ]
     return format_table(header, body, left=2)
+
+
+def _memory_table(rows: Sequence[StepResult]) -> str:
+    """Memory over whole steps, one line per probed mode: default allocator, then tuned."""
+    header = (
+        "mode",
+        "budget MiB",
+        "peak MiB",
+        "fwd MiB",
+        "bwd MiB",
+        "act MiB",
+        "act cut",
+        "heap MiB",
+        "cache MiB",
+        "tuned peak",
+        "tuned act",
+        "tuned cut",
+    )
+    body = [
+        (
+            r.mode,
+            fmt(r.device_budget, ".1f", 1 / MB),
+            fmt(r.peak, ".1f", 1 / MB),
+            fmt(r.forward_peak, ".1f", 1 / MB),
+            fmt(r.backward_peak, ".1f", 1 / MB),
+            fmt(r.act_mem, ".1f", 1 / MB),
+            fmt(r.act_cut, ".0f", 100, "%"),
+            fmt(r.heap, ".1f", 1 / MB),
+            fmt(r.cache, ".1f", 1 / MB),
+            fmt(r.tuned_peak, ".1f", 1 / MB),
+            fmt(r.tuned_act_mem, ".1f", 1 / MB),
+            fmt(r.tuned_act_cut, ".0f", 100, "%"),
+        )
+        for r in rows
+        if r.peak_bytes or r.tuned_peak_bytes
+    ]
+    return format_table(header, body, left=1)
 
 
 def machine_info() -> dict[str, Any]:
@@ -951,12 +1090,16 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
     phases = _phases(args)
     model, batches = build(shape, len(phases))
     saved_bytes = _saved_activation_bytes(model, batches[0])
+    mode_knobs = {
+        m: budget_knobs(knobs, saved_bytes, args.budget_fraction) if m == "budget" else knobs
+        for m in modes
+    }
     workers = {
         m: ModeWorker(
             m,
             copy.deepcopy(model),
             batches,
-            make_mode(m, run_dir, knobs, replay_bytes=saved_bytes),
+            make_mode(m, run_dir, mode_knobs[m], replay_bytes=saved_bytes),
         )
         for m in modes
     }
@@ -968,37 +1111,19 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
         traceback.print_exception(exc.__cause__ or exc)
         return 2
 
-    probes: dict[str, dict[str, Any]] = {}
+    probes: dict[str, dict[str, list[dict[str, Any]]]] = {}
     pending: list[dict[str, Any]] = []
     if args.mem_probe:
-        # ioreplay and iospread run none's training: their memory is none's.
-        probed = [mode for mode in modes if mode not in REPLAY_MODES]
-        requests = [(mode, knobs) for mode in probed]
-        if "disk" in modes:
-            requests += [
-                ("disk", dataclasses.replace(knobs, max_pending_write_bytes=value))
-                for value in dict.fromkeys(args.pending_sweep)
-                if value != knobs.max_pending_write_bytes
-            ]
         try:
-            results = probe_many(requests, shape, run_dir, jobs=args.probe_jobs)
+            probes = _probe_modes(modes, mode_knobs, shape, run_dir, args)
+            if "disk" in modes:
+                pending = _pending_probes(knobs, shape, run_dir, args, probes["default"]["disk"])
         except (ProbeError, subprocess.TimeoutExpired) as exc:
             _log(f"error: {exc}")
             return 2
-        probes = {mode: results[i] for i, mode in enumerate(probed)}
-        by_cap = {
-            k.max_pending_write_bytes: r
-            for (m, k), r in zip(requests, results, strict=True)
-            if m == "disk"
-        }
-        if "disk" in modes:
-            pending = [
-                {"max_pending_write_bytes": value, "probe": by_cap[value]}
-                for value in args.pending_sweep
-            ]
 
-    rows = _results(modes, workers, log, probes)
-    disk_handle = workers["disk"].handle if "disk" in workers else None
+    rows = _results(modes, workers, log, probes, saved_bytes, mode_knobs)
+    disk_handle = next((workers[m].handle for m in modes if m in ENGINE_MODES), None)
     io_method = getattr(disk_handle, "io_method", None)
     machine = machine_info()
     print(machine_line("bench/step.py", machine))
@@ -1007,28 +1132,21 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
         "(distinct storages, parameters excluded)"
     )
     print(
-        f"rounds: {args.warmup} warmup, {args.steps} timed, {args.mem_rounds} default-allocator "
-        f"memory; scratch on {fstype}"
+        f"rounds: {args.warmup} warmup, {args.steps} timed; scratch on {fstype}"
         + (f", disk io_method {io_method}" if io_method else "")
         + f"; knobs: {knobs}"
     )
+    if "budget" in modes:
+        budget = mode_knobs["budget"].device_budget
+        print(
+            f"budget: disk with device_budget {budget / MB:.1f} MiB "
+            f"({args.budget_fraction:g} x saved)"
+        )
     print("step s: median of forward + backward + SGD step over the timed rounds")
-    if args.mem_probe:
-        print(
-            f"act MiB: peak RSS added by forward (the kernel's VmHWM) in a fresh process "
-            f"per mode with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}"
-        )
-        print(
-            f"  (freed blocks leave RSS: held memory; max of {PROBE_STEPS} steps after "
-            f"{PROBE_WARMUP_STEPS} warmup); act cut: vs none; the target is judged on these"
-        )
-        print("heap MiB: malloc bytes in use added by forward, at its end (same probe)")
-        print(
-            "cache MiB: page cache added by forward (same probe; the machine's): bytes that "
-            "buffered writes left in RAM, outside every RSS"
-        )
-    print("rss(default) MiB: peak RSS added by forward in this process, glibc's default")
-    print("  allocator after malloc_trim(0): also counts freed memory glibc keeps resident")
+    print(
+        "offl MiB/step: bytes the engine wrote per timed step; vs saved-budget: that over "
+        "saved bytes minus device_budget"
+    )
     print("steal s/step: CPU time the hypervisor took from this VM's CPUs per step (/proc/stat)")
     if REPLAY_MODES.intersection(modes):
         print(
@@ -1038,18 +1156,49 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
         print("  iospread: the same, paced evenly over the previous step's forward and backward")
     print()
     print(_table(rows))
+    if probes:
+        print()
+        print(
+            f"memory: a fresh process per mode runs {PROBE_STEPS} whole training steps "
+            "(forward, backward, SGD step); peak MiB: its peak RSS (VmHWM) over them minus "
+            "its RSS before the first"
+        )
+        print(
+            "  (median of "
+            f"{args.probe_repeats} probe{'s' if args.probe_repeats > 1 else ''}); fwd/bwd: "
+            "the same over forward / backward + SGD step; glibc's default allocator"
+        )
+        print(
+            "act MiB: peak minus what none holds beside its activations (none's peak minus "
+            "the saved bytes); act cut: the share of the saved bytes a mode took out"
+        )
+        print(
+            "heap MiB: malloc bytes in use at the end of the last step's forward, above those "
+            "before the first step (live memory, without what glibc keeps)"
+        )
+        print(
+            "cache MiB: page cache added over a step (the machine's): bytes that "
+            "buffered writes left in RAM, outside every RSS"
+        )
+        print(
+            f"tuned: the same peak, act MiB and cut with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} "
+            "(freed blocks of 64 KiB or more leave RSS at once)"
+        )
+        print()
+        print(_memory_table(rows))
 
-    target = _target(rows, knobs)
     if pending:
         print()
         print(
-            "disk activation memory by max_pending_write_bytes (memory probe; other knobs "
-            "as above):"
+            "disk memory by max_pending_write_bytes (default allocator, one probe each; "
+            "other knobs as above):"
         )
-        print(_pending_table(pending, probes.get("none")))
+        print(_pending_table(pending, rows, saved_bytes))
+    target = _target(rows)
     if target is not None:
         print()
-        print(target["line"])
+        for line in target["lines"]:
+            print(line)
     bound = _io_bound(rows)
     if bound is not None:
         print(bound["line"])
@@ -1064,17 +1213,24 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
         print(f"check: final parameters of every mode are bit-identical to {ref!r}")
 
     if args.json is not None:
+        default = probes.get("default", {})
         doc = {
             "machine": machine,
             "shape": dataclasses.asdict(shape),
             "knobs": dataclasses.asdict(knobs),
+            "mode_knobs": {m: dataclasses.asdict(k) for m, k in mode_knobs.items()},
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "saved_activation_bytes": saved_bytes,
             "scratch_fs": fstype,
             "disk_io_method": io_method,
             "rows": [row.to_json() for row in rows],
             "timed_counter_deltas": {m: timed_delta(workers[m]) for m in modes},
+            # allocator -> mode -> one probe document per repeat
             "memory_probes": probes,
+            # RSS over one whole step per mode (the first default-allocator probe's last
+            # step): t_s seconds from the step's start, rss_bytes above the RSS before
+            # training, backward_s and end_s the phase marks.
+            "timelines": {m: docs[0]["timeline"] for m, docs in default.items() if docs},
             "pending_sweep": pending,
             "target": target,
             "io_bound": bound,
@@ -1086,33 +1242,81 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
     return 1 if problems else 0
 
 
+def _probe_modes(
+    modes: Sequence[str],
+    mode_knobs: dict[str, Knobs],
+    shape: Shape,
+    run_dir: Path,
+    args: argparse.Namespace,
+) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Every probed mode under each allocator, ``args.probe_repeats`` times, the modes
+    in a different order each repeat. ioreplay and iospread run none's training: their
+    memory is none's, so they are not probed."""
+    probed = [m for m in modes if m not in REPLAY_MODES]
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for allocator in ALLOCATORS:
+        requests = [
+            (m, mode_knobs[m]) for r in range(args.probe_repeats) for m in round_order(probed, r)
+        ]
+        results = probe_many(requests, shape, run_dir, jobs=args.probe_jobs, allocator=allocator)
+        by_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in probed}
+        for (mode, _), result in zip(requests, results, strict=True):
+            by_mode[mode].append(result)
+        out[allocator] = by_mode
+    return out
+
+
+def _pending_probes(
+    knobs: Knobs,
+    shape: Shape,
+    run_dir: Path,
+    args: argparse.Namespace,
+    disk_probes: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Disk's default-allocator probe at each --pending-sweep cap (its own cap reused)."""
+    caps = [v for v in dict.fromkeys(args.pending_sweep) if v != knobs.max_pending_write_bytes]
+    requests = [("disk", dataclasses.replace(knobs, max_pending_write_bytes=v)) for v in caps]
+    results = probe_many(requests, shape, run_dir, jobs=args.probe_jobs, allocator="default")
+    by_cap = dict(zip(caps, results, strict=True))
+    by_cap[knobs.max_pending_write_bytes] = disk_probes[0]
+    return [
+        {"max_pending_write_bytes": value, "probe": by_cap[value]} for value in args.pending_sweep
+    ]
+
+
 def _probe_max(probe: dict[str, Any] | None, key: str) -> float | None:
     if probe is None or not probe.get(key):
         return None
     return float(max(probe[key]))
 
 
-def _pending_table(pending: Sequence[dict[str, Any]], none_probe: dict[str, Any] | None) -> str:
-    base = _probe_max(none_probe, "act_mem_bytes")
+def _pending_table(
+    pending: Sequence[dict[str, Any]], rows: Sequence[StepResult], saved_bytes: int
+) -> str:
+    none = next((r for r in rows if r.mode == "none"), None)
+    base = none.peak if none is not None else None
     body = []
     for item in pending:
         probe = item["probe"]
-        mem = _probe_max(probe, "act_mem_bytes")
-        counters = probe.get("counters", {})  # over the probed steps (warm-up excluded)
+        peak = _probe_max(probe, "step_peak_bytes")
+        act = None if peak is None or base is None else peak - (base - saved_bytes)
+        counters = probe.get("counters", {})  # over the probed steps
         steps = probe.get("probed_steps", PROBE_STEPS)
         wait = counters.get("pack_wait_seconds")
         body.append(
             (
                 fmt(item["max_pending_write_bytes"], ".0f", 1 / _MiB),
-                fmt(mem, ".1f", 1 / MB),
-                fmt(None if mem is None or not base else 1 - mem / base, ".0f", 100, "%"),
-                fmt(_probe_max(probe, "act_heap_bytes"), ".1f", 1 / MB),
+                fmt(peak, ".1f", 1 / MB),
+                fmt(act, ".1f", 1 / MB),
+                fmt(None if act is None else 1 - act / saved_bytes, ".0f", 100, "%"),
+                fmt(probe["heap_bytes"][-1] if probe.get("heap_bytes") else None, ".1f", 1 / MB),
                 fmt(counters.get("peak_pending_write_bytes"), ".1f", 1 / MB),
                 fmt(None if wait is None else wait / steps, ".4f"),
             )
         )
     header = (
         "pending MiB",
+        "peak MiB",
         "act MiB",
         "act cut",
         "heap MiB",
@@ -1122,22 +1326,93 @@ def _pending_table(pending: Sequence[dict[str, Any]], none_probe: dict[str, Any]
     return format_table(header, body, left=0)
 
 
+# Issue 13's targets, default allocator, whole steps: disk (device_budget 0) cuts the
+# activation memory by TARGET_CUT; budget peaks at most at its budget + what none holds
+# beside its activations + BUDGET_SLACK x saved, and writes within MOVE_TOLERANCE of
+# (saved - budget) per step, in less time than disk.
 TARGET_CUT = 0.80
+BUDGET_SLACK = 0.10
+MOVE_TOLERANCE = 0.10
 
 
-def _target(rows: Sequence[StepResult], knobs: Knobs) -> dict[str, Any] | None:
-    """Issue 3's memory target for the disk mode, or None if it was not measured."""
-    disk = next((r for r in rows if r.mode == "disk"), None)
-    if disk is None or disk.act_cut is None:
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def _target(rows: Sequence[StepResult]) -> dict[str, Any] | None:
+    """The targets for disk and budget that this run measured, or None if none was."""
+    by_mode = {r.mode: r for r in rows}
+    out: dict[str, Any] = {}
+    lines: list[str] = []
+    disk = by_mode.get("disk")
+    if disk is not None and disk.act_mem is not None and disk.act_cut is not None:
+        assert disk.peak is not None and disk.baseline_peak_bytes is not None
+        assert disk.saved_bytes is not None
+        met = disk.act_cut >= TARGET_CUT
+        out["disk"] = {
+            "device_budget": disk.device_budget,
+            "peak": disk.peak,
+            "act_mem": disk.act_mem,
+            "act_cut": disk.act_cut,
+            "needed": TARGET_CUT,
+            "met": met,
+        }
+        lines.append(
+            f"target (disk, device_budget {fmt(disk.device_budget, 'g', 1 / MB)} MiB): "
+            f"activation memory {disk.act_mem / MB:.1f} MiB = peak {disk.peak / MB:.1f} - "
+            f"(none's peak {disk.baseline_peak_bytes / MB:.1f} - saved "
+            f"{disk.saved_bytes / MB:.1f}); cut {disk.act_cut * 100:.0f}%, needs >= "
+            f"{TARGET_CUT * 100:.0f}%: {_met(met)}"
+        )
+    budget = by_mode.get("budget")
+    if budget is not None and budget.device_budget is not None and budget.saved_bytes:
+        saved, held = budget.saved_bytes, budget.device_budget
+        got: dict[str, Any] = {"device_budget": held}
+        if budget.peak is not None and budget.baseline_peak_bytes is not None:
+            limit = held + (budget.baseline_peak_bytes - saved) + BUDGET_SLACK * saved
+            got.update(peak=budget.peak, peak_limit=limit, peak_met=budget.peak <= limit)
+            lines.append(
+                f"target (budget, device_budget {held / MB:.1f} MiB): peak "
+                f"{budget.peak / MB:.1f} MiB <= budget + (none's peak - saved) + "
+                f"{BUDGET_SLACK * 100:.0f}% of saved = {limit / MB:.1f}: "
+                f"{_met(got['peak_met'])}"
+            )
+        if budget.moved_ratio is not None and budget.move_target is not None:
+            moved_met = abs(budget.moved_ratio - 1) <= MOVE_TOLERANCE
+            got.update(
+                moved_per_step=budget.offloaded_per_step,
+                demoted_per_step=budget.demoted_per_step,
+                move_target=budget.move_target,
+                moved_ratio=budget.moved_ratio,
+                moved_met=moved_met,
+            )
+            lines.append(
+                f"target (budget): wrote {fmt(budget.offloaded_per_step, '.1f', 1 / MB)} "
+                f"MiB/step (demoted {fmt(budget.demoted_per_step, '.1f', 1 / MB)}) against "
+                f"saved - budget = {budget.move_target / MB:.1f}: "
+                f"{budget.moved_ratio:.2f}x, needs within {MOVE_TOLERANCE * 100:.0f}%: "
+                f"{_met(moved_met)}"
+            )
+        if disk is not None:
+            vs_disk = budget.median_step_s / disk.median_step_s
+            got.update(time_vs_disk=vs_disk, time_met=vs_disk < 1.0)
+            line = (
+                f"target (budget): step time {vs_disk:.2f}x of disk's (offload "
+                f"everything), needs < 1: {_met(vs_disk < 1.0)}"
+            )
+            spread = by_mode.get("iospread")
+            if spread is not None:
+                got["time_vs_iospread"] = budget.median_step_s / spread.median_step_s
+                line += (
+                    f"; {got['time_vs_iospread']:.2f}x of iospread (which moves all "
+                    "saved bytes, not only saved - budget)"
+                )
+            lines.append(line)
+        out["budget"] = got
+    if not out:
         return None
-    met = disk.act_cut >= TARGET_CUT
-    which = "default knobs" if knobs.is_default else f"knobs {knobs}"
-    line = (
-        f"target: disk act cut {disk.act_cut * 100:.0f}% vs none at {which} "
-        f"(max_pending_write_bytes {knobs.max_pending_write_bytes / _MiB:g} MiB); "
-        f"needs >= {TARGET_CUT * 100:.0f}%: {'met' if met else 'NOT met'}"
-    )
-    return {"act_cut": disk.act_cut, "needed": TARGET_CUT, "met": met, "line": line}
+    out["lines"] = lines
+    return out
 
 
 def _io_bound(rows: Sequence[StepResult]) -> dict[str, Any] | None:
@@ -1180,23 +1455,37 @@ def _results(
     modes: list[str],
     workers: dict[str, ModeWorker],
     log: RoundLog,
-    probes: dict[str, dict[str, Any]],
+    probes: dict[str, dict[str, list[dict[str, Any]]]],
+    saved_bytes: int,
+    mode_knobs: dict[str, Knobs],
 ) -> list[StepResult]:
+    def peaks(allocator: str, mode: str, key: str) -> tuple[int, ...]:
+        # Per probe: the largest over its steps, or for heap_bytes the last step's (what
+        # forward leaves live once the first step's one-time allocations are made).
+        docs = probes.get(allocator, {}).get(mode, [])
+        pick = (lambda v: v[-1]) if key == "heap_bytes" else max
+        return tuple(int(pick(d[key])) for d in docs if d.get(key))
+
     rows: list[StepResult] = []
     for mode in modes:
-        delta = timed_delta(workers[mode]) if mode == "disk" or mode in REPLAY_MODES else {}
-        probe = probes.get(mode, {})
+        counted = mode in ENGINE_MODES or mode in REPLAY_MODES
+        delta = timed_delta(workers[mode]) if counted else {}
         rows.append(
             StepResult(
                 mode=mode,
                 label=LABELS[mode],
                 step_seconds=tuple(log.times[mode]),
                 steal_seconds=tuple(log.steal[mode]),
-                act_mem_bytes=tuple(probe.get("act_mem_bytes", ())),
-                act_heap_bytes=tuple(probe.get("act_heap_bytes", ())),
-                act_cache_bytes=tuple(probe.get("act_cache_bytes", ())),
-                rss_default_bytes=tuple(log.rss_default[mode]),
+                peak_bytes=peaks("default", mode, "step_peak_bytes"),
+                forward_peak_bytes=peaks("default", mode, "forward_peak_bytes"),
+                backward_peak_bytes=peaks("default", mode, "backward_peak_bytes"),
+                tuned_peak_bytes=peaks("tuned", mode, "step_peak_bytes"),
+                heap_bytes=peaks("default", mode, "heap_bytes"),
+                cache_bytes=peaks("default", mode, "cache_bytes"),
+                saved_bytes=saved_bytes,
+                device_budget=mode_knobs[mode].device_budget if mode in ENGINE_MODES else None,
                 bytes_offloaded=_int_or_none(delta.get("bytes_offloaded")),
+                bytes_demoted_to_disk=_int_or_none(delta.get("bytes_demoted_to_disk")),
                 prefetch_hits=_int_or_none(delta.get("prefetch_hits")),
                 prefetch_misses=_int_or_none(delta.get("prefetch_misses")),
                 stall_seconds=delta.get("stall_seconds"),
@@ -1209,8 +1498,8 @@ def _results(
             dataclasses.replace(
                 r,
                 baseline_step_s=ref.median_step_s,
-                baseline_act_bytes=ref.act_mem,
-                baseline_rss_default_bytes=ref.rss_default,
+                baseline_peak_bytes=ref.peak,
+                baseline_tuned_peak_bytes=ref.tuned_peak,
             )
             for r in rows
         ]

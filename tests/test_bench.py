@@ -79,30 +79,45 @@ def test_step_main_every_mode_is_exact(
     assert step.main(argv) == 0
     assert _empty(scratch), list(scratch.iterdir())
     text = capsys.readouterr().out
-    for column in ("act MiB", "act cut", "heap MiB", "cache MiB", "rss(default) MiB"):
+    for column in ("step s", "offl MiB/step", "vs saved-budget", "hit rate", "steal s/step"):
         assert column in text
-    assert "steal s/step" in text and "io bound:" in text
+    assert "peak MiB" not in text  # no probe, no memory table
+    assert "io bound:" in text and "target (budget)" in text
     assert "bit-identical" in text
 
     doc = json.loads(out.read_text())
     assert doc["check"] == {"ok": True, "problems": []}
+    saved = doc["saved_activation_bytes"]
     rows = {r["mode"]: r for r in doc["rows"]}
     assert list(rows) == list(step.MODES)
     for mode, row in rows.items():
         assert row["steps"] == 2 and len(row["step_seconds"]) == 2, mode
         assert all(s > 0 for s in row["step_seconds"]), mode
         assert row["ratio"] > 0, mode
-        assert len(row["rss_default_bytes"]) == 2, mode  # --mem-rounds default
-        assert all(abs(b) < 1 << 30 for b in row["rss_default_bytes"]), mode
-        assert row["act_mem"] is None and row["act_cut"] is None, mode  # no probe
+        assert row["saved_bytes"] == saved, mode
+        assert row["peak"] is None and row["act_mem"] is None, mode  # no probe
     assert rows["none"]["ratio"] == 1.0
-    disk = rows["disk"]
+    disk, budget = rows["disk"], rows["budget"]
     assert disk["bytes_offloaded"] > 0
     assert disk["offloaded_per_step"] > 0
     assert 0.0 <= disk["hit_rate"] <= 1.0
     assert disk["stall_seconds"] >= 0.0
+    assert disk["device_budget"] == 0 and disk["move_target"] == saved
+    # --budget-fraction 0.5 (the default): half the saved bytes stay, about half move.
+    assert budget["device_budget"] == round(saved * step.BUDGET_FRACTION)
+    assert doc["mode_knobs"]["budget"]["device_budget"] == budget["device_budget"]
+    assert budget["move_target"] == saved - budget["device_budget"]
+    assert budget["bytes_offloaded"] > 0  # (the write tail may keep more of disk's)
+    assert budget["moved_ratio"] == budget["offloaded_per_step"] / budget["move_target"]
     assert rows["seed"]["bytes_offloaded"] is None  # engine counters are disk's only
-    assert doc["memory_probes"] == {} and doc["target"] is None
+    assert rows["seed"]["device_budget"] is None
+    assert doc["memory_probes"] == {} and doc["timelines"] == {}
+    target = doc["target"]
+    assert "disk" not in target  # its cut needs the probes
+    assert target["budget"]["moved_ratio"] == budget["moved_ratio"]
+    assert target["budget"]["time_vs_disk"] == pytest.approx(
+        budget["median_step_s"] / disk["median_step_s"]
+    )
     bound = doc["io_bound"]
     assert bound["controls"] == {m: rows[m]["ratio"] for m in ("ioreplay", "iospread")}
     assert bound["reference"] == "iospread"
@@ -112,7 +127,7 @@ def test_step_main_every_mode_is_exact(
     # The replays report the bytes their thread really moved in the timed steps: the
     # distinct saved storages, whole pages, each step.
     page = 4096
-    want = -(-doc["saved_activation_bytes"] // page) * page * 2
+    want = -(-saved // page) * page * 2
     assert rows["ioreplay"]["bytes_offloaded"] == want > 0
     assert rows["iospread"]["bytes_offloaded"] == want
     assert bound["reference_bytes_per_step"] == rows["iospread"]["offloaded_per_step"]
@@ -201,38 +216,64 @@ def test_ioreplay_reads_back_only_read_bytes(tmp_path: Path) -> None:
     assert replay.bytes_read == 65536 + 4096  # rounded up to whole pages
 
 
-def test_step_main_memory_probes(tmp_path: Path, cwd: Path) -> None:
+def test_step_main_memory_probes(
+    tmp_path: Path, cwd: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Whole-step probes per mode under both allocators: peaks against the RSS before
+    the first step, activation memory against none's, and an RSS timeline per mode."""
     step = _load("step")
     scratch, out = tmp_path / "scratch", tmp_path / "step.json"
-    argv = [*TINY, *SMALL_BATCHES, "--modes", "none,disk", "--mem-rounds", "0"]
-    argv += ["--pending-sweep", "1,64"]
+    argv = [*TINY, *SMALL_BATCHES, "--modes", "none,disk,budget", "--pending-sweep", "1,64"]
     argv += ["--probe-jobs", "3", "--save-dir", str(scratch), "--json", str(out)]
     assert step.main(argv) == 0
     assert _empty(scratch), list(scratch.iterdir())
+    text = capsys.readouterr().out
+    for column in ("peak MiB", "fwd MiB", "bwd MiB", "act MiB", "act cut", "tuned peak"):
+        assert column in text
+    assert "target (disk, device_budget 0 MiB)" in text
     doc = json.loads(out.read_text())
     assert doc["check"]["ok"]
-    for row in doc["rows"]:
-        mode = row["mode"]
-        assert len(row["act_mem_bytes"]) == step.PROBE_STEPS, mode
-        assert len(row["act_heap_bytes"]) in (0, step.PROBE_STEPS), mode  # 0: no mallinfo2
-        assert all(abs(b) < 1 << 30 for b in row["act_mem_bytes"]), mode
-        assert row["rss_default_bytes"] == [], mode
-        probe = doc["memory_probes"][mode]
-        assert probe["mode"] == mode
-        assert probe["malloc_mmap_threshold"] == str(step.MMAP_THRESHOLD)
-        assert probe["knobs"]["min_offload_bytes"] == 0
-        assert probe["probed_steps"] == step.PROBE_STEPS
-        assert len(probe["act_cache_bytes"]) in (0, step.PROBE_STEPS), mode  # 0: no meminfo
-        if probe["peak_exact"]:  # the kernel's high-water mark never misses a sampled peak
-            for exact, sampled in zip(
-                probe["act_mem_bytes"], probe["act_mem_sampled_bytes"], strict=True
-            ):
-                assert exact >= sampled, mode
-    assert doc["memory_probes"]["disk"]["counters"]["bytes_offloaded"] > 0
+    saved = doc["saved_activation_bytes"]
+    probes = doc["memory_probes"]
+    assert set(probes) == set(step.ALLOCATORS)
+    rows = {r["mode"]: r for r in doc["rows"]}
+    for mode, row in rows.items():
+        assert len(row["peak_bytes"]) == len(row["tuned_peak_bytes"]) == 1, mode  # 1 repeat
+        assert all(abs(b) < 1 << 30 for b in row["peak_bytes"]), mode
+        assert row["peak"] == max(row["forward_peak"], row["backward_peak"]), mode
+        assert row["act_mem"] == pytest.approx(row["peak"] - (rows["none"]["peak"] - saved))
+        for allocator, threshold in (("default", None), ("tuned", str(step.MMAP_THRESHOLD))):
+            (probe,) = probes[allocator][mode]
+            assert probe["mode"] == mode and probe["allocator"] == allocator
+            assert probe["malloc_mmap_threshold"] == threshold
+            assert probe["knobs"]["min_offload_bytes"] == 0
+            assert probe["probed_steps"] == step.PROBE_STEPS
+            assert len(probe["step_peak_bytes"]) == step.PROBE_STEPS, mode
+            assert len(probe["cache_bytes"]) in (0, step.PROBE_STEPS), mode  # 0: no meminfo
+            assert len(probe["heap_bytes"]) in (0, step.PROBE_STEPS), mode  # 0: no mallinfo2
+            assert probe["act_mem_bytes"] == probe["step_peak_bytes"]  # bench/sweep.py's name
+            if probe["peak_exact"]:  # the kernel's high-water mark never misses a sample
+                for exact, sampled in zip(
+                    probe["step_peak_bytes"], probe["sampled_peak_bytes"], strict=True
+                ):
+                    assert exact >= sampled, mode
+            line = probe["timeline"]
+            assert len(line["t_s"]) == len(line["rss_bytes"]), mode
+            assert line["t_s"] == sorted(line["t_s"]), mode
+            assert all(0 <= t <= line["end_s"] for t in line["t_s"]), mode
+            assert 0 < line["backward_s"] < line["end_s"], mode
+        assert doc["timelines"][mode] == probes["default"][mode][0]["timeline"]
+    # none's activation memory is its saved bytes, by definition.
+    assert rows["none"]["act_mem"] == pytest.approx(saved)
+    assert rows["none"]["act_cut"] == pytest.approx(0.0)
+    assert probes["default"]["budget"][0]["knobs"]["device_budget"] == round(saved / 2)
+    assert probes["default"]["disk"][0]["counters"]["bytes_offloaded"] > 0
+    assert doc["target"]["disk"]["act_cut"] == rows["disk"]["act_cut"]
+    assert doc["target"]["budget"]["peak"] == rows["budget"]["peak"]
     pending = [p["max_pending_write_bytes"] for p in doc["pending_sweep"]]
     assert pending == [1 * MiB, 64 * MiB]
     assert doc["pending_sweep"][0]["probe"]["knobs"]["max_pending_write_bytes"] == MiB
-    assert doc["pending_sweep"][1]["probe"] == doc["memory_probes"]["disk"]  # reused
+    assert doc["pending_sweep"][1]["probe"] == probes["default"]["disk"][0]  # reused
 
 
 def test_counter_delta_subtracts_totals_and_keeps_gauges() -> None:
