@@ -443,7 +443,9 @@ def test_sweep_main(tmp_path: Path, cwd: Path, capsys: pytest.CaptureFixture[str
     for c in cells:
         assert len(c["none_seconds"]) == 2 and len(c["disk_seconds"]) == 2
         assert c["ratio"] > 0 and c["stall_per_step"] >= 0 and c["pack_wait_per_step"] >= 0
-        assert c["bytes_offloaded"] > 0
+        # The engine served the step's unpacks. Bytes written may be 0: at this size a
+        # step can fit in the write tail, which keeps it in memory (NOTE [write tail]).
+        assert c["bytes_offloaded"] >= 0 and c["prefetch_hits"] + c["prefetch_misses"] > 0
         assert c["mismatch"] is None
     assert cells[0]["act_mem_bytes"] is None  # grid cells are not probed
     assert cells[2]["act_mem_bytes"] is not None and cells[2]["baseline_act_bytes"] is not None
@@ -678,7 +680,10 @@ def test_compiled_main_tiny(tmp_path: Path, cwd: Path, capsys: pytest.CaptureFix
         assert len(row["hit_rate_per_step"]) == 2, mode
         assert all(0.0 <= h <= 1.0 for h in row["hit_rate_per_step"]), mode
         last = row["steps"][-1]
-        assert not last["warmup"] and last["counters"]["bytes_read"] > 0, mode
+        timed = [st for st in row["steps"] if not st["warmup"]]
+        # Something came back from disk. Not per step: at this size a step is smaller
+        # than one write batch, and the write tail may keep all of a step in memory.
+        assert not last["warmup"] and sum(st["counters"]["bytes_read"] for st in timed) > 0, mode
         order = last["unpack_order"]
         assert order["unpacks"] > 0 and 0.0 <= order["reverse_fraction"] <= 1.0, mode
         assert min(order["relative_seqs"]) == 0 and order["runs"], mode

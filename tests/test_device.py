@@ -81,7 +81,9 @@ def test_twin_grads_bit_identical(save_dir: Path, target: str, depth: int, delay
     for a, b in zip(_grads(model), _grads(ref), strict=True):
         assert torch.equal(a, b)
     stats = engine.stats()
-    assert stats.tensors_offloaded > 0
+    # Copied off the device; for "disk" a write may have been dropped by the write tail
+    # (the tiny model's step fits in it), its host copy served back instead.
+    assert stats.tensors_offloaded + stats.writes_skipped > 0
     if depth:
         assert stats.prefetch_hits > 0  # copies to the device were issued ahead
     else:  # copies back on demand (hits: views sharing a restored span)
