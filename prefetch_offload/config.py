@@ -166,6 +166,11 @@ class OffloadConfig:
     # Cap on the bytes one prefetch window reads ahead (NOTE [lookahead] in plan.py);
     # None derives it from the measured read bandwidth. An int or "256MiB".
     prefetch_bytes: ByteSize | None = None
+    # NOTE [heap trim] in heap.py: glibc's free heap pages go back to the kernel when
+    # backward starts and every this many bytes of CPU activations saved in forward or
+    # unpacked in backward. Lower keeps the process's peak RSS
+    # lower and costs more page faults; None never trims. An int or "128MiB".
+    heap_trim_bytes: ByteSize | None = 128 << 20
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -263,6 +268,14 @@ class OffloadConfig:
                     'or e.g. "256MiB".'
                 )
             object.__setattr__(self, "prefetch_bytes", prefetch_bytes)
+        if self.heap_trim_bytes is not None:
+            heap_trim_bytes = parse_bytes("heap_trim_bytes", self.heap_trim_bytes)
+            if heap_trim_bytes == 0:
+                raise ValueError(
+                    "prefetch_offload: heap_trim_bytes must be > 0; use None to never give "
+                    'free heap memory back, or e.g. "128MiB".'
+                )
+            object.__setattr__(self, "heap_trim_bytes", heap_trim_bytes)
 
 
 def validate_offload_config(

@@ -45,6 +45,7 @@ import torch
 from .config import OffloadConfig
 from .device import DeviceLayer, default_device_layer
 from .errors import ErrorSlot, OffloadError, OffloadFallbackWarning
+from .heap import HeapTrimmer
 from .io_pool import READ, InlineIOPool, IOPool, ThreadIOPool
 from .packed import Span, ViewMeta, make_view, view_span
 from .plan import PrefetchPlan
@@ -191,6 +192,8 @@ class OffloadEngine:
         if pool is None:
             pool = ThreadIOPool(config.io_workers) if self._store is not None else InlineIOPool()
         self._pool: IOPool = pool
+        # NOTE [heap trim]: glibc's free heap pages go back as CPU activations leave.
+        self._heap = HeapTrimmer(config.heap_trim_bytes, pool, self._stats, self._errors.report)
         self._writer: WritePath | None = None
         if self._store is not None:
             self._writer = WritePath(
@@ -364,6 +367,8 @@ class OffloadEngine:
             self._dedup.setdefault(rec.key, []).append(entry)
             self._policy.admit(rec)
         self._enforce_budgets()
+        if rec.host_only:
+            self._heap.progress(nbytes)  # NOTE [heap trim]
         return Handle(rec, view, owner, version)
 
     # -- tiers ------------------------------------------------------------------------------
@@ -575,6 +580,7 @@ class OffloadEngine:
             if self._writer is not None:
                 self._writer.skip_tail()
             self._reader.begin_backward()
+            self._heap.restart()  # NOTE [heap trim]: what forward freed
         if new_task:
             self._queue_end_of_backward()
         if self._dead:
@@ -587,7 +593,10 @@ class OffloadEngine:
         with self._lock:
             if packed.pass_no == self._pass_no:  # NOTE [backward passes]: a new pass
                 self._pass_no += 1
+            first = rec.pass_no != self._pass_no  # the record's first unpack in this pass
             packed.pass_no = rec.pass_no = self._pass_no
+        if first and rec.host_only:
+            self._heap.progress(rec.span.nbytes)  # NOTE [heap trim]
         if self._reader.copy_first(rec):  # NOTE [head of line]
             storage, base, built = self._reader.materialize(rec)
             self._reader.prefetch_after(rec)
@@ -677,7 +686,7 @@ class OffloadEngine:
         # block when it ends (NOTE [read buffer pool]: nothing idle is kept after exit).
         self._reader.read_pool.trim()
         # Later unpacks of a graph used after exit read synchronously.
-        self._pool = self._reader.pool = InlineIOPool()
+        self._pool = self._reader.pool = self._heap.pool = InlineIOPool()
         if self._writer is not None:
             self._writer.close()
             self._writer.pool = self._pool

@@ -64,7 +64,7 @@ __all__ = ["AUTO_WINDOW_MAX", "AUTO_WINDOW_START", "ReadPath"]
 
 _RECENT_SPANS = 3
 # Cap on idle read buffers kept for reuse during backward (NOTE [read buffer pool]).
-_POOL_IDLE_BYTES = 256 << 20
+_POOL_IDLE_BYTES = 16 << 20
 _AUTO_WINDOW_SECONDS = 0.1
 AUTO_WINDOW_START = 64 << 20
 _AUTO_WINDOW_MIN = 16 << 20
