@@ -590,6 +590,8 @@ class StepResult:
     device_budget: int | None = None
     # Hypervisor steal (all CPUs, from /proc/stat) during each timed step, in seconds.
     steal_seconds: tuple[float, ...] = ()
+    # The process's minor page faults (getrusage, every thread) during each timed step.
+    minor_faults: tuple[int, ...] = ()
     # Engine counter deltas over the timed rounds (engine modes and replays only).
     bytes_offloaded: int | None = None
     bytes_demoted_to_disk: int | None = None
@@ -727,6 +729,13 @@ class StepResult:
         return statistics.fmean(self.steal_seconds)
 
     @property
+    def faults_per_step(self) -> float | None:
+        """Mean minor page faults of the process per timed step (None where unknown)."""
+        if not self.minor_faults:
+            return None
+        return statistics.fmean(self.minor_faults)
+
+    @property
     def pack_wait_per_step(self) -> float | None:
         """Seconds forward waited at the pending-write cap, per timed step."""
         if self.pack_wait_seconds is None or not self.steps:
@@ -761,6 +770,7 @@ class StepResult:
             "hit_rate",
             "stall_per_step",
             "steal_per_step",
+            "faults_per_step",
             "pack_wait_per_step",
         ):
             out[name] = getattr(self, name)

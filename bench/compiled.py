@@ -52,6 +52,7 @@ import gc
 import itertools
 import json
 import os
+import shlex
 import statistics
 import sys
 import textwrap
@@ -528,7 +529,8 @@ def _log(msg: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns 0, 1 (a check failed) or 2 (a mode raised)."""
-    args = _parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = _parse_args(words)
     torch.set_num_threads(step_bench.TORCH_THREADS)
     shape, knobs = step_bench.Shape.from_args(args), Knobs.from_args(args)
     knobs.config(".")  # bad knobs fail here, before any training
@@ -585,7 +587,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("  mode's without offload")
     if args.json is not None:
         doc = {
+            "bench": "compiled.py",
+            "command": shlex.join(["python", "bench/compiled.py", *words]),
             "machine": machine,
+            "machine_line": step_bench.machine_line("bench/compiled.py", machine),
             "shape": dataclasses.asdict(shape),
             "knobs": dataclasses.asdict(knobs),
             "has_prefetch_bytes": HAS_PREFETCH_BYTES,

@@ -54,6 +54,7 @@ import dataclasses
 import functools
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -486,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disk-probe-mb", type=int, default=2048, help="bytes the disk probe moves")
     p.add_argument("--json", default=None, help="write the rows and environment here")
     p.add_argument("--twin", action="store_true", help="run on the CPU through the CPU twin")
-    args = p.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(words)
     if not args.twin and not torch.cuda.is_available():
         print("bench/gpu.py needs a CUDA device", file=sys.stderr)
         return 2
@@ -499,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(
                 {
+                    "bench": "gpu.py",
+                    "command": shlex.join(["python", "bench/gpu.py", *words]),
                     "args": vars(args),
                     "env": env,
                     "device": "CPU (twin)" if args.twin else torch.cuda.get_device_name(),

@@ -8,10 +8,10 @@ sets up what lives for the whole run once (the engine and its IO threads, the
 seed's folder, ioreplay's file and thread) and installs its saved-tensor hooks
 around each of its own steps: exactly what ``offload_context`` does for a user
 who wraps ``trainer.train()`` (one engine, its hooks on the training thread),
-but with one training thread for every mode. (Until session 3 each mode ran on
-a thread of its own. Each such thread gets its own OpenMP team, whose workers
-spin while another mode's step runs: the same computation measured up to 10%
-apart between ``none`` and ``save_on_cpu``, which on the CPU are one thing.)
+but with one training thread for every mode. (A thread per mode would give each
+its own OpenMP team, whose workers spin while another mode's step runs: the same
+computation then measures up to 10% apart between ``none`` and ``save_on_cpu``,
+which on the CPU are one thing.)
 ``--warmup`` rounds come first (not counted), then ``--steps`` timed rounds
 (step times and engine counters). Sharing one process has one cost: heap memory
 that a mode gives back to the kernel (an engine that trims glibc's heap) is
@@ -68,8 +68,8 @@ of ``none``; if they are not, the script says which and exits with status 1.
 which trades memory for speed: pack waits at the cap). ``bench/sweep.py``
 measures the speed side.
 
-Example:
-    .venv/bin/python bench/step.py --modes none,disk,budget --json bench/results/step.json
+Tables and the plot for the docs (``bench/report.py`` turns the JSON into markdown):
+    .venv/bin/python bench/step.py --json docs/results/step.json --plot docs/memory.png
 """
 
 from __future__ import annotations
@@ -83,6 +83,8 @@ import gc
 import json
 import os
 import platform
+import resource
+import shlex
 import shutil
 import subprocess
 import sys
@@ -135,11 +137,13 @@ __all__ = [
     "counter_delta",
     "fmt",
     "format_table",
+    "headline",
     "machine_info",
     "machine_line",
     "main",
     "make_mode",
     "parse_mib_list",
+    "plot_memory",
     "probe_many",
     "probe_memory",
     "run_rounds",
@@ -466,6 +470,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="disk mode's device_budget in bytes (default 0: offload everything)",
     )
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write JSON here")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="draw memory over one training step of none, disk and budget (the probes' RSS "
+        "timelines) into this PNG; needs matplotlib (the bench extra)",
+    )
     # Internal: run one mode's memory probe in this process and print its JSON.
     p.add_argument("--memory-probe", choices=MODES, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -502,6 +514,8 @@ class StepOut(NamedTuple):
     loss: float
     # Hypervisor steal during the step, all CPUs (None where /proc/stat lacks it).
     steal: float | None = None
+    # Minor page faults of the whole process during the step.
+    faults: int = 0
 
 
 class ModeWorker:
@@ -572,6 +586,7 @@ class ModeWorker:
         gc.collect()
         io = self.handle if isinstance(self.handle, IOReplay) else None
         steal0 = steal_seconds()
+        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         with self.setup.step_hooks(self.handle):
             t0 = time.perf_counter()
             if io is not None:
@@ -585,9 +600,10 @@ class ModeWorker:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
         steal1 = steal_seconds()
         steal = None if steal0 is None or steal1 is None else steal1 - steal0
-        return StepOut(seconds=seconds, loss=loss.item(), steal=steal)
+        return StepOut(seconds=seconds, loss=loss.item(), steal=steal, faults=faults)
 
 
 def _counters(handle: Any) -> dict[str, float]:
@@ -615,6 +631,7 @@ class RoundLog:
     times: dict[str, list[float]]  # timed rounds only
     steal: dict[str, list[float]]  # timed rounds only, where the kernel reports steal
     losses: dict[str, list[float]]  # every round
+    faults: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # timed rounds
 
 
 def run_rounds(
@@ -633,6 +650,7 @@ def run_rounds(
         times={m: [] for m in modes},
         steal={m: [] for m in modes},
         losses={m: [] for m in modes},
+        faults={m: [] for m in modes},
     )
     where = "starting a mode"
     try:
@@ -647,6 +665,7 @@ def run_rounds(
                 out.losses[mode].append(step.loss)
                 if phase == "timed":
                     out.times[mode].append(step.seconds)
+                    out.faults[mode].append(step.faults)
                     if step.steal is not None:
                         out.steal[mode].append(step.steal)
             if log is not None:
@@ -721,8 +740,8 @@ def probe_memory(
 
     ``allocator`` is ``"default"`` (glibc's defaults: ``MALLOC_MMAP_THRESHOLD_`` is
     removed from the probe's environment; the figure this script reports first) or
-    ``"tuned"`` (``MALLOC_MMAP_THRESHOLD_=65536``; the default of this function, as
-    it was before the default-allocator probe existed, for bench/sweep.py). glibc
+    ``"tuned"`` (``MALLOC_MMAP_THRESHOLD_=65536``; this function's default, which
+    bench/sweep.py relies on). glibc
     reads the variable at startup, hence the subprocess. ``save_dir`` must exist;
     the probe makes and removes its own folder in it.
     """
@@ -977,6 +996,7 @@ def _table(rows: Sequence[StepResult]) -> str:
         "hit rate",
         "stall s/step",
         "steal s/step",
+        "faults/step",
     )
     body = [
         (
@@ -989,6 +1009,7 @@ def _table(rows: Sequence[StepResult]) -> str:
             fmt(r.hit_rate, ".1f", 100, "%"),
             fmt(r.stall_per_step, ".4f"),
             fmt(r.steal_per_step, ".3f"),
+            fmt(r.faults_per_step, ".0f"),
         )
         for r in rows
     ]
@@ -1032,6 +1053,155 @@ def _memory_table(rows: Sequence[StepResult]) -> str:
     return format_table(header, body, left=1)
 
 
+def headline(rows: Sequence[StepResult], problems: Sequence[str], steps: int) -> list[str]:
+    """Two or three plain lines a user reads first: what disk offload saved in memory,
+    what it cost in step time, and whether training stayed exact. The offload mode
+    reported is ``disk`` (else ``budget``); lines whose figures were not measured
+    are left out."""
+    by_mode = {r.mode: r for r in rows}
+    mode = next((m for m in ("disk", "budget") if m in by_mode), None)
+    lines: list[str] = []
+    if mode is not None:
+        r = by_mode[mode]
+        what = "Offload to disk" if mode == "disk" else "Offload to disk with a device_budget"
+        if r.act_mem is not None and r.act_cut is not None and r.saved_bytes:
+            change = (
+                f"cut the activation memory a training step holds by {r.act_cut * 100:.0f}%"
+                if r.act_cut > 0
+                else "did not cut the activation memory a training step holds"
+            )
+            lines.append(
+                f"{what} {change}: {r.saved_bytes / MB:.1f} MiB -> {r.act_mem / MB:.1f} "
+                "MiB at the step's peak (peak RSS, default allocator)."
+            )
+        elif r.saved_bytes:
+            lines.append(
+                f"{what}: memory not measured (--no-mem-probe); a step saves "
+                f"{r.saved_bytes / MB:.1f} MiB of activations."
+            )
+        if r.ratio is not None and r.baseline_step_s is not None:
+            lines.append(
+                f"It cost {r.ratio:.2f}x in step time: {r.baseline_step_s:.3f} s -> "
+                f"{r.median_step_s:.3f} s per training step (median of {r.steps}, "
+                "modes interleaved)."
+            )
+    if problems:
+        lines.append(f"FAILED: {len(problems)} mode(s) trained differently; see FAIL below.")
+    elif len(by_mode) > 1:
+        ref = "no offload" if "none" in by_mode else f"mode {rows[0].mode!r}"
+        lines.append(
+            f"Training stayed exact: after {steps} steps every mode's parameters are "
+            f"bit-identical to {ref}'s."
+        )
+    return lines
+
+
+def _legend(modes: Sequence[str], saved_bytes: int, probe_repeats: int) -> list[str]:
+    """What the columns of the tables mean (printed after them)."""
+    lines = [
+        "step s: median of forward + backward + SGD step over the timed rounds",
+        "offl MiB/step: bytes the engine wrote per timed step; vs saved-budget: that over "
+        "saved bytes minus device_budget",
+        "steal s/step: CPU time the hypervisor took from this VM's CPUs per step (/proc/stat); "
+        "faults/step: the process's minor page faults per step",
+    ]
+    if REPLAY_MODES.intersection(modes):
+        lines += [
+            f"ioreplay: none's training while a side thread writes {saved_bytes / MB:.1f} MiB "
+            "per step during forward and reads it back during backward (O_DIRECT);",
+            "  iospread: the same, paced evenly over the previous step's forward and backward",
+        ]
+    if probe_repeats:
+        lines += [
+            f"memory: a fresh process per mode runs {PROBE_STEPS} whole training steps "
+            "(forward, backward, SGD step); peak MiB: its peak RSS (VmHWM) over them minus "
+            f"its RSS before the first (median of {probe_repeats} probe"
+            f"{'s' if probe_repeats > 1 else ''}); fwd/bwd: the same over forward / "
+            "backward + SGD step; glibc's default allocator",
+            "act MiB: peak minus what none holds beside its activations (none's peak minus "
+            "the saved bytes); act cut: the share of the saved bytes a mode took out",
+            "heap MiB: malloc bytes in use at the end of the last step's forward, above those "
+            "before the first step (live memory, without what glibc keeps)",
+            "cache MiB: page cache added over a step (the machine's): bytes that buffered "
+            "writes left in RAM, outside every RSS",
+            f"tuned: the same peak, act MiB and cut with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} "
+            "(freed blocks of 64 KiB or more leave RSS at once)",
+        ]
+    return lines
+
+
+# The modes the memory plot draws, in this order (the others' lines would crowd it).
+PLOT_MODES: tuple[str, ...] = ("none", "disk", "budget")
+
+
+def plot_memory(
+    timelines: dict[str, dict[str, Any]],
+    path: Path,
+    *,
+    saved_bytes: int,
+    shape: Shape,
+    rows: Sequence[StepResult] = (),
+) -> bool:
+    """Draw RSS over one training step per mode (the probes' timelines) into a PNG.
+
+    x: seconds from the step's start (each mode's backward start marked); y: RSS above
+    the process's RSS before training, i.e. the memory training holds. Returns False,
+    with a message, where matplotlib is missing or no timeline was recorded.
+    """
+    modes = [m for m in PLOT_MODES if timelines.get(m, {}).get("t_s")]
+    if not modes:
+        _log(f"--plot: no memory timeline of {', '.join(PLOT_MODES)} (probes off?); no plot")
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _log("--plot: matplotlib is not installed (pip install -e '.[bench]'); no plot drawn")
+        return False
+    budgets = {r.mode: r.device_budget for r in rows}
+    names = {
+        "none": "no offload",
+        "disk": "disk (device_budget 0)",
+        "budget": "disk, device_budget "
+        + (f"{budgets['budget'] / MB:.0f} MiB" if budgets.get("budget") else "a share"),
+    }
+    colors = {"none": "tab:gray", "disk": "tab:blue", "budget": "tab:orange"}
+    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=110)
+    for mode in modes:
+        line = timelines[mode]
+        x = line["t_s"]
+        y = [b / MB for b in line["rss_bytes"]]
+        color = colors.get(mode)
+        ax.plot(x, y, label=names.get(mode, mode), color=color, linewidth=1.6)
+        ax.axvline(line["backward_s"], color=color, linestyle=":", linewidth=1)
+    ax.axhline(saved_bytes / MB, color="black", linestyle="--", linewidth=0.8)
+    ax.annotate(
+        f"saved for backward per step: {saved_bytes / MB:.0f} MiB",
+        xy=(0, saved_bytes / MB),
+        xytext=(2, 3),
+        textcoords="offset points",
+        fontsize=8,
+    )
+    ax.set_xlabel("seconds into the training step (dotted: backward starts)")
+    ax.set_ylabel("memory held by training, MiB\n(RSS above RSS before training)")
+    ax.set_title(
+        f"Memory over one training step: TinyTransformer, {shape.depth} blocks, width "
+        f"{shape.width}, batch {shape.batch} x {shape.seq}",
+        fontsize=10,
+    )
+    ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))
+    ax.set_xlim(left=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
 def machine_info() -> dict[str, Any]:
     """Host, core counts and versions, for the report."""
     cores = os.cpu_count()
@@ -1040,19 +1210,47 @@ def machine_info() -> dict[str, Any]:
         "host": platform.node(),
         "cores": cores,
         "usable_cores": usable,
+        "cpu": _proc_field("/proc/cpuinfo", "model name"),
+        "memory_gib": _memory_gib(),
+        "system": f"{platform.system()} {platform.release()} {platform.machine()}",
         "torch": torch.__version__,
         "torch_threads": TORCH_THREADS,
         "python": platform.python_version(),
     }
 
 
+def _proc_field(path: str, name: str) -> str | None:
+    """The value of the first ``name: value`` line of a /proc file, or None."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() == name:
+                    return value.strip()
+    except OSError:
+        pass
+    return None
+
+
+def _memory_gib() -> float | None:
+    text = _proc_field("/proc/meminfo", "MemTotal")  # "24576000 kB"
+    if text is None or not text.split()[0].isdigit():
+        return None
+    return round(int(text.split()[0]) * 1024 / (1 << 30), 1)
+
+
 def machine_line(prog: str, machine: dict[str, Any]) -> str:
-    """The report's first line."""
-    return (
-        f"{prog} on {machine['host']}: {machine['cores']} cores ({machine['usable_cores']} "
-        f"usable), torch {machine['torch']} ({machine['torch_threads']} threads), "
-        f"python {machine['python']}"
-    )
+    """One line naming the machine a report was measured on."""
+    parts = [f"{machine['cores']} cores ({machine['usable_cores']} usable)"]
+    if machine.get("cpu"):
+        parts.append(str(machine["cpu"]))
+    if machine.get("memory_gib"):
+        parts.append(f"{machine['memory_gib']:g} GiB RAM")
+    if machine.get("system"):
+        parts.append(str(machine["system"]))
+    parts.append(f"torch {machine['torch']} ({machine['torch_threads']} threads)")
+    parts.append(f"python {machine['python']}")
+    return f"{prog} on {machine['host']}: " + ", ".join(parts)
 
 
 def _log(msg: str) -> None:
@@ -1064,9 +1262,11 @@ def _log(msg: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns 0, 1 (results differ between modes) or 2 (a mode failed)."""
-    args = _parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = _parse_args(words)
     if args.memory_probe is not None:
         return _memory_probe(args)
+    args.command = shlex.join(["python", "bench/step.py", *words])
     modes: list[str] = args.modes
     torch.set_num_threads(TORCH_THREADS)
 
@@ -1126,6 +1326,40 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
     disk_handle = next((workers[m].handle for m in modes if m in ENGINE_MODES), None)
     io_method = getattr(disk_handle, "io_method", None)
     machine = machine_info()
+    target = _target(rows)
+    bound = _io_bound(rows)
+    problems = _check(modes, workers, log.losses)
+
+    # What a user wants to know first; the tables and what their columns mean follow.
+    for line in headline(rows, problems, len(phases)):
+        print(line)
+    print()
+    print(_table(rows))
+    if probes:
+        print()
+        print(_memory_table(rows))
+    if pending:
+        print()
+        print(
+            "disk memory by max_pending_write_bytes (default allocator, one probe each; "
+            "other knobs as above):"
+        )
+        print(_pending_table(pending, rows, saved_bytes))
+    if target is not None:
+        print()
+        for line in target["lines"]:
+            print(line)
+    if bound is not None:
+        print(bound["line"])
+    print()
+    if problems:
+        for msg in problems:
+            print(f"FAIL: {msg}")
+    else:
+        ref = "none" if "none" in modes else modes[0]
+        print(f"check: final parameters of every mode are bit-identical to {ref!r}")
+
+    print()
     print(machine_line("bench/step.py", machine))
     print(
         f"shape: {shape}; saved activations {saved_bytes / MB:.1f} MiB/step "
@@ -1142,80 +1376,24 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
             f"budget: disk with device_budget {budget / MB:.1f} MiB "
             f"({args.budget_fraction:g} x saved)"
         )
-    print("step s: median of forward + backward + SGD step over the timed rounds")
-    print(
-        "offl MiB/step: bytes the engine wrote per timed step; vs saved-budget: that over "
-        "saved bytes minus device_budget"
-    )
-    print("steal s/step: CPU time the hypervisor took from this VM's CPUs per step (/proc/stat)")
-    if REPLAY_MODES.intersection(modes):
-        print(
-            f"ioreplay: none's training while a side thread writes {saved_bytes / MB:.1f} MiB "
-            "per step during forward and reads it back during backward (O_DIRECT);"
-        )
-        print("  iospread: the same, paced evenly over the previous step's forward and backward")
-    print()
-    print(_table(rows))
-    if probes:
-        print()
-        print(
-            f"memory: a fresh process per mode runs {PROBE_STEPS} whole training steps "
-            "(forward, backward, SGD step); peak MiB: its peak RSS (VmHWM) over them minus "
-            "its RSS before the first"
-        )
-        print(
-            "  (median of "
-            f"{args.probe_repeats} probe{'s' if args.probe_repeats > 1 else ''}); fwd/bwd: "
-            "the same over forward / backward + SGD step; glibc's default allocator"
-        )
-        print(
-            "act MiB: peak minus what none holds beside its activations (none's peak minus "
-            "the saved bytes); act cut: the share of the saved bytes a mode took out"
-        )
-        print(
-            "heap MiB: malloc bytes in use at the end of the last step's forward, above those "
-            "before the first step (live memory, without what glibc keeps)"
-        )
-        print(
-            "cache MiB: page cache added over a step (the machine's): bytes that "
-            "buffered writes left in RAM, outside every RSS"
-        )
-        print(
-            f"tuned: the same peak, act MiB and cut with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} "
-            "(freed blocks of 64 KiB or more leave RSS at once)"
-        )
-        print()
-        print(_memory_table(rows))
+    for line in _legend(modes, saved_bytes, args.probe_repeats if probes else 0):
+        print(line)
 
-    if pending:
-        print()
-        print(
-            "disk memory by max_pending_write_bytes (default allocator, one probe each; "
-            "other knobs as above):"
-        )
-        print(_pending_table(pending, rows, saved_bytes))
-    target = _target(rows)
-    if target is not None:
-        print()
-        for line in target["lines"]:
-            print(line)
-    bound = _io_bound(rows)
-    if bound is not None:
-        print(bound["line"])
-
-    problems = _check(modes, workers, log.losses)
-    print()
-    if problems:
-        for msg in problems:
-            print(f"FAIL: {msg}")
-    else:
-        ref = "none" if "none" in modes else modes[0]
-        print(f"check: final parameters of every mode are bit-identical to {ref!r}")
+    plot_path = None
+    if args.plot is not None:
+        default = probes.get("default", {})
+        timelines = {m: docs[0]["timeline"] for m, docs in default.items() if docs}
+        if plot_memory(timelines, args.plot, saved_bytes=saved_bytes, shape=shape, rows=rows):
+            plot_path = args.plot
+            print(f"plot: memory over one training step per mode in {args.plot}")
 
     if args.json is not None:
         default = probes.get("default", {})
         doc = {
+            "bench": "step.py",
+            "command": args.command,
             "machine": machine,
+            "machine_line": machine_line("bench/step.py", machine),
             "shape": dataclasses.asdict(shape),
             "knobs": dataclasses.asdict(knobs),
             "mode_knobs": {m: dataclasses.asdict(k) for m, k in mode_knobs.items()},
@@ -1236,6 +1414,7 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
             "io_bound": bound,
             "losses": log.losses,
             "check": {"ok": not problems, "problems": problems},
+            "plot": None if plot_path is None else str(plot_path),
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
@@ -1476,6 +1655,7 @@ def _results(
                 label=LABELS[mode],
                 step_seconds=tuple(log.times[mode]),
                 steal_seconds=tuple(log.steal[mode]),
+                minor_faults=tuple(log.faults.get(mode, ())),
                 peak_bytes=peaks("default", mode, "step_peak_bytes"),
                 forward_peak_bytes=peaks("default", mode, "forward_peak_bytes"),
                 backward_peak_bytes=peaks("default", mode, "backward_peak_bytes"),

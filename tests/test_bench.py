@@ -691,3 +691,84 @@ def test_compiled_main_tiny(tmp_path: Path, cwd: Path, capsys: pytest.CaptureFix
     assert rows["regional"]["graphs"] > 0 and rows["regional"]["ref_graphs"] > 0
     # order_runs: maximal runs of consecutive numbers in either direction.
     assert compiled.order_runs([5, 4, 3, 3, 7, 8, 10]) == [(5, 3), (7, 8), (10, 10)]
+
+
+# -- bench/report.py ---------------------------------------------------------------------
+
+
+@pytest.mark.slow  # compiles (bench/compiled.py's regional mode), as test_compiled_main_tiny
+def test_report_tables_from_every_benchmark_json(
+    tmp_path: Path, cwd: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bench/report.py on the JSON that step.py (with probes and --plot), compiled.py and
+    gpu.py (CPU twin) write at their tiny sizes: one markdown table per part, each with
+    the figures of the JSON, the command and the machine line; step.py's output leads
+    with what offload saved, what it cost and that training stayed exact."""
+    step, compiled, gpu, report = _load("step"), _load("compiled"), _load("gpu"), _load("report")
+    step_json, png = tmp_path / "step.json", tmp_path / "memory.png"
+    argv = [*TINY, *SMALL_BATCHES, "--modes", "none,disk,budget,iospread"]
+    argv += ["--pending-sweep", "1", "--save-dir", str(tmp_path / "s1")]
+    argv += ["--json", str(step_json), "--plot", str(png)]
+    assert step.main(argv) == 0
+    text = capsys.readouterr().out
+    lead = text.splitlines()[:3]
+    # (At this size the probe's noise is larger than the activations: no cut to expect.)
+    assert lead[0].startswith("Offload to disk ") and "activation memory" in lead[0], lead
+    assert lead[1].startswith("It cost ") and "x in step time" in lead[1], lead
+    assert lead[2].startswith("Training stayed exact"), lead
+    # The full tables come next, what the columns mean after them.
+    assert (
+        text.index("vs none  offl MiB/step")
+        < text.index("bench/step.py on ")
+        < text.index("step s: ")
+    )
+    doc = json.loads(step_json.read_text())
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and doc["plot"] == str(png)
+    else:
+        assert not png.exists() and doc["plot"] is None
+    compiled_json = tmp_path / "compiled.json"
+    argv = ["--tiny", "--modes", "eager,regional", "--warmup", "1", "--steps", "2"]
+    argv += ["--save-dir", str(tmp_path / "s2"), "--json", str(compiled_json)]
+    assert compiled.main(argv) == 0
+    gpu_json = tmp_path / "gpu.json"
+    argv = [*TINY, *SMALL_BATCHES, "--twin", "--attention", "explicit", "--dtype", "fp32"]
+    argv += ["--vocab", "64", "--disk-probe-mb", "8", "--save-dir", str(tmp_path / "s3")]
+    assert gpu.main([*argv, "--json", str(gpu_json)]) == 0
+    capsys.readouterr()
+
+    assert report.main([str(step_json), str(compiled_json), str(gpu_json)]) == 0
+    md = capsys.readouterr().out
+    assert f"Command: `{doc['command']}`" in md and doc["command"].startswith("python bench/step")
+    assert f"Machine: {doc['machine_line']}" in md and "cores" in doc["machine_line"]
+    rows = {r["mode"]: r for r in doc["rows"]}
+    for header in (
+        "| mode | what | step s | vs none | written MiB/step | hit rate |",
+        "| mode | peak MiB | forward peak MiB | backward peak MiB | activation MiB |",
+        "| mode | device_budget MiB | peak MiB | peak limit MiB | saved - budget MiB |",
+        "| mode | what | vs none | vs iospread | written MiB/step | steal s/step |",
+        "| max_pending_write_bytes MiB | peak MiB | activation MiB |",
+        "| target | needs | measured | verdict |",
+        "| mode | what | no offload s | disk s | vs no offload | hit rate | hit rate per step |",
+        "| mode | step ms | vs none | forward peak GB |",
+    ):
+        assert header in md, header
+    disk = rows["disk"]
+    assert (
+        f"| disk | {disk['label']} | {disk['median_step_s']:.3f} | {disk['ratio']:.2f}x | "
+        f"{disk['offloaded_per_step'] / MiB:.1f} |" in md
+    )
+    assert f"| disk | {disk['peak'] / MiB:.1f} | " in md
+    budget = rows["budget"]
+    assert f"| budget | {budget['device_budget'] / MiB:.1f} | {budget['peak'] / MiB:.1f} | " in md
+    cut = doc["target"]["disk"]
+    verdict = "met" if cut["met"] else "**not met**"
+    assert f"| >= 80% | {cut['act_cut'] * 100:.0f}% | {verdict} |" in md
+    for row in json.loads(compiled_json.read_text())["rows"]:
+        assert f"| {row['mode']} | {row['label']} | {row['ref_median_step_s']:.3f} |" in md
+    assert "| gradients bit-identical to none | PASS |" in md
+    # Only a benchmark's JSON is accepted, with a message saying so.
+    other = tmp_path / "other.json"
+    other.write_text("[1, 2]")
+    assert report.main([str(other)]) == 1
+    assert "not the JSON of bench/step.py" in capsys.readouterr().err

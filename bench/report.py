@@ -1,0 +1,508 @@
+"""Markdown tables from the JSON the benchmarks write, for docs/benchmarks.md.
+
+Reads what ``bench/step.py --json``, ``bench/compiled.py --json`` and
+``bench/gpu.py --json`` write and prints, per file, the command that made it,
+the machine it ran on, and one markdown table per part of the result:
+
+- ``step.py``: step time per mode; memory per mode (default allocator, the
+  tuned allocator as labelled columns); the budget mode against its budget;
+  what disk's IO costs moved by a bare thread (ioreplay, iospread); the write
+  cap's memory; the targets as met / not met;
+- ``compiled.py``: prefetch hit rate, IO and unpack order per compile mode;
+- ``gpu.py``: step time and memory per mode, and its targets as PASS / FAIL.
+
+The tables are computed from the JSON alone (nothing is measured here, and
+torch is not imported), so a doc that pastes them cannot drift from the files
+it cites. Sizes are MiB (2^20 bytes) unless a column says GB.
+
+Example::
+
+    python bench/report.py docs/results/*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["fmt", "kind_of", "main", "markdown_table", "render"]
+
+MiB = float(1 << 20)
+
+
+def fmt(value: float | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    """``value * scale`` formatted with ``spec`` plus ``suffix``; empty for None."""
+    if value is None:
+        return ""
+    text = format(value * scale, spec)
+    if text.startswith("-") and float(text) == 0:  # "-0%" reads like a loss
+        text = text[1:]
+    return text + suffix
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
+    """A GitHub markdown table; the first ``left`` columns left-aligned, the others right."""
+    align = ["---"] * left + ["--:"] * (len(header) - left)
+    lines = [header, align, *rows]
+    return "\n".join("| " + " | ".join(str(c) for c in line) + " |" for line in lines)
+
+
+def kind_of(doc: Any) -> str | None:
+    """Which benchmark wrote ``doc``: "step.py", "compiled.py", "gpu.py" or None."""
+    if not isinstance(doc, dict):
+        return None
+    if doc.get("bench") in RENDERERS:
+        return str(doc["bench"])
+    rows = doc.get("rows") or [{}]
+    if "timelines" in doc or "memory_probes" in doc:
+        return "step.py"
+    if "hit_rate_per_step" in rows[0]:
+        return "compiled.py"
+    if "targets" in doc and "fwd_peak_bytes" in rows[0]:
+        return "gpu.py"
+    return None
+
+
+def _header(doc: dict[str, Any], title: str) -> list[str]:
+    out = [f"**{title}**", ""]
+    if doc.get("command"):
+        out.append(f"Command: `{doc['command']}`")
+    line = doc.get("machine_line")
+    if line is None and doc.get("machine"):
+        m = doc["machine"]
+        line = ", ".join(f"{k} {v}" for k, v in m.items())
+    if line:
+        out.append(f"Machine: {line}")
+    out.append("")
+    return out
+
+
+def _per_step(total: float | None, steps: int) -> float | None:
+    return None if total is None or not steps else total / steps
+
+
+# -- bench/step.py -----------------------------------------------------------------------
+
+
+def _step_time(doc: dict[str, Any]) -> str:
+    deltas = doc.get("timed_counter_deltas", {})
+    body = []
+    for r in doc["rows"]:
+        trims = deltas.get(r["mode"], {}).get("heap_trims")
+        body.append(
+            (
+                f"{r['mode']}",
+                r["label"],
+                fmt(r["median_step_s"], ".3f"),
+                fmt(r["ratio"], ".2f", suffix="x"),
+                fmt(r["offloaded_per_step"], ".1f", 1 / MiB),
+                fmt(r["hit_rate"], ".1f", 100, "%"),
+                fmt(r["stall_per_step"], ".3f"),
+                fmt(r["steal_per_step"], ".3f"),
+                fmt(r.get("faults_per_step"), ".0f"),
+                fmt(_per_step(trims, r["steps"]), ".1f"),
+            )
+        )
+    header = (
+        "mode",
+        "what",
+        "step s",
+        "vs none",
+        "written MiB/step",
+        "hit rate",
+        "stall s/step",
+        "steal s/step",
+        "page faults/step",
+        "heap trims/step",
+    )
+    return markdown_table(header, body, left=2)
+
+
+def _step_memory(doc: dict[str, Any]) -> str | None:
+    rows = [r for r in doc["rows"] if r.get("peak_bytes") or r.get("tuned_peak_bytes")]
+    if not rows:
+        return None
+    body = [
+        (
+            r["mode"],
+            fmt(r["peak"], ".1f", 1 / MiB),
+            fmt(r["forward_peak"], ".1f", 1 / MiB),
+            fmt(r["backward_peak"], ".1f", 1 / MiB),
+            fmt(r["act_mem"], ".1f", 1 / MiB),
+            fmt(r["act_cut"], ".0f", 100, "%"),
+            fmt(r["heap"], ".1f", 1 / MiB),
+            fmt(r["cache"], ".1f", 1 / MiB),
+            fmt(r["tuned_act_mem"], ".1f", 1 / MiB),
+            fmt(r["tuned_act_cut"], ".0f", 100, "%"),
+        )
+        for r in rows
+    ]
+    header = (
+        "mode",
+        "peak MiB",
+        "forward peak MiB",
+        "backward peak MiB",
+        "activation MiB",
+        "activation cut",
+        "heap live MiB",
+        "page cache MiB",
+        "tuned allocator: activation MiB",
+        "tuned allocator: cut",
+    )
+    return markdown_table(header, body)
+
+
+def _step_budget(doc: dict[str, Any]) -> str | None:
+    by_mode = {r["mode"]: r for r in doc["rows"]}
+    engine = [by_mode[m] for m in ("disk", "budget") if m in by_mode]
+    if "budget" not in by_mode:
+        return None
+    disk_s = by_mode["disk"]["median_step_s"] if "disk" in by_mode else None
+    target = (doc.get("target") or {}).get("budget", {})
+    body = []
+    for r in engine:
+        limit = target.get("peak_limit") if r["mode"] == "budget" else None
+        body.append(
+            (
+                r["mode"],
+                fmt(r["device_budget"], ".1f", 1 / MiB),
+                fmt(r["peak"], ".1f", 1 / MiB),
+                fmt(limit, ".1f", 1 / MiB),
+                fmt(r["move_target"], ".1f", 1 / MiB),
+                fmt(r["offloaded_per_step"], ".1f", 1 / MiB),
+                fmt(r["moved_ratio"], ".2f", suffix="x"),
+                fmt(r.get("demoted_per_step"), ".1f", 1 / MiB),
+                fmt(r["ratio"], ".2f", suffix="x"),
+                fmt(None if disk_s is None else r["median_step_s"] / disk_s, ".2f", suffix="x"),
+            )
+        )
+    header = (
+        "mode",
+        "device_budget MiB",
+        "peak MiB",
+        "peak limit MiB",
+        "saved - budget MiB",
+        "written MiB/step",
+        "written / (saved - budget)",
+        "demoted MiB/step",
+        "step vs none",
+        "step vs disk",
+    )
+    return markdown_table(header, body)
+
+
+def _step_io(doc: dict[str, Any]) -> str | None:
+    by_mode = {r["mode"]: r for r in doc["rows"]}
+    modes = [m for m in ("none", "ioreplay", "iospread", "disk") if m in by_mode]
+    if not {"ioreplay", "iospread"} & set(modes):
+        return None
+    ref = by_mode.get("iospread") or by_mode.get("ioreplay")
+    body = [
+        (
+            m,
+            by_mode[m]["label"],
+            fmt(by_mode[m]["ratio"], ".2f", suffix="x"),
+            fmt(by_mode[m]["median_step_s"] / ref["median_step_s"], ".2f", suffix="x"),
+            fmt(by_mode[m]["offloaded_per_step"], ".1f", 1 / MiB),
+            fmt(by_mode[m]["steal_per_step"], ".3f"),
+            fmt(by_mode[m].get("faults_per_step"), ".0f"),
+        )
+        for m in modes
+    ]
+    header = (
+        "mode",
+        "what",
+        "vs none",
+        f"vs {ref['mode']}",
+        "written MiB/step",
+        "steal s/step",
+        "page faults/step",
+    )
+    return markdown_table(header, body, left=2)
+
+
+def _step_pending(doc: dict[str, Any]) -> str | None:
+    pending = doc.get("pending_sweep") or []
+    none = next((r for r in doc["rows"] if r["mode"] == "none"), None)
+    if not pending:
+        return None
+    saved = doc["saved_activation_bytes"]
+    default_cap = doc["knobs"]["max_pending_write_bytes"]
+    body = []
+    for item in pending:
+        probe = item["probe"]
+        peak = max(probe["step_peak_bytes"]) if probe.get("step_peak_bytes") else None
+        act = None
+        if peak is not None and none is not None and none.get("peak") is not None:
+            act = peak - (none["peak"] - saved)
+        steps = probe.get("probed_steps") or 1
+        counters = probe.get("counters", {})
+        cap = item["max_pending_write_bytes"]
+        body.append(
+            (
+                fmt(cap, ".0f", 1 / MiB) + (" (default)" if cap == default_cap else ""),
+                fmt(peak, ".1f", 1 / MiB),
+                fmt(act, ".1f", 1 / MiB),
+                fmt(None if act is None else 1 - act / saved, ".0f", 100, "%"),
+                fmt(counters.get("peak_pending_write_bytes"), ".1f", 1 / MiB),
+                fmt(_per_step(counters.get("pack_wait_seconds"), steps), ".4f"),
+            )
+        )
+    header = (
+        "max_pending_write_bytes MiB",
+        "peak MiB",
+        "activation MiB",
+        "activation cut",
+        "peak pending MiB",
+        "pack wait s/step",
+    )
+    return markdown_table(header, body)
+
+
+def _step_targets(doc: dict[str, Any]) -> str | None:
+    target = doc.get("target") or {}
+    body = []
+
+    def met(ok: bool | None) -> str:
+        return "" if ok is None else ("met" if ok else "**not met**")
+
+    disk = target.get("disk")
+    if disk:
+        body.append(
+            (
+                "disk (device_budget 0): activation memory cut",
+                f">= {disk['needed'] * 100:.0f}%",
+                fmt(disk["act_cut"], ".0f", 100, "%"),
+                met(disk["met"]),
+            )
+        )
+    budget = target.get("budget")
+    if budget:
+        if "peak" in budget:
+            body.append(
+                (
+                    "budget: peak",
+                    f"<= {budget['peak_limit'] / MiB:.1f} MiB",
+                    fmt(budget["peak"], ".1f", 1 / MiB, " MiB"),
+                    met(budget["peak_met"]),
+                )
+            )
+        if "moved_ratio" in budget:
+            body.append(
+                (
+                    "budget: written per step / (saved - budget)",
+                    "0.90x-1.10x",
+                    fmt(budget["moved_ratio"], ".2f", suffix="x"),
+                    met(budget["moved_met"]),
+                )
+            )
+        if "time_vs_disk" in budget:
+            body.append(
+                (
+                    "budget: step time / disk's",
+                    "< 1.00x",
+                    fmt(budget["time_vs_disk"], ".2f", suffix="x"),
+                    met(budget["time_met"]),
+                )
+            )
+    if not body:
+        return None
+    return markdown_table(("target", "needs", "measured", "verdict"), body, left=4)
+
+
+def _render_step(doc: dict[str, Any]) -> list[str]:
+    shape = doc["shape"]
+    saved = doc["saved_activation_bytes"]
+    steps = doc["rows"][0]["steps"] if doc["rows"] else 0
+    out = _header(doc, "bench/step.py")
+    out.append(
+        f"Model: TinyTransformer, {shape['depth']} blocks, width {shape['width']}, "
+        f"{shape['heads']} heads, batch {shape['batch']} x {shape['seq']} tokens; "
+        f"{saved / MiB:.1f} MiB saved for backward per step; {steps} timed steps per mode, "
+        f"interleaved; scratch on {doc.get('scratch_fs')}"
+        + (f", disk io_method {doc['disk_io_method']}" if doc.get("disk_io_method") else "")
+        + "."
+    )
+    check = doc.get("check", {})
+    out.append(
+        "Final parameters of every mode bit-identical to none's: "
+        + ("yes." if check.get("ok") else f"**no**: {'; '.join(check.get('problems', []))}")
+    )
+    out.append("")
+    parts: list[tuple[str, Callable[[dict[str, Any]], str | None]]] = [
+        ("Step time (median over the timed steps)", _step_time),
+        (
+            "Memory over whole training steps (peak RSS above the RSS before training; "
+            "glibc's default allocator, then MALLOC_MMAP_THRESHOLD_=65536 as 'tuned')",
+            _step_memory,
+        ),
+        ("Budget: disk with a device_budget, against disk", _step_budget),
+        ("IO: disk's bytes moved by a bare thread, no hooks", _step_io),
+        ("Disk's memory by write cap (default allocator, one probe each)", _step_pending),
+        ("Targets (default allocator, whole steps)", _step_targets),
+    ]
+    for title, part in parts:
+        table = part(doc)
+        if table is not None:
+            out += [f"*{title}*", "", table, ""]
+    return out
+
+
+# -- bench/compiled.py -------------------------------------------------------------------
+
+
+def _render_compiled(doc: dict[str, Any]) -> list[str]:
+    shape = doc["shape"]
+    out = _header(doc, "bench/compiled.py")
+    args = doc.get("args", {})
+    out.append(
+        f"Model: TinyTransformer, {shape['depth']} blocks, width {shape['width']}, batch "
+        f"{shape['batch']} x {shape['seq']} tokens; {args.get('warmup', '?')} warm-up + "
+        f"{args.get('steps', '?')} timed steps per mode; each mode against the same "
+        "compile mode without offload, run one after the other."
+    )
+    out.append("")
+    body = []
+    for r in doc["rows"]:
+        last = r["steps"][-1].get("unpack_order") or {}
+        body.append(
+            (
+                r["mode"],
+                r["label"],
+                fmt(r["ref_median_step_s"], ".3f"),
+                fmt(r["median_step_s"], ".3f"),
+                fmt(r["median_step_s"] / r["ref_median_step_s"], ".2f", suffix="x"),
+                fmt(r["hit_rate"], ".0f", 100, "%"),
+                " ".join(fmt(h, ".0f", 100, "%") for h in r["hit_rate_per_step"]),
+                fmt(r["bytes_offloaded_per_step"], ".1f", 1 / MiB),
+                fmt(r["bytes_read_per_step"], ".1f", 1 / MiB),
+                fmt(r["stall_seconds_per_step"], ".3f"),
+                fmt(last.get("reverse_fraction"), ".2f"),
+                f"{r['ref_graphs']}/{r['graphs']}",
+                "yes" if r["exact"] else "**no**",
+            )
+        )
+    header = (
+        "mode",
+        "what",
+        "no offload s",
+        "disk s",
+        "vs no offload",
+        "hit rate",
+        "hit rate per step",
+        "written MiB/step",
+        "read MiB/step",
+        "stall s/step",
+        "unpacks in reverse pack order",
+        "graphs",
+        "bit-identical",
+    )
+    out += ["*Prefetch under torch.compile*", "", markdown_table(header, body, left=2), ""]
+    return out
+
+
+# -- bench/gpu.py ------------------------------------------------------------------------
+
+
+def _render_gpu(doc: dict[str, Any]) -> list[str]:
+    out = _header(doc, "bench/gpu.py")
+    args, env = doc.get("args", {}), doc.get("env", {})
+    out.append(
+        f"Device: {doc.get('device')}, torch {doc.get('torch')}; {args.get('dtype')} width "
+        f"{args.get('width')}, {args.get('depth')} blocks, batch {args.get('batch')} x "
+        f"{args.get('seq')} tokens"
+        + (
+            f"; link D2H {env['d2h_gbps']:.1f} GB/s, H2D {env['h2d_gbps']:.1f} GB/s"
+            if "d2h_gbps" in env
+            else ""
+        )
+        + "."
+    )
+    out.append("")
+    rows = doc["rows"]
+    ref = rows[0]
+    ref_fwd = statistics.median(ref["fwd_peak_bytes"]) if ref["fwd_peak_bytes"] else 0
+    body = []
+    for r in rows:
+        fwd = statistics.median(r["fwd_peak_bytes"]) if r["fwd_peak_bytes"] else None
+        step = statistics.median(r["step_peak_bytes"]) if r["step_peak_bytes"] else None
+        cut = None if fwd is None or not ref_fwd else 1 - fwd / ref_fwd
+        body.append(
+            (
+                r["mode"],
+                fmt(r["median_step_s"], ".1f", 1e3),
+                fmt(r["median_step_s"] / ref["median_step_s"], ".2f", suffix="x"),
+                fmt(fwd, ".2f", 1e-9),
+                fmt(cut, ".0f", 100, "%"),
+                fmt(step, ".2f", 1e-9),
+                fmt(r.get("bytes_offloaded_per_step"), ".2f", 1e-9),
+                fmt(r.get("hit_rate"), ".2f"),
+                fmt(r.get("stall_seconds_per_step"), ".1f", 1e3),
+                r["exact"],
+            )
+        )
+    header = (
+        "mode",
+        "step ms",
+        "vs none",
+        "forward peak GB",
+        "cut",
+        "step peak GB",
+        "offloaded GB/step",
+        "hit rate",
+        "stall ms/step",
+        "exact",
+    )
+    out += ["*Step time and allocated memory*", "", markdown_table(header, body), ""]
+    targets = doc.get("targets") or []
+    if targets:
+        t_body = [(t["target"], t["verdict"], t["value"]) for t in targets]
+        table = markdown_table(("target", "verdict", "measured"), t_body, left=3)
+        out += ["*Targets*", "", table, ""]
+    return out
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "step.py": _render_step,
+    "compiled.py": _render_compiled,
+    "gpu.py": _render_gpu,
+}
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The markdown for one benchmark's JSON; ValueError if no benchmark here wrote it."""
+    kind = kind_of(doc)
+    if kind is None:
+        raise ValueError("not the JSON of bench/step.py, bench/compiled.py or bench/gpu.py")
+    return "\n".join(RENDERERS[kind](doc)).rstrip() + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the tables of every file given; returns 1 if a file could not be read."""
+    p = argparse.ArgumentParser(
+        prog="bench/report.py", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    p.add_argument("files", nargs="+", type=Path, help="JSON written by a benchmark's --json")
+    args = p.parse_args(argv)
+    status = 0
+    blocks = []
+    for path in args.files:
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+            text = render(doc)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"bench/report.py: {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            status = 1
+            continue
+        blocks.append(text)
+    print("\n".join(blocks), end="")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
