@@ -8,9 +8,13 @@ whole run (its hooks are installed around each of its steps). Per
 configuration: median step time, its ratio to ``none``, MB offloaded, writes
 skipped and hit rate per step, and the process's CPU time per step (user and
 system, from ``getrusage`` around each step: the cost the IO adds on a machine
-whose cores compute keeps busy), and the CPU time the hypervisor took from the
-machine's CPUs during the step (``steal`` in ``/proc/stat``, all CPUs: on a VM,
-the host's side of the disk IO).
+whose cores compute keeps busy), the process's minor page faults per step
+(memory given back to the kernel and touched again: NOTE [heap trim]), and the
+CPU time the hypervisor took from the machine's CPUs during the step (``steal``
+in ``/proc/stat``, all CPUs: on a VM, the host's side of the disk IO). One
+process shares one heap, so pages one engine's heap trim gives back may be
+faulted in again by the next configuration's step. ``--json`` writes the rows
+with the command and the machine (``bench/report.py`` makes a table of them).
 
 A configuration may also give ``"noop_io"``: ``"write"``, ``"read"`` or
 ``"both"`` (not an engine knob): that engine's slab store then skips those
@@ -28,9 +32,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import resource
+import shlex
 import statistics
 import sys
 import time
@@ -93,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     step_bench.add_shape_args(p, step_bench.Shape())  # the benchmark transformer of bench/step.py
     p.add_argument("--save-dir", default=None, help="parent of the run's scratch folder")
     p.add_argument("--json", default=None, help="also write the rows here")
-    args = p.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(words)
     configs: dict[str, dict[str, Any] | None] = {"none": None}
     for name, knobs in args.config or [("disk", {})]:
         configs[name] = knobs
@@ -116,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                     unchecked.add(name)
         models = {n: copy.deepcopy(base) for n in configs}
         opts = {n: torch.optim.SGD(models[n].parameters(), lr=1e-3) for n in configs}
-        # (wall, user, system, hypervisor steal) seconds per step
-        samples: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n in configs}
+        # (wall, user, system, hypervisor steal) seconds and minor page faults per step
+        samples: dict[str, list[tuple[float, float, float, float, int]]] = {n: [] for n in configs}
         names = list(configs)
         before = {}
         try:
@@ -141,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                     if r >= args.warmup:
                         cpu = (u1.ru_utime - u0.ru_utime, u1.ru_stime - u0.ru_stime)
                         steal = s1 - s0 if s0 is not None and s1 is not None else 0.0
-                        samples[n].append((dt, *cpu, steal))
+                        faults = u1.ru_minflt - u0.ru_minflt
+                        samples[n].append((dt, *cpu, steal, faults))
             ref = statistics.median(s[0] for s in samples["none"])
             for n in names:
                 step = statistics.median(s[0] for s in samples[n])
@@ -153,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                     "user_s": statistics.fmean(s[1] for s in samples[n]),
                     "sys_s": statistics.fmean(s[2] for s in samples[n]),
                     "steal_s": statistics.fmean(s[3] for s in samples[n]),
+                    "faults_per_step": statistics.fmean(s[4] for s in samples[n]),
                 }
                 if n in engines:
                     a, b = before[n], engines[n].stats()
@@ -179,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(
         f"{'config':<10} {'step ms':>8} {'ratio':>6} {'user ms':>8} {'sys ms':>7} "
-        f"{'steal ms':>8} {'MB/step':>8} {'skipped':>7} {'hit':>5} {'staged MB':>9}"
+        f"{'steal ms':>8} {'faults':>7} {'MB/step':>8} {'skipped':>7} {'hit':>5} "
+        f"{'staged MB':>9}"
     )
     for row in rows:
         extra = (
@@ -191,11 +201,24 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{row['name']:<10} {row['step_s'] * 1e3:8.1f} {row['ratio']:6.3f} "
             f"{row['user_s'] * 1e3:8.0f} {row['sys_s'] * 1e3:7.0f} "
-            f"{row['steal_s'] * 1e3:8.0f} {extra}"
+            f"{row['steal_s'] * 1e3:8.0f} {row['faults_per_step']:7.0f} {extra}"
         )
     if args.json:
+        machine = step_bench.machine_info()
+        doc = {
+            "bench": "ab.py",
+            "command": shlex.join(["python", "bench/ab.py", *words]),
+            "machine": machine,
+            "machine_line": step_bench.machine_line("bench/ab.py", machine),
+            "shape": dataclasses.asdict(shape),
+            "rounds": args.rounds,
+            "warmup": args.warmup,
+            "rows": rows,
+            "unchecked": sorted(unchecked),
+            "check": {"ok": not differ, "differ": differ},
+        }
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(doc, f, indent=1)
     if differ:
         print(f"NOT bit-identical to none: {', '.join(differ)}", file=sys.stderr)
         return 1

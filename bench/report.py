@@ -1,15 +1,17 @@
 """Markdown tables from the JSON the benchmarks write, for docs/benchmarks.md.
 
-Reads what ``bench/step.py --json``, ``bench/compiled.py --json`` and
-``bench/gpu.py --json`` write and prints, per file, the command that made it,
-the machine it ran on, and one markdown table per part of the result:
+Reads what ``bench/step.py --json``, ``bench/compiled.py --json``,
+``bench/gpu.py --json`` and ``bench/ab.py --json`` write and prints, per file,
+the command that made it, the machine it ran on, and one markdown table per
+part of the result:
 
 - ``step.py``: step time per mode; memory per mode (default allocator, the
   tuned allocator as labelled columns); the budget mode against its budget;
   what disk's IO costs moved by a bare thread (ioreplay, iospread); the write
   cap's memory; the targets as met / not met;
 - ``compiled.py``: prefetch hit rate, IO and unpack order per compile mode;
-- ``gpu.py``: step time and memory per mode, and its targets as PASS / FAIL.
+- ``gpu.py``: step time and memory per mode, and its targets as PASS / FAIL;
+- ``ab.py``: engine settings side by side (step time, CPU, steal, page faults).
 
 The tables are computed from the JSON alone (nothing is measured here, and
 torch is not imported), so a doc that pastes them cannot drift from the files
@@ -53,7 +55,7 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: i
 
 
 def kind_of(doc: Any) -> str | None:
-    """Which benchmark wrote ``doc``: "step.py", "compiled.py", "gpu.py" or None."""
+    """Which benchmark wrote ``doc``: "step.py", "compiled.py", "gpu.py", "ab.py" or None."""
     if not isinstance(doc, dict):
         return None
     if doc.get("bench") in RENDERERS:
@@ -77,6 +79,8 @@ def _header(doc: dict[str, Any], title: str) -> list[str]:
         m = doc["machine"]
         line = ", ".join(f"{k} {v}" for k, v in m.items())
     if line:
+        if line.startswith("bench/") and " on " in line:  # "bench/step.py on HOST: ..."
+            line = line.split(" on ", 1)[1]
         out.append(f"Machine: {line}")
     out.append("")
     return out
@@ -467,10 +471,59 @@ def _render_gpu(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+# -- bench/ab.py -------------------------------------------------------------------------
+
+
+def _render_ab(doc: dict[str, Any]) -> list[str]:
+    shape = doc["shape"]
+    out = _header(doc, "bench/ab.py")
+    out.append(
+        f"Model: TinyTransformer, {shape['depth']} blocks, width {shape['width']}, batch "
+        f"{shape['batch']} x {shape['seq']} tokens; one process, one step of each "
+        f"configuration per round, {doc['rounds']} timed rounds after {doc['warmup']}."
+    )
+    if doc.get("unchecked"):
+        out.append(
+            f"Not checked for exactness (their IO is skipped on purpose): "
+            f"{', '.join(doc['unchecked'])}."
+        )
+    out.append("")
+    body = [
+        (
+            r["name"],
+            "no offload"
+            if r["knobs"] is None
+            else (json.dumps(r["knobs"]) if r["knobs"] else "defaults"),
+            fmt(r["step_s"], ".3f"),
+            fmt(r["ratio"], ".2f", suffix="x"),
+            fmt(r["user_s"] + r["sys_s"], ".3f"),
+            fmt(r["steal_s"], ".3f"),
+            fmt(r.get("faults_per_step"), ".0f"),
+            fmt(r.get("mb_per_step"), ".0f"),
+            fmt(r.get("hit_rate"), ".0f", 100, "%"),
+        )
+        for r in doc["rows"]
+    ]
+    header = (
+        "config",
+        "settings",
+        "step s",
+        "vs none",
+        "CPU s/step",
+        "steal s/step",
+        "page faults/step",
+        "written MB/step",
+        "hit rate",
+    )
+    out += ["*Settings side by side*", "", markdown_table(header, body, left=2), ""]
+    return out
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "step.py": _render_step,
     "compiled.py": _render_compiled,
     "gpu.py": _render_gpu,
+    "ab.py": _render_ab,
 }
 
 
@@ -478,7 +531,9 @@ def render(doc: dict[str, Any]) -> str:
     """The markdown for one benchmark's JSON; ValueError if no benchmark here wrote it."""
     kind = kind_of(doc)
     if kind is None:
-        raise ValueError("not the JSON of bench/step.py, bench/compiled.py or bench/gpu.py")
+        raise ValueError(
+            "not the JSON of bench/step.py, bench/compiled.py, bench/gpu.py or bench/ab.py"
+        )
     return "\n".join(RENDERERS[kind](doc)).rstrip() + "\n"
 
 

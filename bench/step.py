@@ -238,6 +238,8 @@ class Knobs:
     # Bytes of saved activations that may stay in memory (engine modes; "budget" mode
     # sets its own from --budget-fraction).
     device_budget: int = _CONFIG_DEFAULTS["device_budget"]
+    # Bytes of progress between heap trims (NOTE [heap trim]); 0: never trim.
+    heap_trim_bytes: int = _CONFIG_DEFAULTS["heap_trim_bytes"] or 0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Knobs:
@@ -331,6 +333,7 @@ def make_mode(mode: str, save_dir: Path, knobs: Knobs, *, replay_bytes: int = 0)
             max_pending_write_bytes=knobs.max_pending_write_bytes,
             chunk_bytes=knobs.chunk_bytes,
             device_budget=knobs.device_budget,
+            heap_trim_bytes=knobs.heap_trim_bytes or None,
         )
         return ModeSetup(_engine_run(config), _engine_hooks)
     if mode == "seed":
@@ -469,6 +472,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=_CONFIG_DEFAULTS["device_budget"],
         help="disk mode's device_budget in bytes (default 0: offload everything)",
     )
+    p.add_argument(
+        "--heap-trim-bytes",
+        type=int,
+        default=_CONFIG_DEFAULTS["heap_trim_bytes"] or 0,
+        help="the engine modes' heap_trim_bytes (0: never give glibc's free heap pages back)",
+    )
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write JSON here")
     p.add_argument(
         "--plot",
@@ -487,8 +496,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--warmup must be >= 0")
     if args.probe_jobs < 1 or args.probe_repeats < 1:
         p.error("--probe-jobs and --probe-repeats must be >= 1")
-    if args.device_budget < 0:
-        p.error("--device-budget must be >= 0")
+    if args.device_budget < 0 or args.heap_trim_bytes < 0:
+        p.error("--device-budget and --heap-trim-bytes must be >= 0")
     if args.mem_rounds:
         _log("note: --mem-rounds is ignored; the memory probes measure whole steps")
     return args

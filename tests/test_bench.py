@@ -550,8 +550,11 @@ def test_ab_main_tiny(tmp_path: Path, cwd: Path) -> None:
     argv += ["--config", 'small:{"chunk_bytes": 16384, "min_offload_bytes": 0}']
     argv += ["--config", 'big:{"min_offload_bytes": 0}', "--json", str(out)]
     assert ab.main(argv) == 0
-    rows = {r["name"]: r for r in json.loads(out.read_text())}
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "ab.py" and doc["check"]["ok"]
+    rows = {r["name"]: r for r in doc["rows"]}
     assert list(rows) == ["none", "small", "big"] and rows["none"]["ratio"] == 1.0
+    assert all(r["faults_per_step"] >= 0 for r in rows.values())
     assert rows["small"]["mb_per_step"] > 0  # small batches reach the disk
     assert rows["big"]["mb_per_step"] == 0 and rows["big"]["skipped_per_step"] > 0
     assert all(r["steal_s"] >= 0 for r in rows.values())
@@ -700,8 +703,8 @@ def test_compiled_main_tiny(tmp_path: Path, cwd: Path, capsys: pytest.CaptureFix
 def test_report_tables_from_every_benchmark_json(
     tmp_path: Path, cwd: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """bench/report.py on the JSON that step.py (with probes and --plot), compiled.py and
-    gpu.py (CPU twin) write at their tiny sizes: one markdown table per part, each with
+    """bench/report.py on the JSON that step.py (with probes and --plot), compiled.py,
+    gpu.py (CPU twin) and ab.py write at their tiny sizes: one markdown table per part, with
     the figures of the JSON, the command and the machine line; step.py's output leads
     with what offload saved, what it cost and that training stayed exact."""
     step, compiled, gpu, report = _load("step"), _load("compiled"), _load("gpu"), _load("report")
@@ -735,12 +738,18 @@ def test_report_tables_from_every_benchmark_json(
     argv = [*TINY, *SMALL_BATCHES, "--twin", "--attention", "explicit", "--dtype", "fp32"]
     argv += ["--vocab", "64", "--disk-probe-mb", "8", "--save-dir", str(tmp_path / "s3")]
     assert gpu.main([*argv, "--json", str(gpu_json)]) == 0
+    ab_json = tmp_path / "ab.json"
+    argv = [*TINY_SHAPE, "--rounds", "2", "--warmup", "0", "--save-dir", str(tmp_path / "s4")]
+    argv += ["--config", 'small:{"chunk_bytes": 16384, "min_offload_bytes": 0}']
+    assert _load("ab").main([*argv, "--json", str(ab_json)]) == 0
     capsys.readouterr()
 
-    assert report.main([str(step_json), str(compiled_json), str(gpu_json)]) == 0
+    files = [str(f) for f in (step_json, compiled_json, gpu_json, ab_json)]
+    assert report.main(files) == 0
     md = capsys.readouterr().out
     assert f"Command: `{doc['command']}`" in md and doc["command"].startswith("python bench/step")
-    assert f"Machine: {doc['machine_line']}" in md and "cores" in doc["machine_line"]
+    host = doc["machine_line"].split(" on ", 1)[1]  # "bench/step.py on HOST: ..."
+    assert f"Machine: {host}" in md and "cores" in host
     rows = {r["mode"]: r for r in doc["rows"]}
     for header in (
         "| mode | what | step s | vs none | written MiB/step | hit rate |",
@@ -767,6 +776,8 @@ def test_report_tables_from_every_benchmark_json(
     for row in json.loads(compiled_json.read_text())["rows"]:
         assert f"| {row['mode']} | {row['label']} | {row['ref_median_step_s']:.3f} |" in md
     assert "| gradients bit-identical to none | PASS |" in md
+    small = json.loads(ab_json.read_text())["rows"][1]
+    assert f"| small | {json.dumps(small['knobs'])} | {small['step_s']:.3f} |" in md
     # Only a benchmark's JSON is accepted, with a message saying so.
     other = tmp_path / "other.json"
     other.write_text("[1, 2]")
