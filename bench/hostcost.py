@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -45,6 +46,7 @@ from dataclasses import asdict, dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
 
+import step as step_bench
 from _common import ordinary_pages, scratch_folder, steal_seconds
 
 from prefetch_offload.buffers import Block, mapped_block
@@ -166,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         "--sync-mib", type=int, default=64, help="with --buffered: flush and drop every N MiB"
     )
     p.add_argument("--json", help="also write the rows here")
-    args = p.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(words)
     if args.total_mib < 1 or args.request_mib < 1 or args.sync_mib < 1:
         p.error("--total-mib, --request-mib and --sync-mib must be >= 1")
     kinds = ["4k", "huge"] + (["cache"] if args.buffered else [])
@@ -185,8 +188,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{r.load:<7} {r.buffer:<6} {r.op:<6} {r.gbps:6.2f} {r.cpu_ms_per_gb:10.1f} {steal:>12}"
         )
     if args.json:
+        machine = step_bench.machine_info()
+        doc = {
+            "bench": "hostcost.py",
+            "command": shlex.join(["python", "bench/hostcost.py", *words]),
+            "machine": machine,
+            "machine_line": step_bench.machine_line("bench/hostcost.py", machine),
+            "total_mib": args.total_mib,
+            "request_mib": args.request_mib,
+            "rows": [asdict(r) for r in rows],
+        }
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
+            json.dump(doc, f, indent=1)
     return 0
 
 

@@ -1,9 +1,8 @@
 """Markdown tables from the JSON the benchmarks write, for docs/benchmarks.md.
 
-Reads what ``bench/step.py --json``, ``bench/compiled.py --json``,
-``bench/gpu.py --json`` and ``bench/ab.py --json`` write and prints, per file,
-the command that made it, the machine it ran on, and one markdown table per
-part of the result:
+Reads what the ``--json`` of ``bench/step.py``, ``compiled.py``, ``gpu.py``,
+``ab.py`` and ``hostcost.py`` write and prints, per file, the command that made
+it, the machine it ran on, and one markdown table per part of the result:
 
 - ``step.py``: step time per mode; memory per mode (default allocator, the
   tuned allocator as labelled columns); the budget mode against its budget;
@@ -11,7 +10,8 @@ part of the result:
   cap's memory; the targets as met / not met;
 - ``compiled.py``: prefetch hit rate, IO and unpack order per compile mode;
 - ``gpu.py``: step time and memory per mode, and its targets as PASS / FAIL;
-- ``ab.py``: engine settings side by side (step time, CPU, steal, page faults).
+- ``ab.py``: engine settings side by side (step time, CPU, steal, page faults);
+- ``hostcost.py``: GB/s, guest CPU and hypervisor steal per GB of disk IO.
 
 The tables are computed from the JSON alone (nothing is measured here, and
 torch is not imported), so a doc that pastes them cannot drift from the files
@@ -55,7 +55,7 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: i
 
 
 def kind_of(doc: Any) -> str | None:
-    """Which benchmark wrote ``doc``: "step.py", "compiled.py", "gpu.py", "ab.py" or None."""
+    """Which benchmark wrote ``doc`` (a key of ``RENDERERS``), or None."""
     if not isinstance(doc, dict):
         return None
     if doc.get("bench") in RENDERERS:
@@ -519,11 +519,38 @@ def _render_ab(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+# -- bench/hostcost.py -------------------------------------------------------------------
+
+
+def _render_hostcost(doc: dict[str, Any]) -> list[str]:
+    out = _header(doc, "bench/hostcost.py")
+    out.append(
+        f"{doc['total_mib']} MiB per row in {doc['request_mib']} MiB O_DIRECT requests; "
+        "idle: the other CPUs idle; loaded: one busy-looping process per CPU, as in training."
+    )
+    out.append("")
+    body = [
+        (
+            r["load"],
+            r["buffer"],
+            r["op"],
+            fmt(r["gbps"], ".2f"),
+            fmt(r["cpu_ms_per_gb"], ".0f"),
+            fmt(r["steal_ms_per_gb"], ".0f"),
+        )
+        for r in doc["rows"]
+    ]
+    header = ("load", "buffer", "op", "GB/s", "guest CPU ms/GB", "steal ms/GB")
+    out += ["*What a disk request costs*", "", markdown_table(header, body, left=3), ""]
+    return out
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "step.py": _render_step,
     "compiled.py": _render_compiled,
     "gpu.py": _render_gpu,
     "ab.py": _render_ab,
+    "hostcost.py": _render_hostcost,
 }
 
 
@@ -531,9 +558,7 @@ def render(doc: dict[str, Any]) -> str:
     """The markdown for one benchmark's JSON; ValueError if no benchmark here wrote it."""
     kind = kind_of(doc)
     if kind is None:
-        raise ValueError(
-            "not the JSON of bench/step.py, bench/compiled.py, bench/gpu.py or bench/ab.py"
-        )
+        raise ValueError(f"not the JSON of any of: {', '.join(f'bench/{k}' for k in RENDERERS)}")
     return "\n".join(RENDERERS[kind](doc)).rstrip() + "\n"
 
 

@@ -616,7 +616,9 @@ def test_hostcost_main_tiny(tmp_path: Path, cwd: Path) -> None:
     out = tmp_path / "hostcost.json"
     argv = ["--total-mib", "4", "--request-mib", "2", "--save-dir", str(tmp_path / "s")]
     assert hostcost.main([*argv, "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "hostcost.py" and doc["command"].startswith("python bench/hostcost")
+    rows = doc["rows"]
     seen = {(r["load"], r["buffer"], r["op"]) for r in rows}
     assert seen == {
         (a, b, c) for a in ("idle", "loaded") for b in ("4k", "huge") for c in ("write", "read")
@@ -644,7 +646,7 @@ def test_hostcost_buffered_kind_reaches_the_device(
         hostcost.main([*argv, "--buffered", "--save-dir", str(tmp_path / "s"), "--json", str(out)])
         == 0
     )
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["rows"]
     assert {(r["buffer"], r["op"]) for r in rows} >= {("cache", "write"), ("cache", "read")}
     mib = 1 << 20
     # After the setup drop: two flushed-and-dropped halves on write, two drops on read.
@@ -704,7 +706,7 @@ def test_report_tables_from_every_benchmark_json(
     tmp_path: Path, cwd: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """bench/report.py on the JSON that step.py (with probes and --plot), compiled.py,
-    gpu.py (CPU twin) and ab.py write at their tiny sizes: one markdown table per part, with
+    gpu.py (CPU twin), ab.py and hostcost.py write at tiny sizes: a table per part, with
     the figures of the JSON, the command and the machine line; step.py's output leads
     with what offload saved, what it cost and that training stayed exact."""
     step, compiled, gpu, report = _load("step"), _load("compiled"), _load("gpu"), _load("report")
@@ -742,9 +744,12 @@ def test_report_tables_from_every_benchmark_json(
     argv = [*TINY_SHAPE, "--rounds", "2", "--warmup", "0", "--save-dir", str(tmp_path / "s4")]
     argv += ["--config", 'small:{"chunk_bytes": 16384, "min_offload_bytes": 0}']
     assert _load("ab").main([*argv, "--json", str(ab_json)]) == 0
+    host_json = tmp_path / "hostcost.json"
+    argv = ["--total-mib", "4", "--request-mib", "2", "--save-dir", str(tmp_path / "s5")]
+    assert _load("hostcost").main([*argv, "--json", str(host_json)]) == 0
     capsys.readouterr()
 
-    files = [str(f) for f in (step_json, compiled_json, gpu_json, ab_json)]
+    files = [str(f) for f in (step_json, compiled_json, gpu_json, ab_json, host_json)]
     assert report.main(files) == 0
     md = capsys.readouterr().out
     assert f"Command: `{doc['command']}`" in md and doc["command"].startswith("python bench/step")
@@ -778,8 +783,10 @@ def test_report_tables_from_every_benchmark_json(
     assert "| gradients bit-identical to none | PASS |" in md
     small = json.loads(ab_json.read_text())["rows"][1]
     assert f"| small | {json.dumps(small['knobs'])} | {small['step_s']:.3f} |" in md
+    loaded = json.loads(host_json.read_text())["rows"][-1]
+    assert f"| loaded | {loaded['buffer']} | {loaded['op']} | {loaded['gbps']:.2f} |" in md
     # Only a benchmark's JSON is accepted, with a message saying so.
     other = tmp_path / "other.json"
     other.write_text("[1, 2]")
     assert report.main([str(other)]) == 1
-    assert "not the JSON of bench/step.py" in capsys.readouterr().err
+    assert "not the JSON of any of: bench/step.py" in capsys.readouterr().err
