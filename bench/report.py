@@ -314,6 +314,15 @@ def _step_targets(doc: dict[str, Any]) -> str | None:
                     met(budget["time_met"]),
                 )
             )
+        if "iospread_met" in budget:
+            body.append(
+                (
+                    "budget: step time / iospread's",
+                    "<= 1.05x",
+                    fmt(budget["time_vs_iospread"], ".2f", suffix="x"),
+                    met(budget["iospread_met"]),
+                )
+            )
     if not body:
         return None
     return markdown_table(("target", "needs", "measured", "verdict"), body, left=4)

@@ -778,6 +778,12 @@ def test_report_tables_from_every_benchmark_json(
     cut = doc["target"]["disk"]
     verdict = "met" if cut["met"] else "**not met**"
     assert f"| >= 80% | {cut['act_cut'] * 100:.0f}% | {verdict} |" in md
+    spread = doc["target"]["budget"]
+    assert spread["time_vs_iospread"] == pytest.approx(
+        budget["median_step_s"] / rows["iospread"]["median_step_s"]
+    )
+    verdict = "met" if spread["iospread_met"] else "**not met**"
+    assert f"| <= 1.05x | {spread['time_vs_iospread']:.2f}x | {verdict} |" in md
     for row in json.loads(compiled_json.read_text())["rows"]:
         assert f"| {row['mode']} | {row['label']} | {row['ref_median_step_s']:.3f} |" in md
     assert "| gradients bit-identical to none | PASS |" in md
