@@ -39,7 +39,7 @@ and the unpack order as runs of consecutive records (``a..b``).
 
 Example (the shape of the compile issue: 6 blocks, width 256, batch 8 x 256):
     .venv/bin/python bench/compiled.py --modes eager,regional,whole \\
-        --json bench/results/compiled.json
+        --json docs/results/compiled.json
 """
 
 from __future__ import annotations

@@ -568,7 +568,13 @@ def render(doc: dict[str, Any]) -> str:
     kind = kind_of(doc)
     if kind is None:
         raise ValueError(f"not the JSON of any of: {', '.join(f'bench/{k}' for k in RENDERERS)}")
-    return "\n".join(RENDERERS[kind](doc)).rstrip() + "\n"
+    lines = RENDERERS[kind](doc)
+    # The lines between the title and the first table's caption (command, machine, run)
+    # as a list, so that markdown keeps them apart.
+    first = next((i for i, x in enumerate(lines) if x.startswith("*") and i > 0), len(lines))
+    head, rest = lines[:first], lines[first:]
+    lines = [head[0], "", *(f"- {x}" for x in head[1:] if x), "", *rest]
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -36,7 +36,7 @@ high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs`` before the
 first step and at each phase boundary, all against the same starting RSS), so
 no peak is too short to catch; a 1 ms RSS sampler runs beside it (the measure
 where the reset is not allowed) and its samples over the last step are kept in
-the JSON (``timelines``) for a plot of memory over a step. ``fwd``/``bwd`` split
+the JSON (``timelines``); ``--plot`` draws them for none, disk and budget. ``fwd``/``bwd`` split
 the peak into forward and backward (with the optimizer step).
 
 The primary probes run with glibc's default allocator, which is what users run:
@@ -83,6 +83,7 @@ import gc
 import json
 import os
 import platform
+import re
 import resource
 import shlex
 import shutil
@@ -1426,8 +1427,18 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
             "plot": None if plot_path is None else str(plot_path),
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        args.json.write_text(dumps(doc), encoding="utf-8")
     return 1 if problems else 0
+
+
+_NUMBERS = re.compile(r"\[\n\s+((?:-?[0-9.eE+-]+,\n\s+)*-?[0-9.eE+-]+)\n\s+\]")
+
+
+def dumps(doc: Any) -> str:
+    """``doc`` as indented JSON, each list of numbers on one line (the RSS timelines and
+    per-step samples would otherwise take a line per number)."""
+    text = json.dumps(doc, indent=2)
+    return _NUMBERS.sub(lambda m: "[" + re.sub(r",\n\s+", ", ", m.group(1)) + "]", text) + "\n"
 
 
 def _probe_modes(

@@ -23,7 +23,7 @@ docstring). ``--no-mem-probe`` skips it.
 The default grid (5 depths x 3 worker counts + 2 pending values, 6 timed steps
 each at step.py's default shape) takes about 3-5 minutes on 2 cores. Example::
 
-    .venv/bin/python bench/sweep.py --json docs/sweep.json --plot docs/sweep.png
+    .venv/bin/python bench/sweep.py --json sweep.json --plot sweep.png
 """
 
 from __future__ import annotations
