@@ -819,7 +819,7 @@ def probe_many(
         if mode in ENGINE_MODES:
             extra = f", max_pending_write_bytes {knobs.max_pending_write_bytes}"
             extra += f", device_budget {knobs.device_budget}"
-        _log(f"memory probe ({allocator} allocator): {mode}{extra}")
+        _progress(f"memory probe ({allocator} allocator): {mode}{extra}")
         return probe_memory(mode, shape, knobs, save_dir, allocator=allocator)
 
     if jobs <= 1:
@@ -1264,7 +1264,25 @@ def machine_line(prog: str, machine: dict[str, Any]) -> str:
 
 
 def _log(msg: str) -> None:
+    _end_progress()
     print(msg, file=sys.stderr, flush=True)
+
+
+def _progress(msg: str) -> None:
+    """A progress line on stderr: on a terminal, one line rewritten in place (cleared
+    before the report, which then leads the output); elsewhere, a line per call."""
+    if not sys.stderr.isatty():
+        print(msg, file=sys.stderr, flush=True)
+        return
+    width = shutil.get_terminal_size().columns - 1
+    sys.stderr.write("\r\033[K" + msg[:width])
+    sys.stderr.flush()
+
+
+def _end_progress() -> None:
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\033[K")
+        sys.stderr.flush()
 
 
 # -- main --------------------------------------------------------------------------------
@@ -1315,7 +1333,7 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
     }
     del model
     try:
-        log = run_rounds(workers, phases, _log)
+        log = run_rounds(workers, phases, _progress)
     except ModeFailed as exc:
         _log(f"error: {exc.where} failed:")
         traceback.print_exception(exc.__cause__ or exc)
@@ -1341,6 +1359,7 @@ def _run(args: argparse.Namespace, modes: list[str], run_dir: Path, fstype: str)
     problems = _check(modes, workers, log.losses)
 
     # What a user wants to know first; the tables and what their columns mean follow.
+    _end_progress()
     for line in headline(rows, problems, len(phases)):
         print(line)
     print()
