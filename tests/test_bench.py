@@ -463,17 +463,6 @@ def test_sweep_plot(tmp_path: Path, cwd: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_longrun_main_tiny(tmp_path: Path, cwd: Path) -> None:
-    longrun = _load("longrun")
-    out = tmp_path / "longrun.json"
-    argv = ["--steps", "12", "--every", "4", "--width", "16", "--depth", "1", "--seq", "8"]
-    assert longrun.main([*argv, "--save-dir", str(tmp_path / "s"), "--json", str(out)]) == 0
-    samples = json.loads(out.read_text())
-    assert [s["step"] for s in samples] == [4, 8, 12]
-    assert all(s["disk_in_use"] == 0 for s in samples)
-    assert _empty(tmp_path / "s")
-
-
 def test_iobound_main_tiny(tmp_path: Path, cwd: Path) -> None:
     iobound = _load("iobound")
     out = tmp_path / "iobound.json"
