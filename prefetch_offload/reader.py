@@ -31,7 +31,13 @@
 #
 # NOTE [window bytes]
 # With prefetch_bytes=None a prefetch window may hold what the slabs deliver in
-#
+# _AUTO_WINDOW_SECONDS at the read bandwidth measured so far (bytes read over
+# the IO threads' time reading them), within [_AUTO_WINDOW_MIN, AUTO_WINDOW_MAX];
+# AUTO_WINDOW_START until enough has been read to measure. A window bounded so
+# has its reads done in about that time, which is the backward compute of a
+# block or two that it must hide behind; a larger one holds memory for reads
+# that could not have been late anyway. Eager windows are usually bounded by
+# prefetch_depth first (NOTE [lookahead] in plan.py).
 """
 
 from __future__ import annotations
