@@ -25,9 +25,16 @@
 # two adjacent nodes saved the same span (nll_loss and log_softmax both save the
 # log-probabilities) the second would find the restored copy already gone and
 # read it again. The engine keeps the last few restored spans alive: a bounded
-# cost (this many spans, during backward only: they are let go when the backward
+# cost (_RECENT_SPANS spans, during backward only: they are let go when the backward
 # pass ends, through an autograd final callback, or at the next pack) that
 # removes those repeated reads.
+#
+# NOTE [head of line]
+# Copies to a device run in order on one stream. On a miss that needs such a
+# copy, the record being waited for is copied before its window's prefetches,
+# so compute does not wait behind prefetch_depth speculative copies. Reads from
+# disk are not ordered so: the window's reads go to the IO threads first, and
+# the unpacking thread reads the record itself meanwhile (NOTE [claiming jobs]).
 #
 # NOTE [window bytes]
 # With prefetch_bytes=None a prefetch window may hold what the slabs deliver in
@@ -108,13 +115,8 @@ class ReadPath:
         self.read_pool = HostBufferPool(_POOL_IDLE_BYTES)
 
     def copy_first(self, rec: Record) -> bool:
-        """Whether ``rec`` needs a copy to its device that nothing has queued yet.
-
-        NOTE [head of line]: copies to a device run in order on one stream, so on
-        such a miss the record being waited for is copied before its window's
-        prefetches. Reads from disk are not ordered so: the window's reads go to
-        the IO threads first, and this thread reads the record itself meanwhile.
-        """
+        """Whether ``rec`` needs a copy to its device that nothing has queued yet
+        (then it is materialized before its window is prefetched: NOTE [head of line])."""
         return (
             rec.prefetch is None
             and rec.source is not None
