@@ -285,44 +285,25 @@ def _step_targets(doc: dict[str, Any]) -> str | None:
                 met(disk["met"]),
             )
         )
-    budget = target.get("budget")
-    if budget:
-        if "peak" in budget:
-            body.append(
-                (
-                    "budget: peak",
-                    f"<= {budget['peak_limit'] / MiB:.1f} MiB",
-                    fmt(budget["peak"], ".1f", 1 / MiB, " MiB"),
-                    met(budget["peak_met"]),
-                )
+    budget = target.get("budget") or {}
+    if "peak" in budget:
+        body.append(
+            (
+                "budget: peak",
+                f"<= {budget['peak_limit'] / MiB:.1f} MiB",
+                fmt(budget["peak"], ".1f", 1 / MiB, " MiB"),
+                met(budget["peak_met"]),
             )
-        if "moved_ratio" in budget:
-            body.append(
-                (
-                    "budget: written per step / (saved - budget)",
-                    "0.90x-1.10x",
-                    fmt(budget["moved_ratio"], ".2f", suffix="x"),
-                    met(budget["moved_met"]),
-                )
-            )
-        if "time_vs_disk" in budget:
-            body.append(
-                (
-                    "budget: step time / disk's",
-                    "< 1.00x",
-                    fmt(budget["time_vs_disk"], ".2f", suffix="x"),
-                    met(budget["time_met"]),
-                )
-            )
-        if "iospread_met" in budget:
-            body.append(
-                (
-                    "budget: step time / iospread's",
-                    "<= 1.05x",
-                    fmt(budget["time_vs_iospread"], ".2f", suffix="x"),
-                    met(budget["iospread_met"]),
-                )
-            )
+        )
+    # (what, needs, the ratio's key, its verdict's key)
+    ratios = (
+        ("budget: written per step / (saved - budget)", "0.90x-1.10x", "moved_ratio", "moved_met"),
+        ("budget: step time / disk's", "< 1.00x", "time_vs_disk", "time_met"),
+        ("budget: step time / iospread's", "<= 1.05x", "time_vs_iospread", "iospread_met"),
+    )
+    for what, needs, key, verdict in ratios:
+        if key in budget and verdict in budget:
+            body.append((what, needs, fmt(budget[key], ".2f", suffix="x"), met(budget[verdict])))
     if not body:
         return None
     return markdown_table(("target", "needs", "measured", "verdict"), body, left=4)

@@ -44,7 +44,6 @@
 
 from __future__ import annotations
 
-import bisect
 import collections
 import contextlib
 import os
@@ -57,6 +56,7 @@ import torch
 
 from .buffers import Block, HostBufferPool, mapped_block
 from .errors import OffloadFallbackWarning
+from .freelist import FreeRuns
 
 __all__ = ["PinnedArena", "host_memory_limit", "pin_block"]
 
@@ -132,38 +132,15 @@ def _pow2_at_most(n: int) -> int:
     return 1 << (n.bit_length() - 1) if n > 0 else 0
 
 
-class _Arena:
-    """One pinned block and its free runs ([offset, length], sorted, never adjacent)."""
+class _Arena(FreeRuns):
+    """One pinned block and its free runs (bytes, in whole grains)."""
 
-    __slots__ = ("block", "free", "reserved", "size", "used")
+    __slots__ = ("block", "reserved")
 
     def __init__(self, block: Block, reserved: int) -> None:
+        super().__init__(block.size // _GRAIN * _GRAIN)
         self.block = block
         self.reserved = reserved  # bytes pinned for it (the block may be a page shorter)
-        self.size = block.size // _GRAIN * _GRAIN
-        self.free: list[list[int]] = [[0, self.size]] if self.size else []
-        self.used = 0
-
-    def take(self, length: int) -> int | None:
-        for i, (off, n) in enumerate(self.free):
-            if n >= length:
-                if n == length:
-                    del self.free[i]
-                else:
-                    self.free[i] = [off + length, n - length]
-                self.used += length
-                return off
-        return None
-
-    def give(self, offset: int, length: int) -> None:
-        self.used -= length
-        free = self.free
-        i = bisect.bisect_left(free, [offset, 0])
-        free.insert(i, [offset, length])
-        if i + 1 < len(free) and offset + length == free[i + 1][0]:
-            free[i][1] += free.pop(i + 1)[1]
-        if i > 0 and free[i - 1][0] + free[i - 1][1] == offset:
-            free[i - 1][1] += free.pop(i)[1]
 
 
 class PinnedArena:

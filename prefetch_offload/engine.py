@@ -46,7 +46,7 @@ from .config import OffloadConfig
 from .device import DeviceLayer, default_device_layer
 from .errors import ErrorSlot, OffloadError, OffloadFallbackWarning
 from .heap import HeapTrimmer
-from .io_pool import READ, InlineIOPool, IOPool, ThreadIOPool
+from .io_pool import READ, InlineAfterShutdown, InlineIOPool, IOPool, ThreadIOPool
 from .packed import Span, ViewMeta, make_view, view_span
 from .plan import PrefetchPlan
 from .policy import DEVICE, DISK, HOST, TierPolicy
@@ -191,7 +191,10 @@ class OffloadEngine:
         # ``pool`` lets tests run the inline reference pool instead of threads.
         if pool is None:
             pool = ThreadIOPool(config.io_workers) if self._store is not None else InlineIOPool()
-        self._pool: IOPool = pool
+        # An engine dropped without close() (built directly) still stops its threads.
+        weakref.finalize(self, pool.shutdown, wait=False)
+        # Later unpacks of a graph used after exit read synchronously.
+        pool = self._pool = InlineAfterShutdown(pool)
         # NOTE [heap trim]: glibc's free heap pages go back as CPU activations leave.
         self._heap = HeapTrimmer(config.heap_trim_bytes, pool, self._stats, self._errors.report)
         self._writer: WritePath | None = None
@@ -208,8 +211,6 @@ class OffloadEngine:
         self._reader = ReadPath(
             config, self._store, self._device, pool, self._stats, self._lock, self._plan
         )
-        # An engine dropped without close() (built directly) still stops its threads.
-        weakref.finalize(self, pool.shutdown, wait=False)
 
     # -- public -----------------------------------------------------------------------------
 
@@ -685,11 +686,8 @@ class OffloadEngine:
         # After the IO threads stopped: a prefetch still reading at close returns its
         # block when it ends (NOTE [read buffer pool]: nothing idle is kept after exit).
         self._reader.read_pool.trim()
-        # Later unpacks of a graph used after exit read synchronously.
-        self._pool = self._reader.pool = self._heap.pool = InlineIOPool()
         if self._writer is not None:
             self._writer.close()
-            self._writer.pool = self._pool
         self._drain_dead()
         if self._store is not None:
             self._store.trim()

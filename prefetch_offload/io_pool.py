@@ -137,6 +137,24 @@ class InlineIOPool(IOPool):
         return fut
 
 
+class InlineAfterShutdown(IOPool):
+    """Runs jobs on ``pool`` until shutdown, then inline in the submitting thread.
+
+    The engine's parts share one of these, so that a graph used after its
+    context exited reads synchronously without anyone swapping pools.
+    """
+
+    def __init__(self, pool: IOPool) -> None:
+        self.pool = pool
+
+    def submit(self, fn: Callable[[], T], priority: int) -> IOFuture[T]:
+        return self.pool.submit(fn, priority)
+
+    def shutdown(self, wait: bool = True) -> None:
+        pool, self.pool = self.pool, InlineIOPool()
+        pool.shutdown(wait)
+
+
 class ThreadIOPool(IOPool):
     """``workers`` daemon threads pulling jobs from one priority queue."""
 

@@ -104,7 +104,7 @@ class ReadPath:
         self.config = config
         self._store = store
         self._device = device
-        self.pool = pool  # replaced by the engine at close
+        self.pool = pool
         self._stats = stats
         self._lock = lock
         self._plan = plan

@@ -49,7 +49,6 @@
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import errno
 import mmap
@@ -63,6 +62,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .freelist import FreeRuns
 from .packed import ALIGN
 
 __all__ = [
@@ -188,38 +188,15 @@ class Extent:
     length: int
 
 
-class _Slab:
-    __slots__ = ("fd", "free", "mm", "size", "used")
+class _Slab(FreeRuns):
+    """One slab file, its mapping (io_method "mmap"), and its free runs."""
+
+    __slots__ = ("fd", "mm")
 
     def __init__(self, fd: int, size: int, mm: mmap.mmap | None) -> None:
+        super().__init__(size)
         self.fd = fd
-        self.size = size
         self.mm = mm
-        # Free runs as parallel sorted lists would be faster to search; a short
-        # list of [offset, length] pairs is plenty for activations.
-        self.free: list[list[int]] = [[0, size]]
-        self.used = 0
-
-    def take(self, length: int) -> int | None:
-        for i, (off, n) in enumerate(self.free):
-            if n >= length:
-                if n == length:
-                    del self.free[i]
-                else:
-                    self.free[i] = [off + length, n - length]
-                self.used += length
-                return off
-        return None
-
-    def give(self, offset: int, length: int) -> None:
-        self.used -= length
-        i = bisect.bisect_left(self.free, [offset, 0])
-        self.free.insert(i, [offset, length])
-        # Coalesce with the next run, then with the previous one.
-        if i + 1 < len(self.free) and offset + length == self.free[i + 1][0]:
-            self.free[i][1] += self.free.pop(i + 1)[1]
-        if i > 0 and self.free[i - 1][0] + self.free[i - 1][1] == offset:
-            self.free[i - 1][1] += self.free.pop(i)[1]
 
 
 class _NoInode(Exception):

@@ -160,7 +160,7 @@ class WritePath:
     ) -> None:
         self.config = config
         self._store = store
-        self.pool = pool  # replaced by the engine at close
+        self.pool = pool
         self._stats = stats
         self._lock = lock
         self._policy = policy

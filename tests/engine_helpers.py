@@ -1,9 +1,11 @@
-"""Helpers the engine tests share: a tiny model, exact gradient comparison, engines."""
+"""Helpers the tests share: a tiny model, exact gradient comparison, engines (on the
+disk, or over the CPU twin of the CUDA path), and a small real filesystem."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from prefetch_offload import OffloadConfig, OffloadEngine
+from prefetch_offload.device import RoutingDevice, SpanCopyDevice
 from prefetch_offload.io_pool import InlineIOPool
 from prefetch_offload.testing import TinyTransformer
 
@@ -72,3 +75,52 @@ def slow_store(
         real(*args)
 
     monkeypatch.setattr(engine._store, method, slow)
+
+
+@contextlib.contextmanager
+def twin_with_hooks(
+    target: str,
+    save_dir: Path,
+    *,
+    delay: float = 0.0,
+    layer_kw: dict[str, Any] | None = None,
+    **kw: Any,
+) -> Iterator[tuple[OffloadEngine, SpanCopyDevice]]:
+    """An engine with hooks over the CPU twin; ``layer_kw`` goes to SpanCopyDevice."""
+    kw.setdefault("min_offload_bytes", 0)
+    if target == "disk":
+        kw["save_dir"] = str(save_dir)
+        kw.setdefault("chunk_bytes", 16384)  # small write batches: the tiny model's go to disk
+    layer = SpanCopyDevice(
+        "cpu",
+        twin_delay=delay,
+        max_inflight_bytes=kw.get("max_pending_write_bytes", 64 << 20),
+        **(layer_kw or {}),
+    )
+    engine = OffloadEngine(OffloadConfig(target=target, **kw), device=RoutingDevice([layer]))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+            yield engine, layer
+    finally:
+        engine.close(raise_errors=False)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(where: Path, size: str, *, read_only: bool = False) -> Iterator[Path]:
+    """A real small filesystem at ``where``; skips the test where mounting is not allowed."""
+    where.mkdir()
+    opts = f"size={size}" + (",ro" if read_only else "")
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)],
+            capture_output=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot mount tmpfs here: {exc}")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=20)

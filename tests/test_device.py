@@ -8,7 +8,6 @@ the same checks on a GPU.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import errno
 import gc
@@ -17,45 +16,17 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from engine_helpers import twin_with_hooks
 
 from prefetch_offload import OffloadConfig, OffloadEngine, OffloadError, OffloadFallbackWarning
 from prefetch_offload.device import RoutingDevice, SpanCopyDevice, direct_io_roundtrip
 from prefetch_offload.slab import direct_io_supported
 from prefetch_offload.testing import TinyTransformer, make_batch
-
-
-@contextlib.contextmanager
-def _twin(
-    target: str,
-    save_dir: Path,
-    *,
-    delay: float = 0.0,
-    layer_kw: dict[str, Any] | None = None,
-    **kw: Any,
-) -> Iterator[tuple[OffloadEngine, SpanCopyDevice]]:
-    """An engine with hooks over the CPU twin; ``layer_kw`` goes to SpanCopyDevice."""
-    kw.setdefault("min_offload_bytes", 0)
-    if target == "disk":
-        kw["save_dir"] = str(save_dir)
-        kw.setdefault("chunk_bytes", 16384)  # small write batches: the tiny model's go to disk
-    layer = SpanCopyDevice(
-        "cpu",
-        twin_delay=delay,
-        max_inflight_bytes=kw.get("max_pending_write_bytes", 64 << 20),
-        **(layer_kw or {}),
-    )
-    engine = OffloadEngine(OffloadConfig(target=target, **kw), device=RoutingDevice([layer]))
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
-            yield engine, layer
-    finally:
-        engine.close(raise_errors=False)
 
 
 def _model() -> tuple[TinyTransformer, torch.Tensor, torch.Tensor]:
@@ -76,7 +47,7 @@ def test_twin_grads_bit_identical(save_dir: Path, target: str, depth: int, delay
     model, tokens, targets = _model()
     ref = copy.deepcopy(model)
     ref(tokens, targets).backward()
-    with _twin(target, save_dir, delay=delay, prefetch_depth=depth) as (engine, _):
+    with twin_with_hooks(target, save_dir, delay=delay, prefetch_depth=depth) as (engine, _):
         model(tokens, targets).backward()
     for a, b in zip(_grads(model), _grads(ref), strict=True):
         assert torch.equal(a, b)
@@ -107,7 +78,7 @@ def test_twin_race_freed_and_reused_memory(save_dir: Path, target: str) -> None:
 
     step().backward()
     expected, x.grad = x.grad, None
-    with _twin(target, save_dir, delay=0.01) as (_, layer):
+    with twin_with_hooks(target, save_dir, delay=0.01) as (_, layer):
         step().backward()
     assert torch.equal(x.grad, expected)
     assert layer.pool.pin_calls > 0
@@ -117,7 +88,7 @@ def test_twin_inplace_change_before_the_copy_ran_is_caught(save_dir: Path) -> No
     """NOTE [version check]: the owner is gone by backward; the copy might have seen
     either value, so the engine must refuse, as autograd does."""
     x = torch.randn(4096, requires_grad=True)
-    with _twin("cpu", save_dir, delay=0.05):
+    with twin_with_hooks("cpu", save_dir, delay=0.05):
         y = x * 2
         z = y.sin()  # saves y
         y.mul_(3)  # in place, while the copy of y is still queued
@@ -128,7 +99,7 @@ def test_twin_inplace_change_before_the_copy_ran_is_caught(save_dir: Path) -> No
 
 def test_twin_activation_freed_once_copied(save_dir: Path) -> None:
     x = torch.randn(1 << 16, requires_grad=True)
-    with _twin("cpu", save_dir, delay=0.02) as (_, layer):
+    with twin_with_hooks("cpu", save_dir, delay=0.02) as (_, layer):
         y = x * 2
         ref = weakref.ref(y.untyped_storage())
         z = y.sin()
@@ -156,7 +127,7 @@ def test_twin_arena_stops_pinning_and_growing_after_warmup(save_dir: Path, targe
     # writes); a small write cap bounds them, so that the warm-up reaches the bound.
     kw = {"max_pending_write_bytes": 128 << 10} if target == "disk" else {}
     warmup = 2 if target == "cpu" else 4
-    with _twin(target, save_dir, delay=0.001, layer_kw=small_steps, **kw) as (_, layer):
+    with twin_with_hooks(target, save_dir, delay=0.001, layer_kw=small_steps, **kw) as (_, layer):
         seen = []
         for i in range(warmup + 8):
             tokens, targets = batches[i % 2]
@@ -186,7 +157,7 @@ def test_twin_failed_pinning_warns_once_and_counts_pageable_copies(save_dir: Pat
     ref(tokens, targets).backward()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with _twin("cpu", save_dir, layer_kw={"pin": refuse}) as (engine, layer):
+        with twin_with_hooks("cpu", save_dir, layer_kw={"pin": refuse}) as (engine, layer):
             for _ in range(2):
                 model.zero_grad(set_to_none=True)
                 model(tokens, targets).backward()
@@ -205,7 +176,7 @@ def test_twin_pinned_limit_bounds_the_arenas(save_dir: Path) -> None:
     layer_kw = {"host_budget": 512 << 10, "arena_step_bytes": 128 << 10}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with _twin("cpu", save_dir, layer_kw=layer_kw) as (_, layer):
+        with twin_with_hooks("cpu", save_dir, layer_kw=layer_kw) as (_, layer):
             model(tokens, targets).backward()
             assert 0 < layer.pool.peak_pinned_bytes <= 512 << 10
     (message,) = _fallback_warnings(caught)
@@ -278,7 +249,7 @@ def test_twin_write_waits_for_its_copy(save_dir: Path, monkeypatch: pytest.Monke
     model, tokens, targets = _model()
     ref = copy.deepcopy(model)
     ref(tokens, targets).backward()
-    with _twin("disk", save_dir, delay=0.005) as (engine, _):
+    with twin_with_hooks("disk", save_dir, delay=0.005) as (engine, _):
         loss = model(tokens, targets)
         engine.flush()  # everything on disk: backward reads it all back
         loss.backward()
@@ -289,7 +260,7 @@ def test_twin_write_waits_for_its_copy(save_dir: Path, monkeypatch: pytest.Monke
 
 def test_twin_graph_used_after_exit(save_dir: Path) -> None:
     x = torch.randn(4096, requires_grad=True)
-    with _twin("cpu", save_dir, delay=0.01):
+    with twin_with_hooks("cpu", save_dir, delay=0.01):
         loss = (x * 3).sin().sum()
     loss.backward()  # streams closed: copies run inline
     assert torch.equal(x.grad, 3 * (3 * x.detach()).cos())
@@ -316,7 +287,7 @@ class _SavesAndChecksAlignment(torch.autograd.Function):
 def test_twin_restored_views_keep_their_alignment(save_dir: Path, target: str, flush: bool) -> None:
     """Kernels choose code paths by pointer alignment; a restored view must not change it."""
     x = torch.randn(1 << 16, requires_grad=True)
-    with _twin(target, save_dir, delay=0.001) as (engine, _):
+    with twin_with_hooks(target, save_dir, delay=0.001) as (engine, _):
         ys = [_SavesAndChecksAlignment.apply((x * 1)[i : i + 50_000]) for i in (3, 17, 100)]
         if flush:
             engine.flush()
@@ -370,7 +341,7 @@ def test_twin_full_disk_issues_no_device_copy(
     model, tokens, targets = _model()
     ref = copy.deepcopy(model)
     ref(tokens, targets).backward()
-    with _twin("disk", save_dir) as (engine, _):
+    with twin_with_hooks("disk", save_dir) as (engine, _):
         assert engine._store is not None
         monkeypatch.setattr(engine._store, "allocate", lambda n: None)
         with pytest.warns(OffloadFallbackWarning):
@@ -399,7 +370,7 @@ def test_twin_host_block_off_the_page_start_is_reserved_again(
     model, tokens, targets = _model()
     ref = copy.deepcopy(model)
     ref(tokens, targets).backward()
-    with _twin("disk", save_dir) as (engine, _):
+    with twin_with_hooks("disk", save_dir) as (engine, _):
         calls: list[int] = []
         real_allocate = engine._allocate
 

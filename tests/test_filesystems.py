@@ -2,37 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import mounted_tmpfs
 
 from prefetch_offload import OffloadFallbackWarning, offload_context
 from prefetch_offload.testing import TinyTransformer, make_batch
-
-
-@contextlib.contextmanager
-def _tmpfs(where: Path, size: str, *, read_only: bool = False) -> Iterator[Path]:
-    where.mkdir()
-    opts = f"size={size}" + (",ro" if read_only else "")
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)],
-            capture_output=True,
-            timeout=20,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount tmpfs here: {exc}")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=20)
 
 
 def test_full_disk_falls_back_to_memory_with_exact_gradients(tmp_path: Path) -> None:
@@ -41,7 +19,7 @@ def test_full_disk_falls_back_to_memory_with_exact_gradients(tmp_path: Path) -> 
     tokens, targets = make_batch(8, 128, vocab=128)  # ~60 MB saved: far more than 16 MiB
     ref = copy.deepcopy(model)
     ref(tokens, targets).backward()
-    with _tmpfs(tmp_path / "small", "16m") as small:
+    with mounted_tmpfs(tmp_path / "small", "16m") as small:
         with (
             pytest.warns(OffloadFallbackWarning, match=str(small)) as record,
             offload_context(
@@ -60,7 +38,7 @@ def test_full_disk_falls_back_to_memory_with_exact_gradients(tmp_path: Path) -> 
 
 
 def test_read_only_filesystem_is_refused_at_entry(tmp_path: Path) -> None:
-    with _tmpfs(tmp_path / "ro", "1m", read_only=True) as ro:
+    with mounted_tmpfs(tmp_path / "ro", "1m", read_only=True) as ro:
         with pytest.raises(ValueError, match="read-only filesystem"):
             with offload_context("disk", str(ro)):
                 pytest.fail("the body must not run")

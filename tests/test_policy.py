@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from engine_helpers import engine_with_hooks
+from engine_helpers import engine_with_hooks, twin_with_hooks
 
 from prefetch_offload import (
     OffloadConfig,
@@ -20,7 +18,6 @@ from prefetch_offload import (
     OffloadFallbackWarning,
     offload_context,
 )
-from prefetch_offload.device import RoutingDevice, SpanCopyDevice
 from prefetch_offload.policy import DEVICE, DISK, HOST, TierPolicy
 
 N = 1 << 14  # elements per saved tensor
@@ -218,23 +215,11 @@ def test_budget_defaults_follow_the_target(tmp_path: Path) -> None:
 # -- the CPU twin of the CUDA path: the host tier ------------------------------------------
 
 
-@contextlib.contextmanager
-def _twin(target: str, save_dir: Path, **kw: Any) -> Iterator[OffloadEngine]:
-    kw.setdefault("min_offload_bytes", 0)
-    if target == "disk":
-        kw.update(save_dir=str(save_dir), chunk_bytes=4096)
-    layer = SpanCopyDevice("cpu")
-    engine = OffloadEngine(OffloadConfig(target=target, **kw), device=RoutingDevice([layer]))
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
-            yield engine
-    finally:
-        engine.close(raise_errors=False)
-
-
 def test_twin_host_budget_spills_the_oldest_copies_to_disk(save_dir: Path) -> None:
     x = torch.randn(N, requires_grad=True)
-    with _twin("disk", save_dir, device_budget=SIZE, host_budget=2 * SIZE) as engine:
+    with twin_with_hooks(
+        "disk", save_dir, chunk_bytes=4096, device_budget=SIZE, host_budget=2 * SIZE
+    ) as (engine, _):
         loss = _chain(x)
         engine.flush()
         stats = engine.stats()
@@ -249,7 +234,10 @@ def test_twin_host_budget_spills_the_oldest_copies_to_disk(save_dir: Path) -> No
 
 def test_twin_device_budget_serves_resident_tensors_without_copies(save_dir: Path) -> None:
     x = torch.randn(N, requires_grad=True)
-    with _twin("disk", save_dir, device_budget=LINKS * SIZE) as engine:
+    with twin_with_hooks("disk", save_dir, chunk_bytes=4096, device_budget=LINKS * SIZE) as (
+        engine,
+        _,
+    ):
         _chain(x).backward()
         stats = engine.stats()
     assert stats.bytes_demoted_to_host == stats.bytes_demoted_to_disk == 0
@@ -261,7 +249,7 @@ def test_twin_cpu_target_with_host_budget_exhausted_stays_on_device(save_dir: Pa
     x = torch.randn(N, requires_grad=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with _twin("cpu", save_dir, host_budget=3 * SIZE) as engine:
+        with twin_with_hooks("cpu", save_dir, host_budget=3 * SIZE) as (engine, _):
             _chain(x).backward()
             stats = engine.stats()
     fallback = [w for w in caught if issubclass(w.category, OffloadFallbackWarning)]

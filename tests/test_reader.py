@@ -2,31 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-
-from prefetch_offload import OffloadConfig, OffloadEngine
-from prefetch_offload.device import RoutingDevice, SpanCopyDevice
-
-
-@contextlib.contextmanager
-def _twin(target: str, save_dir: Path, **kw: Any) -> Iterator[tuple[OffloadEngine, Any]]:
-    kw.setdefault("min_offload_bytes", 0)
-    if target == "disk":
-        kw.update(save_dir=str(save_dir), chunk_bytes=4096)
-    layer = SpanCopyDevice("cpu")
-    engine = OffloadEngine(OffloadConfig(target=target, **kw), device=RoutingDevice([layer]))
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
-            yield engine, layer
-    finally:
-        engine.close(raise_errors=False)
+from engine_helpers import twin_with_hooks
 
 
 def test_a_missed_copy_is_queued_before_its_window(
@@ -35,7 +17,7 @@ def test_a_missed_copy_is_queued_before_its_window(
     """NOTE [head of line]: copies to the device run in order on one stream; the record
     backward waits for goes first, its window's prefetches after it."""
     x = torch.randn(1 << 12, requires_grad=True)
-    with _twin("cpu", save_dir, prefetch_depth=3) as (engine, layer):
+    with twin_with_hooks("cpu", save_dir, prefetch_depth=3) as (engine, layer):
         h, sizes = x, []
         for i in range(6):
             h = (h.repeat(2) if i else h * 1.0).sin()  # saved tensors of distinct sizes
@@ -86,7 +68,7 @@ def test_unpacks_from_two_threads_at_once(save_dir: Path, target: str) -> None:
         r = x.detach().clone().requires_grad_()
         chain(r).backward()
         refs.append(r.grad)
-    with _twin(target, save_dir, prefetch_depth=2) as (engine, _):
+    with twin_with_hooks(target, save_dir, chunk_bytes=4096, prefetch_depth=2) as (engine, _):
         for _ in range(5):
             for x in xs:
                 x.grad = None

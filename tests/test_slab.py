@@ -3,17 +3,15 @@ than a slab, byte movers."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import mmap
 import os
 import stat
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from engine_helpers import mounted_tmpfs
 
 from prefetch_offload import slab as slab_mod
 from prefetch_offload.slab import SlabStore, open_scratch_file, prepare_save_dir
@@ -345,26 +343,6 @@ def test_no_inode_left_is_a_full_disk(tmp_path: Path, monkeypatch: pytest.Monkey
     store.close()
 
 
-@contextlib.contextmanager
-def _tmpfs(where: Path, size: str) -> Iterator[Path]:
-    """A real small filesystem; skips the test where mounting is not allowed."""
-    where.mkdir()
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-            capture_output=True,
-            timeout=20,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount tmpfs here: {exc}")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=20)
-
-
 def _used(path: Path) -> int:
     st = os.statvfs(path)
     return (st.f_blocks - st.f_bfree) * st.f_frsize
@@ -372,7 +350,7 @@ def _used(path: Path) -> int:
 
 @pytest.mark.parametrize("length", [MiB, 64 << 10])
 def test_a_16_mib_tmpfs_takes_16_mib_of_256_mib_slabs(tmp_path: Path, length: int) -> None:
-    with _tmpfs(tmp_path / "small", "16m") as small:
+    with mounted_tmpfs(tmp_path / "small", "16m") as small:
         store = SlabStore(str(small), slab_bytes=256 * MiB)
         taken = _fill(store, length)
         assert len(taken) * length >= 15 * MiB
@@ -392,7 +370,7 @@ def test_a_16_mib_tmpfs_takes_16_mib_of_256_mib_slabs(tmp_path: Path, length: in
 
 def test_a_tmpfs_gives_back_what_others_free(tmp_path: Path) -> None:
     """Real statvfs: a file deleted by someone else is taken at the next slab."""
-    with _tmpfs(tmp_path / "small", "16m") as small:
+    with mounted_tmpfs(tmp_path / "small", "16m") as small:
         other = small / "other"
         other.write_bytes(b"\0" * (8 * MiB))
         store = SlabStore(str(small), slab_bytes=256 * MiB)
