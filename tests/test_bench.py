@@ -23,8 +23,6 @@ from types import ModuleType
 import pytest
 import torch
 
-from prefetch_offload.slab import direct_io_supported
-
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 TINY_SHAPE = ["--width", "32", "--depth", "2", "--heads", "2", "--batch", "2", "--seq", "16"]
 TINY = [*TINY_SHAPE, "--min-offload-bytes", "0", "--steps", "2", "--warmup", "0"]
@@ -467,29 +465,6 @@ def test_sweep_plot(tmp_path: Path, cwd: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_iobound_main_tiny(tmp_path: Path, cwd: Path) -> None:
-    iobound = _load("iobound")
-    out = tmp_path / "iobound.json"
-    # A 1 MiB write cap: forward waits for each write, so only the last can be skipped.
-    argv = ["--tensor-mib", "1", "--layers", "4", "--steps", "1", "--max-pending-write-bytes"]
-    argv += [str(MiB), "--compare-unstaged"]
-    assert iobound.main([*argv, "--save-dir", str(tmp_path / "s"), "--json", str(out)]) == 0
-    res = json.loads(out.read_text())
-    assert res["bytes_written"] >= 2 * MiB and res["bound_seconds"] > 0
-    # The replay moves what disk moved in its last warm-up step, and is timed alongside.
-    assert res["replay_bytes"] >= 2 * MiB and 0 < res["replay_read_bytes"] <= res["replay_bytes"]
-    assert res["replay_seconds"] > 0 and res["ratio_to_replay"] > 0
-    # The unstaged twin ran in the same rounds. The default engine stages its writes
-    # (NOTE [write staging]) only once forward has waited at the cap, which at this size
-    # depends on how the IO thread is scheduled: staging itself is tested in
-    # test_engine.py; here the figure is only reported.
-    assert res["unstaged_seconds"] > 0
-    assert set(res["forward_seconds"]) == {"disk", "none", "ioreplay", "unstaged"}
-    assert res["stage_writes"] == "auto" and res["bytes_staged_per_step"] >= 0
-    assert res["io_method"] == ("direct" if direct_io_supported(str(tmp_path)) else "buffered")
-    assert _empty(tmp_path / "s")
-
-
 # -- bench/gpu.py ------------------------------------------------------------------------
 
 
@@ -585,21 +560,6 @@ def test_ab_noop_io_skips_the_store_and_is_left_unchecked(
         assert ab.main(argv) == 0
     assert calls == []  # the instance's no-op shadowed every real write
     assert "not checked, IO skipped: skip" in capsys.readouterr().out
-
-
-# -- bench/cputime.py --------------------------------------------------------------------
-
-
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
-@pytest.mark.parametrize("mode", ["none", "disk"])
-def test_cputime_main_tiny(tmp_path: Path, cwd: Path, mode: str) -> None:
-    cputime = _load("cputime")
-    out = tmp_path / "cpu.json"
-    argv = [*TINY_SHAPE, "--mode", mode, "--steps", "2", "--warmup", "1"]
-    assert cputime.main([*argv, "--save-dir", str(tmp_path / "s"), "--json", str(out)]) == 0
-    res = json.loads(out.read_text())
-    assert res["mode"] == mode and res["step_s"] > 0
-    assert _empty(tmp_path / "s")
 
 
 # -- bench/hostcost.py -------------------------------------------------------------------
