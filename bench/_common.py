@@ -679,16 +679,12 @@ class StepResult:
     @property
     def offloaded_per_step(self) -> float | None:
         """Bytes the engine wrote per timed step."""
-        if self.bytes_offloaded is None or not self.steps:
-            return None
-        return self.bytes_offloaded / self.steps
+        return self._per_step(self.bytes_offloaded)
 
     @property
     def demoted_per_step(self) -> float | None:
         """Bytes handed to the disk tier per timed step (``bytes_demoted_to_disk``)."""
-        if self.bytes_demoted_to_disk is None or not self.steps:
-            return None
-        return self.bytes_demoted_to_disk / self.steps
+        return self._per_step(self.bytes_demoted_to_disk)
 
     @property
     def move_target(self) -> float | None:
@@ -717,9 +713,7 @@ class StepResult:
     @property
     def stall_per_step(self) -> float | None:
         """Seconds backward waited for reads, per timed step."""
-        if self.stall_seconds is None or not self.steps:
-            return None
-        return self.stall_seconds / self.steps
+        return self._per_step(self.stall_seconds)
 
     @property
     def steal_per_step(self) -> float | None:
@@ -738,42 +732,17 @@ class StepResult:
     @property
     def pack_wait_per_step(self) -> float | None:
         """Seconds forward waited at the pending-write cap, per timed step."""
-        if self.pack_wait_seconds is None or not self.steps:
-            return None
-        return self.pack_wait_seconds / self.steps
+        return self._per_step(self.pack_wait_seconds)
+
+    def _per_step(self, total: float | None) -> float | None:
+        return None if total is None or not self.steps else total / self.steps
 
     def to_json(self) -> dict[str, Any]:
-        """Raw fields plus the computed properties, JSON-ready."""
-        out = asdict(self)
-        for name, value in out.items():
-            if isinstance(value, tuple):
-                out[name] = list(value)
-        for name in (
-            "steps",
-            "median_step_s",
-            "min_step_s",
-            "ratio",
-            "peak",
-            "forward_peak",
-            "backward_peak",
-            "tuned_peak",
-            "act_mem",
-            "act_cut",
-            "tuned_act_mem",
-            "tuned_act_cut",
-            "heap",
-            "cache",
-            "offloaded_per_step",
-            "demoted_per_step",
-            "move_target",
-            "moved_ratio",
-            "hit_rate",
-            "stall_per_step",
-            "steal_per_step",
-            "faults_per_step",
-            "pack_wait_per_step",
-        ):
-            out[name] = getattr(self, name)
+        """Raw fields, then every computed property in the order defined, JSON-ready."""
+        out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+        for name, attr in vars(StepResult).items():
+            if isinstance(attr, property):
+                out[name] = getattr(self, name)
         return out
 
 
