@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: the result row, RSS sampling, and the seed baseline.
+"""Shared pieces of the benchmarks: the result row, RSS sampling, the machine, and the
+seed baseline.
 
 Nothing here is part of ``prefetch_offload``; the seed's per-tensor disk hooks
 live here (not in the package) only so the benchmark can compare against them.
@@ -10,6 +11,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import platform
 import queue
 import shutil
 import statistics
@@ -25,12 +27,14 @@ import torch
 
 __all__ = [
     "MB",
+    "TORCH_THREADS",
     "IOReplay",
     "RssSampler",
     "SeedDiskHooks",
     "StepResult",
     "filesystem_type",
     "heap_in_use_bytes",
+    "machine_info",
     "malloc_trim",
     "ordinary_pages",
     "page_cache_bytes",
@@ -45,6 +49,7 @@ __all__ = [
 T = TypeVar("T")
 
 MB = float(1 << 20)  # bench output calls this MiB; the name is kept for its importers
+TORCH_THREADS = 2  # intra-op threads of every benchmark that trains
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -295,6 +300,40 @@ def filesystem_type(path: str) -> str:
     except OSError:
         pass
     return fstype
+
+
+# -- the machine -------------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    """Host, core counts and versions, for the report."""
+    cores = os.cpu_count()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    memory = _proc_kib("/proc/meminfo", "MemTotal:")
+    return {
+        "host": platform.node(),
+        "cores": cores,
+        "usable_cores": usable,
+        "cpu": _cpu_model(),
+        "memory_gib": None if memory is None else round(memory / (1 << 30), 1),
+        "system": f"{platform.system()} {platform.release()} {platform.machine()}",
+        "torch": torch.__version__,
+        "torch_threads": TORCH_THREADS,
+        "python": platform.python_version(),
+    }
+
+
+def _cpu_model() -> str | None:
+    """The first "model name" of /proc/cpuinfo, or None."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() == "model name":
+                    return value.strip()
+    except OSError:
+        pass
+    return None
 
 
 # -- the seed baseline -------------------------------------------------------------------

@@ -47,8 +47,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import step as step_bench
-from _common import round_order, scratch_folder, steal_seconds
+from _common import machine_info, round_order, scratch_folder, steal_seconds
+from _harness import Shape, add_args
+from _text import machine_line
 
 from prefetch_offload import OffloadConfig, OffloadEngine
 from prefetch_offload.testing import TinyTransformer, make_batch
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rounds", type=int, default=12, help="timed rounds (default 12)")
     p.add_argument("--warmup", type=int, default=2, help="uncounted rounds first (default 2)")
-    step_bench.add_shape_args(p, step_bench.Shape())  # the benchmark transformer of bench/step.py
+    add_args(p, Shape())  # the benchmark transformer of bench/step.py
     p.add_argument("--save-dir", default=None, help="parent of the run's scratch folder")
     p.add_argument("--json", default=None, help="also write the rows here")
     words = list(sys.argv[1:] if argv is None else argv)
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, knobs in args.config or [("disk", {})]:
         configs[name] = knobs
     torch.manual_seed(0)
-    shape = step_bench.Shape.from_args(args)
+    shape = Shape.from_args(args)
     base = TinyTransformer(width=shape.width, depth=shape.depth, heads=shape.heads)
     tokens, targets = make_batch(shape.batch, shape.seq)
     rows = []
@@ -204,12 +205,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['steal_s'] * 1e3:8.0f} {row['faults_per_step']:7.0f} {extra}"
         )
     if args.json:
-        machine = step_bench.machine_info()
+        machine = machine_info()
         doc = {
             "bench": "ab.py",
             "command": shlex.join(["python", "bench/ab.py", *words]),
             "machine": machine,
-            "machine_line": step_bench.machine_line("bench/ab.py", machine),
+            "machine_line": machine_line("bench/ab.py", machine),
             "shape": dataclasses.asdict(shape),
             "rounds": args.rounds,
             "warmup": args.warmup,

@@ -69,8 +69,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import step as step_bench
-from _common import MB, filesystem_type, scratch_folder
+from _common import MB, TORCH_THREADS, filesystem_type, machine_info, scratch_folder
+from _harness import LEARNING_RATE, Shape, add_args, build, counter_delta
+from _text import fmt, format_table, machine_line
 
 from prefetch_offload import OffloadConfig, OffloadContext, OffloadEngine
 
@@ -256,7 +257,7 @@ def _train(
         torch._dynamo.reset()  # compile this copy from scratch
     graphs0, breaks0 = _dynamo_counts()
     model = compile_model(copy.deepcopy(base), mode)
-    opt = torch.optim.SGD(model.parameters(), lr=step_bench.LEARNING_RATE)
+    opt = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     order: list[int | None] = []
     steps: list[StepSample] = []
     io_method = None
@@ -281,7 +282,7 @@ def _train(
             sample = StepSample(seconds=seconds, loss=loss.item())
             if engine is not None:
                 after = dataclasses.asdict(engine.stats())
-                sample.counters = step_bench.counter_delta(before, after)
+                sample.counters = counter_delta(before, after)
                 sample.order = order_summary(order)
             steps.append(sample)
     graphs1, breaks1 = _dynamo_counts()
@@ -411,22 +412,22 @@ def _table(results: Sequence[ModeResult]) -> str:
         body.append(
             (
                 r.mode,
-                step_bench.fmt(r.median_s(r.ref), ".3f"),
-                step_bench.fmt(r.median_s(r.disk), ".3f"),
-                step_bench.fmt(r.median_s(r.disk) / r.median_s(r.ref), ".2f", suffix="x"),
-                step_bench.fmt(r.hit_rate, ".0f", 100, "%"),
-                " ".join(step_bench.fmt(s.hit_rate, ".0f", 100, "%") for s in r.timed),
-                step_bench.fmt(r.per_step("bytes_offloaded"), ".1f", 1 / MB),
-                step_bench.fmt(r.per_step("bytes_read"), ".1f", 1 / MB),
-                step_bench.fmt(r.per_step("writes_skipped"), ".1f"),
-                step_bench.fmt(r.per_step("stall_seconds"), ".4f"),
-                step_bench.fmt(r.per_step("pack_wait_seconds"), ".4f"),
-                step_bench.fmt(last.get("reverse_fraction"), ".2f"),
+                fmt(r.median_s(r.ref), ".3f"),
+                fmt(r.median_s(r.disk), ".3f"),
+                fmt(r.median_s(r.disk) / r.median_s(r.ref), ".2f", suffix="x"),
+                fmt(r.hit_rate, ".0f", 100, "%"),
+                " ".join(fmt(s.hit_rate, ".0f", 100, "%") for s in r.timed),
+                fmt(r.per_step("bytes_offloaded"), ".1f", 1 / MB),
+                fmt(r.per_step("bytes_read"), ".1f", 1 / MB),
+                fmt(r.per_step("writes_skipped"), ".1f"),
+                fmt(r.per_step("stall_seconds"), ".4f"),
+                fmt(r.per_step("pack_wait_seconds"), ".4f"),
+                fmt(last.get("reverse_fraction"), ".2f"),
                 f"{r.ref.graphs}/{r.disk.graphs}",
                 "yes" if r.mismatch is None else "NO",
             )
         )
-    return step_bench.format_table(header, body)
+    return format_table(header, body)
 
 
 def _mode_line(r: ModeResult) -> str:
@@ -490,7 +491,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--warmup", type=int, default=1, help="first steps, not in the table (default 1)"
     )
-    step_bench.add_shape_args(p, step_bench.Shape())
+    add_args(p, Shape())
     p.add_argument(
         "--tiny",
         action="store_true",
@@ -533,11 +534,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns 0, 1 (a check failed) or 2 (a mode raised)."""
     words = list(sys.argv[1:] if argv is None else argv)
     args = _parse_args(words)
-    torch.set_num_threads(step_bench.TORCH_THREADS)
-    shape, knobs = step_bench.Shape.from_args(args), Knobs.from_args(args)
+    torch.set_num_threads(TORCH_THREADS)
+    shape, knobs = Shape.from_args(args), Knobs.from_args(args)
     knobs.config(".")  # bad knobs fail here, before any training
     steps = args.warmup + args.steps
-    base, batches = step_bench.build(shape, steps)
+    base, batches = build(shape, steps)
     results: list[ModeResult] = []
     with scratch_folder(args.save_dir, prefix="compiled-") as folder:
         fstype = filesystem_type(folder)
@@ -561,8 +562,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if eager is not None and r is not eager:
             r.vs_eager = _max_diff(eager.ref.state, r.ref.state)
 
-    machine = step_bench.machine_info()
-    print(step_bench.machine_line("bench/compiled.py", machine))
+    machine = machine_info()
+    print(machine_line("bench/compiled.py", machine))
     print(f"shape: {shape}; {args.warmup} warm-up + {args.steps} steps; scratch on {fstype}")
     knob_text = ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(knobs).items())
     print(
@@ -592,7 +593,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "bench": "compiled.py",
             "command": shlex.join(["python", "bench/compiled.py", *words]),
             "machine": machine,
-            "machine_line": step_bench.machine_line("bench/compiled.py", machine),
+            "machine_line": machine_line("bench/compiled.py", machine),
             "shape": dataclasses.asdict(shape),
             "knobs": dataclasses.asdict(knobs),
             "has_prefetch_bytes": HAS_PREFETCH_BYTES,

@@ -46,8 +46,8 @@ from dataclasses import asdict, dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
 
-import step as step_bench
-from _common import ordinary_pages, scratch_folder, steal_seconds
+from _common import machine_info, ordinary_pages, scratch_folder, steal_seconds
+from _text import machine_line
 
 from prefetch_offload.buffers import Block, mapped_block
 from prefetch_offload.slab import direct_io_supported, open_scratch_file
@@ -188,12 +188,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{r.load:<7} {r.buffer:<6} {r.op:<6} {r.gbps:6.2f} {r.cpu_ms_per_gb:10.1f} {steal:>12}"
         )
     if args.json:
-        machine = step_bench.machine_info()
+        machine = machine_info()
         doc = {
             "bench": "hostcost.py",
             "command": shlex.join(["python", "bench/hostcost.py", *words]),
             "machine": machine,
-            "machine_line": step_bench.machine_line("bench/hostcost.py", machine),
+            "machine_line": machine_line("bench/hostcost.py", machine),
             "total_mib": args.total_mib,
             "request_mib": args.request_mib,
             "rows": [asdict(r) for r in rows],

@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -32,19 +33,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
+import _text
+
 __all__ = ["fmt", "kind_of", "main", "markdown_table", "render"]
 
 MiB = float(1 << 20)
-
-
-def fmt(value: float | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
-    """``value * scale`` formatted with ``spec`` plus ``suffix``; empty for None."""
-    if value is None:
-        return ""
-    text = format(value * scale, spec)
-    if text.startswith("-") and float(text) == 0:  # "-0%" reads like a loss
-        text = text[1:]
-    return text + suffix
+# A cell: ``value * scale`` formatted with ``spec`` plus ``suffix``; empty for None.
+fmt = functools.partial(_text.fmt, none="")
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:

@@ -9,15 +9,16 @@ Cells:
   reused, not run twice).
 
 Each cell trains a fresh ``none`` and a fresh ``disk`` copy of the same model on
-the same batches with ``bench/step.py``'s machinery: both on one thread, the
-engine set up once per cell and its hooks installed around each disk step,
-interleaved round by round (the order alternates), so the cell's ratio compares
-two medians measured side by side. Every cell also checks that both copies end bit-identical.
+the same batches with ``bench/step.py``'s harness (``bench/_harness.py``): both
+on one thread, the engine set up once per cell and its hooks installed around
+each disk step, interleaved round by round (the order alternates), so the
+cell's ratio compares two medians measured side by side. Every cell also
+checks that both copies end bit-identical.
 
 ``max_pending_write_bytes`` is the knob that trades memory for speed (pack waits
 when that many bytes are queued for writing), so for the ``--pending-mib`` cells
-the activation memory is measured too, with ``bench/step.py``'s memory probe (a
-fresh process per point with ``MALLOC_MMAP_THRESHOLD_=65536``; see its
+the activation memory is measured too, with ``bench/_probe.py``'s memory probe
+(a fresh process per point with ``MALLOC_MMAP_THRESHOLD_=65536``; see its
 docstring). ``--no-mem-probe`` skips it.
 
 The default grid (5 depths x 3 worker counts + 2 pending values, 6 timed steps
@@ -49,11 +50,13 @@ import torch
 
 # bench/ is not a package: import its modules from this file's folder.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import step
-from _common import MB, filesystem_type
+import _harness as harness
+from _common import MB, TORCH_THREADS, filesystem_type, machine_info
+from _plot import sweep_grid
+from _probe import MMAP_THRESHOLD, ProbeError, probe_many
+from _text import fmt, format_table, log, machine_line
 
-_MiB = 1 << 20
-_DEFAULTS = step.Knobs()
+_DEFAULTS = harness.Knobs()
 
 
 @dataclass(frozen=True)
@@ -171,15 +174,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--pending-mib",
-        type=step.parse_mib_list,
-        default=step.parse_mib_list("16,64,256"),
+        type=harness.parse_mib_list,
+        default=harness.parse_mib_list("16,64,256"),
         metavar="MIB,...",
         help="max_pending_write_bytes values at default depth/workers "
         "(default 16,64,256; empty: none)",
     )
     p.add_argument("--steps", type=int, default=6, help="timed rounds per cell (default 6)")
     p.add_argument("--warmup", type=int, default=1, help="uncounted rounds first (default 1)")
-    step.add_shape_args(p, step.Shape())
+    harness.add_args(p, harness.Shape())
     p.add_argument(
         "--min-offload-bytes",
         type=int,
@@ -225,9 +228,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 # -- running cells -----------------------------------------------------------------------
 
 
-def _plan(args: argparse.Namespace) -> list[tuple[str, step.Knobs]]:
+def _plan(args: argparse.Namespace) -> list[tuple[str, harness.Knobs]]:
     """(group, knobs) for every cell, grid first; pending points the grid has are dropped."""
-    base = step.Knobs(min_offload_bytes=args.min_offload_bytes, chunk_bytes=args.chunk_bytes)
+    base = harness.Knobs(min_offload_bytes=args.min_offload_bytes, chunk_bytes=args.chunk_bytes)
     cells = [
         ("grid", dataclasses.replace(base, prefetch_depth=d, io_workers=w))
         for d in args.prefetch_depths
@@ -244,28 +247,28 @@ def _plan(args: argparse.Namespace) -> list[tuple[str, step.Knobs]]:
 
 def _run_cell(
     group: str,
-    knobs: step.Knobs,
+    knobs: harness.Knobs,
     model: torch.nn.Module,
     batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     phases: Sequence[str],
     cell_dir: Path,
 ) -> Cell:
     workers = {
-        mode: step.ModeWorker(
-            mode, copy.deepcopy(model), batches, step.make_mode(mode, cell_dir, knobs)
+        mode: harness.ModeWorker(
+            mode, copy.deepcopy(model), batches, harness.make_mode(mode, cell_dir, knobs)
         )
         for mode in ("none", "disk")
     }
-    log = step.run_rounds(workers, phases)
-    delta = step.timed_delta(workers["disk"])
-    mismatch = step.compare_params(workers["none"].model, workers["disk"].model, "none", "disk")
+    rounds = harness.run_rounds(workers, phases)
+    delta = harness.timed_delta(workers["disk"])
+    mismatch = harness.compare_params(workers["none"].model, workers["disk"].model, "none", "disk")
     return Cell(
         group=group,
         prefetch_depth=knobs.prefetch_depth,
         io_workers=knobs.io_workers,
         max_pending_write_bytes=knobs.max_pending_write_bytes,
-        none_seconds=tuple(log.times["none"]),
-        disk_seconds=tuple(log.times["disk"]),
+        none_seconds=tuple(rounds.times["none"]),
+        disk_seconds=tuple(rounds.times["disk"]),
         stall_seconds=float(delta.get("stall_seconds", 0.0)),
         pack_wait_seconds=float(delta.get("pack_wait_seconds", 0.0)),
         prefetch_hits=int(delta.get("prefetch_hits", 0)),
@@ -288,15 +291,15 @@ def _pending_cells(cells: Sequence[Cell], args: argparse.Namespace) -> list[Cell
 
 
 def _probe(
-    pending: list[Cell], shape: step.Shape, args: argparse.Namespace, run_dir: Path
+    pending: list[Cell], shape: harness.Shape, args: argparse.Namespace, run_dir: Path
 ) -> tuple[list[Cell], dict[str, Any]]:
     """Add probed activation memory to the pending cells; also return the raw probes."""
-    base = step.Knobs(min_offload_bytes=args.min_offload_bytes, chunk_bytes=args.chunk_bytes)
+    base = harness.Knobs(min_offload_bytes=args.min_offload_bytes, chunk_bytes=args.chunk_bytes)
     requests = [("none", base)] + [
         ("disk", dataclasses.replace(base, max_pending_write_bytes=c.max_pending_write_bytes))
         for c in pending
     ]
-    none, *disk = step.probe_many(requests, shape, run_dir, jobs=args.probe_jobs)
+    none, *disk = probe_many(requests, shape, run_dir, jobs=args.probe_jobs)
     baseline = max(none["act_mem_bytes"]) if none["act_mem_bytes"] else None
     out = [
         dataclasses.replace(
@@ -333,20 +336,20 @@ def _table(cells: Sequence[Cell]) -> str:
             "grid" if c.group == "grid" else "pending",
             str(c.prefetch_depth),
             str(c.io_workers),
-            step.fmt(c.max_pending_write_bytes, "g", 1 / _MiB),
-            step.fmt(c.none_s, ".3f"),
-            step.fmt(c.disk_s, ".3f"),
-            step.fmt(c.ratio, ".2f", suffix="x"),
-            step.fmt(c.stall_per_step, ".4f"),
-            step.fmt(c.hit_rate, ".1f", 100, "%"),
-            step.fmt(c.pack_wait_per_step, ".4f"),
-            step.fmt(c.act_mem_bytes, ".1f", 1 / MB),
-            step.fmt(c.act_cut, ".0f", 100, "%"),
+            fmt(c.max_pending_write_bytes, "g", 1 / MB),
+            fmt(c.none_s, ".3f"),
+            fmt(c.disk_s, ".3f"),
+            fmt(c.ratio, ".2f", suffix="x"),
+            fmt(c.stall_per_step, ".4f"),
+            fmt(c.hit_rate, ".1f", 100, "%"),
+            fmt(c.pack_wait_per_step, ".4f"),
+            fmt(c.act_mem_bytes, ".1f", 1 / MB),
+            fmt(c.act_cut, ".0f", 100, "%"),
             "yes" if c.mismatch is None else "NO",
         )
         for c in cells
     ]
-    return step.format_table(header, body, left=1)
+    return format_table(header, body, left=1)
 
 
 def _pivot(cells: Sequence[Cell], depths: Sequence[int], workers: Sequence[int]) -> str:
@@ -357,88 +360,13 @@ def _pivot(cells: Sequence[Cell], depths: Sequence[int], workers: Sequence[int])
         (
             str(d),
             *(
-                step.fmt(by_key[(d, w)].ratio if (d, w) in by_key else None, ".2f", suffix="x")
+                fmt(by_key[(d, w)].ratio if (d, w) in by_key else None, ".2f", suffix="x")
                 for w in workers
             ),
         )
         for d in depths
     ]
-    return step.format_table(header, body, left=1)
-
-
-def plot(cells: Sequence[Cell], path: Path, title: str) -> None:
-    """Ratio and stall vs prefetch_depth (a line per io_workers); the pending-cap trade-off."""
-    import matplotlib  # lazy: only --plot needs it (the "bench" extra)
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    grid = [c for c in cells if c.group == "grid"]
-    pending = sorted(
-        (c for c in cells if c.group == "pending"), key=lambda c: c.max_pending_write_bytes
-    )
-    panels = 3 if pending else 2
-    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2), constrained_layout=True)
-    ratio_ax, stall_ax = axes[0], axes[1]
-    depths = sorted({c.prefetch_depth for c in grid})
-    for w in sorted({c.io_workers for c in grid}):
-        line = sorted((c for c in grid if c.io_workers == w), key=lambda c: c.prefetch_depth)
-        xs = [c.prefetch_depth for c in line]
-        ratio_ax.plot(xs, [c.ratio for c in line], marker="o", label=f"io_workers {w}")
-        stall_ax.plot(xs, [c.stall_per_step for c in line], marker="o", label=f"io_workers {w}")
-    ratio_ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    ratio_ax.set(
-        xlabel="prefetch_depth",
-        ylabel="step time, disk / none",
-        title="step-time ratio (side by side)",
-    )
-    stall_ax.set(
-        xlabel="prefetch_depth", ylabel="seconds per step", title="backward stall on reads"
-    )
-    for ax in (ratio_ax, stall_ax):
-        ax.set_xticks(depths)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    if pending:
-        ax = axes[2]
-        xs = [c.max_pending_write_bytes / _MiB for c in pending]
-        ax.plot(xs, [c.ratio for c in pending], marker="o", color="C0", label="step ratio")
-        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs)
-        ax.set_xticklabels([f"{x:g}" for x in xs])
-        d0, w0 = pending[0].prefetch_depth, pending[0].io_workers
-        ax.set(
-            xlabel="max_pending_write_bytes, MiB",
-            ylabel="step time, disk / none",
-            title=f"write cap (depth {d0}, workers {w0})",
-        )
-        ax.grid(alpha=0.3)
-        cuts = [c.act_cut for c in pending]
-        if any(x is not None for x in cuts):
-            twin = ax.twinx()
-            twin.plot(
-                [x for x, c in zip(xs, cuts, strict=True) if c is not None],
-                [c * 100 for c in cuts if c is not None],
-                marker="s",
-                color="C3",
-                label="act cut",
-            )
-            twin.set_ylabel("activation memory cut vs none, % (probe)")
-            twin.set_ylim(0, 100)
-            handles = ax.get_legend_handles_labels()
-            twin_handles = twin.get_legend_handles_labels()
-            ax.legend(handles[0] + twin_handles[0], handles[1] + twin_handles[1], loc="lower right")
-        else:
-            ax.legend()
-    fig.suptitle(title, fontsize=9)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    return format_table(header, body, left=1)
 
 
 # -- main --------------------------------------------------------------------------------
@@ -447,7 +375,7 @@ def _log(msg: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep; returns 0, 1 (disk and none ended different) or 2 (a run failed)."""
     args = _parse_args(argv)
-    torch.set_num_threads(step.TORCH_THREADS)
+    torch.set_num_threads(TORCH_THREADS)
     base = Path(args.save_dir) if args.save_dir is not None else Path.cwd() / ".scratch"
     base.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="bench-sweep-", dir=base))
@@ -458,9 +386,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, run_dir: Path) -> int:
-    shape = step.Shape.from_args(args)
+    shape = harness.Shape.from_args(args)
     phases = ["warmup"] * args.warmup + ["timed"] * args.steps
-    model, batches = step.build(shape, len(phases))
+    model, batches = harness.build(shape, len(phases))
     plan = _plan(args)
     cells: list[Cell] = []
     start = time.perf_counter()
@@ -468,16 +396,16 @@ def _run(args: argparse.Namespace, run_dir: Path) -> int:
         cell_dir = run_dir / f"cell{n}"
         try:
             cell = _run_cell(group, knobs, model, batches, phases, cell_dir)
-        except step.ModeFailed as exc:
-            _log(f"error: cell {knobs}: {exc.where} failed:")
+        except harness.ModeFailed as exc:
+            log(f"error: cell {knobs}: {exc.where} failed:")
             traceback.print_exception(exc.__cause__ or exc)
             return 2
         finally:
             shutil.rmtree(cell_dir, ignore_errors=True)
         cells.append(cell)
-        _log(
+        log(
             f"cell {n + 1}/{len(plan)} depth {knobs.prefetch_depth} workers {knobs.io_workers} "
-            f"pending {knobs.max_pending_write_bytes / _MiB:g} MiB: none {cell.none_s:.3f}s "
+            f"pending {knobs.max_pending_write_bytes / MB:g} MiB: none {cell.none_s:.3f}s "
             f"disk {cell.disk_s:.3f}s ({cell.ratio:.2f}x) stall {cell.stall_per_step:.4f}s/step"
             f" [{time.perf_counter() - start:.0f}s]"
         )
@@ -488,14 +416,14 @@ def _run(args: argparse.Namespace, run_dir: Path) -> int:
     if args.mem_probe and pending:
         try:
             pending, probes = _probe(pending, shape, args, run_dir)
-        except (step.ProbeError, subprocess.TimeoutExpired) as exc:
-            _log(f"error: {exc}")
+        except (ProbeError, subprocess.TimeoutExpired) as exc:
+            log(f"error: {exc}")
             return 2
     shown = grid + pending
 
-    machine = step.machine_info()
+    machine = machine_info()
     fstype = filesystem_type(str(run_dir))
-    print(step.machine_line("bench/sweep.py", machine))
+    print(machine_line("bench/sweep.py", machine))
     print(
         f"shape: {shape}; {args.warmup} warmup + {args.steps} timed rounds per cell, none and "
         f"disk interleaved; scratch on {fstype}; min_offload_bytes {args.min_offload_bytes}"
@@ -505,7 +433,7 @@ def _run(args: argparse.Namespace, run_dir: Path) -> int:
     if probes:
         print(
             "act MiB / act cut: disk's activation memory (bench/step.py memory probe, "
-            f"MALLOC_MMAP_THRESHOLD_={step.MMAP_THRESHOLD}) and its cut vs none"
+            f"MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}) and its cut vs none"
         )
     print()
     print(_table(shown))
@@ -538,7 +466,7 @@ def _run(args: argparse.Namespace, run_dir: Path) -> int:
             f"bench/sweep.py: {shape}; {args.steps} timed steps/cell; "
             f"{machine['cores']} cores, torch {machine['torch']}"
         )
-        plot(shown, args.plot, title)
+        sweep_grid(shown, args.plot, title)
     return 1 if bad else 0
 
 

@@ -41,6 +41,7 @@ def _load(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     saved = list(sys.path)
     sys.modules[key] = module
+    sys.path.insert(0, str(BENCH))  # for its own imports of bench/'s modules
     try:
         spec.loader.exec_module(module)
     except BaseException:
@@ -87,7 +88,7 @@ def test_step_main_every_mode_is_exact(
     assert doc["check"] == {"ok": True, "problems": []}
     saved = doc["saved_activation_bytes"]
     rows = {r["mode"]: r for r in doc["rows"]}
-    assert list(rows) == list(step.MODES)
+    assert list(rows) == list(_load("_harness").MODES)
     for mode, row in rows.items():
         assert row["steps"] == 2 and len(row["step_seconds"]) == 2, mode
         assert all(s > 0 for s in row["step_seconds"]), mode
@@ -132,7 +133,7 @@ def test_step_main_every_mode_is_exact(
     assert rows["iospread"]["bytes_offloaded"] == want
     assert bound["reference_bytes_per_step"] == rows["iospread"]["offloaded_per_step"]
     assert bound["disk_bytes_per_step"] == disk["offloaded_per_step"]
-    if step.steal_seconds() is not None:  # Linux: one steal sample per timed step
+    if _load("_common").steal_seconds() is not None:  # Linux: one steal sample per step
         assert all(len(r["steal_seconds"]) == 2 for r in rows.values())
         assert all(r["steal_per_step"] >= 0 for r in rows.values())
 
@@ -221,7 +222,7 @@ def test_step_main_memory_probes(
 ) -> None:
     """Whole-step probes per mode under both allocators: peaks against the RSS before
     the first step, activation memory against none's, and an RSS timeline per mode."""
-    step = _load("step")
+    step, probing = _load("step"), _load("_probe")
     scratch, out = tmp_path / "scratch", tmp_path / "step.json"
     argv = [*TINY, *SMALL_BATCHES, "--modes", "none,disk,budget", "--pending-sweep", "1,64"]
     argv += ["--probe-jobs", "3", "--save-dir", str(scratch), "--json", str(out)]
@@ -235,22 +236,23 @@ def test_step_main_memory_probes(
     assert doc["check"]["ok"]
     saved = doc["saved_activation_bytes"]
     probes = doc["memory_probes"]
-    assert set(probes) == set(step.ALLOCATORS)
+    assert set(probes) == set(probing.ALLOCATORS)
+    n_steps, tuned = probing.PROBE_STEPS, str(probing.MMAP_THRESHOLD)
     rows = {r["mode"]: r for r in doc["rows"]}
     for mode, row in rows.items():
         assert len(row["peak_bytes"]) == len(row["tuned_peak_bytes"]) == 1, mode  # 1 repeat
         assert all(abs(b) < 1 << 30 for b in row["peak_bytes"]), mode
         assert row["peak"] == max(row["forward_peak"], row["backward_peak"]), mode
         assert row["act_mem"] == pytest.approx(row["peak"] - (rows["none"]["peak"] - saved))
-        for allocator, threshold in (("default", None), ("tuned", str(step.MMAP_THRESHOLD))):
+        for allocator, threshold in (("default", None), ("tuned", tuned)):
             (probe,) = probes[allocator][mode]
             assert probe["mode"] == mode and probe["allocator"] == allocator
             assert probe["malloc_mmap_threshold"] == threshold
             assert probe["knobs"]["min_offload_bytes"] == 0
-            assert probe["probed_steps"] == step.PROBE_STEPS
-            assert len(probe["step_peak_bytes"]) == step.PROBE_STEPS, mode
-            assert len(probe["cache_bytes"]) in (0, step.PROBE_STEPS), mode  # 0: no meminfo
-            assert len(probe["heap_bytes"]) in (0, step.PROBE_STEPS), mode  # 0: no mallinfo2
+            assert probe["probed_steps"] == n_steps
+            assert len(probe["step_peak_bytes"]) == n_steps, mode
+            assert len(probe["cache_bytes"]) in (0, n_steps), mode  # 0: no meminfo
+            assert len(probe["heap_bytes"]) in (0, n_steps), mode  # 0: no mallinfo2
             assert probe["act_mem_bytes"] == probe["step_peak_bytes"]  # bench/sweep.py's name
             if probe["peak_exact"]:  # the kernel's high-water mark never misses a sample
                 for exact, sampled in zip(
@@ -280,17 +282,17 @@ def test_step_main_memory_probes(
 
 def test_counter_delta_subtracts_totals_and_keeps_gauges() -> None:
     """The window the probe's and the timed phase's counters are reported over."""
-    step = _load("step")
+    harness = _load("_harness")
     start = {"bytes_offloaded": 100, "pack_wait_seconds": 0.5, "peak_pending_write_bytes": 7}
     end = {"bytes_offloaded": 350, "pack_wait_seconds": 0.75, "peak_pending_write_bytes": 9}
     end["prefetch_hits"] = 4  # absent at start: counted from zero
-    assert step.counter_delta(start, end) == {
+    assert harness.counter_delta(start, end) == {
         "bytes_offloaded": 250,
         "pack_wait_seconds": 0.25,
         "peak_pending_write_bytes": 9,
         "prefetch_hits": 4,
     }
-    assert step.counter_delta({}, end) == end
+    assert harness.counter_delta({}, end) == end
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
@@ -330,19 +332,19 @@ def test_peak_rss_catches_a_peak_between_samples() -> None:
 
 def test_compare_params_names_a_differing_parameter() -> None:
     """The bit-identity check fails on a one-ulp change (a check that cannot fail is none)."""
-    step = _load("step")
+    harness = _load("_harness")
     a = torch.nn.Linear(4, 4)
     b = copy.deepcopy(a)
-    assert step.compare_params(a, b, "none", "disk") is None
+    assert harness.compare_params(a, b, "none", "disk") is None
     with torch.no_grad():
         b.bias[2] = torch.nextafter(b.bias[2], torch.tensor(1e9))
-    msg = step.compare_params(a, b, "none", "disk")
+    msg = harness.compare_params(a, b, "none", "disk")
     assert msg is not None and "'disk'" in msg and "bias" in msg and "1 of 2" in msg
 
 
 def test_run_rounds_reports_the_failing_mode() -> None:
-    step = _load("step")
-    model, batches = step.build(step.Shape(depth=1, width=16, heads=2, batch=1, seq=4), 2)
+    harness = _load("_harness")
+    model, batches = harness.build(harness.Shape(depth=1, width=16, heads=2, batch=1, seq=4), 2)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("boom")
@@ -351,13 +353,15 @@ def test_run_rounds_reports_the_failing_mode() -> None:
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
     workers = {
-        "none": step.ModeWorker("none", model, batches, step.ModeSetup(contextlib.nullcontext())),
-        "disk": step.ModeWorker(
-            "disk", model, batches, step.ModeSetup(contextlib.nullcontext(), hooks)
+        "none": harness.ModeWorker(
+            "none", model, batches, harness.ModeSetup(contextlib.nullcontext())
+        ),
+        "disk": harness.ModeWorker(
+            "disk", model, batches, harness.ModeSetup(contextlib.nullcontext(), hooks)
         ),
     }
-    with pytest.raises(step.ModeFailed) as info:
-        step.run_rounds(workers, ["timed", "timed"])
+    with pytest.raises(harness.ModeFailed) as info:
+        harness.run_rounds(workers, ["timed", "timed"])
     assert info.value.where == "mode 'disk' in round 1 (timed)"
     assert isinstance(info.value.__cause__, RuntimeError)
 
@@ -365,9 +369,9 @@ def test_run_rounds_reports_the_failing_mode() -> None:
 def test_modes_share_one_thread_and_see_only_their_own_steps() -> None:
     """Every mode trains on the calling thread; a mode's hooks are installed for its
     own steps only, and none is left installed after the run."""
-    step = _load("step")
-    shape = step.Shape(depth=1, width=16, heads=2, batch=1, seq=4)
-    model, batches = step.build(shape, 3)
+    harness = _load("_harness")
+    shape = harness.Shape(depth=1, width=16, heads=2, batch=1, seq=4)
+    model, batches = harness.build(shape, 3)
     packs: dict[str, list[int]] = {"a": [], "b": []}
 
     def counting(name: str) -> object:
@@ -381,10 +385,12 @@ def test_modes_share_one_thread_and_see_only_their_own_steps() -> None:
         return hooks
 
     workers = {
-        n: step.ModeWorker(n, model, batches, step.ModeSetup(contextlib.nullcontext(), counting(n)))
+        n: harness.ModeWorker(
+            n, model, batches, harness.ModeSetup(contextlib.nullcontext(), counting(n))
+        )
         for n in ("a", "b")
     }
-    step.run_rounds(workers, ["timed"] * 3)
+    harness.run_rounds(workers, ["timed"] * 3)
     assert packs["a"] and len(packs["a"]) == len(packs["b"])  # same model, same steps
     assert set(packs["a"]) == set(packs["b"]) == {threading.get_ident()}
     before = len(packs["a"]) + len(packs["b"])

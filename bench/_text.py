@@ -1,0 +1,80 @@
+"""The text around the benchmarks' tables: cells, aligned columns, the machine line, and
+progress lines on stderr.
+
+Nothing here imports torch, so that ``bench/report.py`` can use it too.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["end_progress", "fmt", "format_table", "log", "machine_line", "progress"]
+
+
+def fmt(
+    value: float | None, spec: str, scale: float = 1.0, suffix: str = "", *, none: str = "n/a"
+) -> str:
+    """``value * scale`` formatted with ``spec`` plus ``suffix``; ``none`` for None."""
+    if value is None:
+        return none
+    text = format(value * scale, spec)
+    if text.startswith("-") and float(text) == 0:  # "-0%" reads like a loss
+        text = text[1:]
+    return text + suffix
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
+    """Aligned text columns; the first ``left`` columns are left-aligned, the rest right."""
+    lines = [tuple(header), *(tuple(r) for r in rows)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = []
+    for n, line in enumerate(lines):
+        cells = [
+            cell.ljust(w) if i < left else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+        ]
+        out.append("  ".join(cells).rstrip())
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def machine_line(prog: str, machine: dict[str, Any]) -> str:
+    """One line naming the machine a report was measured on (``_common.machine_info``)."""
+    parts = [f"{machine['cores']} cores ({machine['usable_cores']} usable)"]
+    if machine.get("cpu"):
+        parts.append(str(machine["cpu"]))
+    if machine.get("memory_gib"):
+        parts.append(f"{machine['memory_gib']:g} GiB RAM")
+    if machine.get("system"):
+        parts.append(str(machine["system"]))
+    parts.append(f"torch {machine['torch']} ({machine['torch_threads']} threads)")
+    parts.append(f"python {machine['python']}")
+    return f"{prog} on {machine['host']}: " + ", ".join(parts)
+
+
+def log(msg: str) -> None:
+    """A line on stderr (after clearing a :func:`progress` line)."""
+    end_progress()
+    print(msg, file=sys.stderr, flush=True)
+
+
+def progress(msg: str) -> None:
+    """A progress line on stderr: on a terminal, one line rewritten in place (cleared
+    before the report, which then leads the output); elsewhere, a line per call."""
+    if not sys.stderr.isatty():
+        print(msg, file=sys.stderr, flush=True)
+        return
+    width = shutil.get_terminal_size().columns - 1
+    sys.stderr.write("\r\033[K" + msg[:width])
+    sys.stderr.flush()
+
+
+def end_progress() -> None:
+    """Clear the :func:`progress` line, if stderr is a terminal."""
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\033[K")
+        sys.stderr.flush()
