@@ -133,8 +133,6 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the budget mode's device_budget as a share of the step's saved activation "
         f"bytes (default {BUDGET_FRACTION})",
     )
-    # Ignored (the probes measure whole steps); accepted so that older command lines run.
-    p.add_argument("--mem-rounds", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument(
         "--no-mem-probe",
         dest="mem_probe",
@@ -192,8 +190,6 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--probe-jobs and --probe-repeats must be >= 1")
     if args.device_budget < 0 or args.heap_trim_bytes < 0:
         p.error("--device-budget and --heap-trim-bytes must be >= 0")
-    if args.mem_rounds:
-        log("note: --mem-rounds is ignored; the memory probes measure whole steps")
     return args
 
 
