@@ -18,7 +18,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any, TypeVar
@@ -224,11 +224,19 @@ class RssSampler:
     the largest sample, including one taken at exit (none at entry, so that the
     caller can read its own starting value after the thread exists). With
     ``record=True`` every sample is also kept in ``trace`` as ``(perf_counter
-    seconds, rss bytes)``: a timeline of memory over the region.
+    seconds, rss bytes)``: a timeline of memory over the region. ``read``
+    replaces RSS with another counter (``torch.cuda.memory_allocated``).
     """
 
-    def __init__(self, interval: float = 0.002, *, record: bool = False) -> None:
+    def __init__(
+        self,
+        interval: float = 0.002,
+        *,
+        record: bool = False,
+        read: Callable[[], int] = read_rss_bytes,
+    ) -> None:
         self.interval = interval
+        self._read = read
         self.peak_bytes = 0
         self.samples = 0
         self.record = record
@@ -237,7 +245,7 @@ class RssSampler:
         self._thread: threading.Thread | None = None
 
     def _sample(self) -> None:
-        rss = read_rss_bytes()
+        rss = self._read()
         self.samples += 1
         if self.record:
             self.trace.append((time.perf_counter(), rss))

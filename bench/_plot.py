@@ -17,7 +17,14 @@ __all__ = ["PLOT_MODES", "memory_over_step", "sweep_grid"]
 
 # The modes the memory plot draws, in this order (the others' lines would crowd it).
 PLOT_MODES: tuple[str, ...] = ("none", "disk", "budget")
-_COLORS = {"none": "tab:gray", "disk": "tab:blue", "budget": "tab:orange"}
+_COLORS = {
+    "none": "tab:gray",
+    "disk": "tab:blue",
+    "budget": "tab:orange",
+    "cpu": "tab:green",
+    "save_on_cpu": "tab:purple",
+    "ondemand": "tab:red",
+}
 
 
 def _pyplot() -> Any:
@@ -40,19 +47,24 @@ def memory_over_step(
     timelines: dict[str, dict[str, Any]],
     path: Path,
     *,
-    saved_bytes: int,
+    saved_bytes: int | None,
     title: str,
     budget_bytes: int | None = None,
+    modes: Sequence[str] = PLOT_MODES,
+    ylabel: str = "memory held by training, MiB\n(RSS above RSS before training)",
 ) -> bool:
-    """Draw RSS over one training step per mode (the memory probes' timelines) into a PNG.
+    """Draw memory over one training step per mode into a PNG: the memory probes' RSS
+    timelines (``bench/step.py``), or ``torch.cuda.memory_allocated`` (``bench/gpu.py``).
 
-    x: seconds from the step's start (each mode's backward start marked); y: RSS above
-    the process's RSS before training, i.e. the memory training holds. Returns False,
-    with a message, where matplotlib is missing or no timeline was recorded.
+    x: seconds from the step's start (each mode's backward start marked); y: the
+    timeline's ``rss_bytes``, memory above what the process held before the step
+    (``ylabel`` says which). Returns False, with a message, where matplotlib is
+    missing or no timeline was recorded.
     """
-    modes = [m for m in PLOT_MODES if timelines.get(m, {}).get("t_s")]
+    wanted = modes
+    modes = [m for m in wanted if timelines.get(m, {}).get("t_s")]
     if not modes:
-        log(f"--plot: no memory timeline of {', '.join(PLOT_MODES)} (probes off?); no plot")
+        log(f"--plot: no memory timeline of {', '.join(wanted)} (probes off?); no plot")
         return False
     try:
         plt = _pyplot()
@@ -61,6 +73,7 @@ def memory_over_step(
         return False
     names = {
         "none": "no offload",
+        "cpu": 'target "cpu" (pinned host RAM)',
         "disk": "disk (device_budget 0)",
         "budget": "disk, device_budget "
         + (f"{budget_bytes / MB:.0f} MiB" if budget_bytes else "a share"),
@@ -72,16 +85,17 @@ def memory_over_step(
         color = _COLORS.get(mode)
         ax.plot(line["t_s"], y, label=names.get(mode, mode), color=color, linewidth=1.6)
         ax.axvline(line["backward_s"], color=color, linestyle=":", linewidth=1)
-    ax.axhline(saved_bytes / MB, color="black", linestyle="--", linewidth=0.8)
-    ax.annotate(
-        f"saved for backward per step: {saved_bytes / MB:.0f} MiB",
-        xy=(0, saved_bytes / MB),
-        xytext=(2, 3),
-        textcoords="offset points",
-        fontsize=8,
-    )
+    if saved_bytes:
+        ax.axhline(saved_bytes / MB, color="black", linestyle="--", linewidth=0.8)
+        ax.annotate(
+            f"saved for backward per step: {saved_bytes / MB:.0f} MiB",
+            xy=(0, saved_bytes / MB),
+            xytext=(2, 3),
+            textcoords="offset points",
+            fontsize=8,
+        )
     ax.set_xlabel("seconds into the training step (dotted: backward starts)")
-    ax.set_ylabel("memory held by training, MiB\n(RSS above RSS before training)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))
     ax.set_xlim(left=0)

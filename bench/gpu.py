@@ -60,6 +60,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,7 +69,8 @@ from torch.autograd.graph import saved_tensors_hooks
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import round_order, scratch_folder
+from _common import RssSampler, read_rss_bytes, round_order, scratch_folder
+from _plot import memory_over_step
 
 from prefetch_offload import OffloadConfig, OffloadEngine
 from prefetch_offload.device import (
@@ -191,7 +193,11 @@ def _math_attention(cuda: bool) -> AbstractContextManager[Any]:
     return sdpa_kernel(SDPBackend.MATH)
 
 
-def run(args: argparse.Namespace) -> tuple[list[GpuRow], dict[str, float]]:
+def run(
+    args: argparse.Namespace,
+) -> tuple[list[GpuRow], dict[str, float], dict[str, dict[str, Any]]]:
+    """The rows, the measured link and disk bandwidths, and with ``--plot`` one traced
+    step's memory timeline per mode."""
     gpu = _Gpu(not args.twin)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -271,6 +277,37 @@ def run(args: argparse.Namespace) -> tuple[list[GpuRow], dict[str, float]]:
             reserved_growth[mode].append(gpu.peak_reserved() - start_reserved)
             return dt, fwd_peak, gpu.peak() - start_mem, grads
 
+        def traced_step(mode: str) -> dict[str, Any]:
+            """One more step of ``mode``, with memory sampled every 0.5 ms: allocated
+            device memory on a GPU (counted when allocations are issued), RSS on the
+            twin; both above what the step started with."""
+            model = models[mode]
+            read = gpu.allocated if gpu.cuda else read_rss_bytes
+            gpu.sync()
+            base = read()
+            with RssSampler(0.0005, record=True, read=read) as sampler:
+                t0 = time.perf_counter()
+                first = (t0, read())
+                with ctx[mode]():
+                    loss = model(tokens, targets)
+                    tb = time.perf_counter()
+                    loss.backward()
+                del loss
+                opts[mode].step()
+                opts[mode].zero_grad(set_to_none=True)
+                gpu.sync()
+                last = read()
+                t1 = time.perf_counter()
+            inside = [(t, v) for t, v in sampler.trace if t0 < t < t1]
+            trace = [(t - t0, v - base) for t, v in (first, *inside, (t1, last))]
+            return {
+                "t_s": [round(t, 6) for t, _ in trace],
+                "rss_bytes": [v for _, v in trace],
+                "backward_s": tb - t0,
+                "end_s": t1 - t0,
+                "counter": "torch.cuda.memory_allocated" if gpu.cuda else "RSS",
+            }
+
         # Exactness: round 0 without an update, every mode against none (and none twice),
         # with the math attention backend: fused attention backward kernels may use
         # atomics, which no offload can make reproducible.
@@ -334,9 +371,10 @@ def run(args: argparse.Namespace) -> tuple[list[GpuRow], dict[str, float]]:
                     **extra,
                 )
             )
+        timelines = {m: traced_step(m) for m in modes} if args.plot else {}
         for e in engines.values():
             e.close()
-    return rows, env
+    return rows, env, timelines
 
 
 def _pin_counts(layer: DeviceLayer) -> tuple[int, int]:
@@ -487,12 +525,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disk-probe-mb", type=int, default=2048, help="bytes the disk probe moves")
     p.add_argument("--json", default=None, help="write the rows and environment here")
     p.add_argument("--twin", action="store_true", help="run on the CPU through the CPU twin")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="after the timed rounds, one more step per mode with memory sampled every "
+        "0.5 ms (torch.cuda.memory_allocated; RSS on the twin), drawn into this PNG and "
+        "kept in the JSON as 'timelines'; needs matplotlib (the bench extra)",
+    )
+    p.add_argument(
+        "--replot",
+        default=None,
+        metavar="JSON",
+        help="only draw --plot from the timelines of this earlier --json (for a machine "
+        "without matplotlib)",
+    )
     words = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(words)
+    if args.replot and not args.plot:
+        p.error("--replot needs --plot PATH")
+    if args.replot:
+        return 0 if plot_timelines(json.loads(Path(args.replot).read_text()), args.plot) else 1
     if not args.twin and not torch.cuda.is_available():
         print("bench/gpu.py needs a CUDA device", file=sys.stderr)
         return 2
-    rows, env = run(args)
+    rows, env, timelines = run(args)
     print(table(rows, env, args), flush=True)
     verdicts = targets(rows)
     for t in verdicts:
@@ -511,11 +568,29 @@ def main(argv: list[str] | None = None) -> int:
                         dataclasses.asdict(r) | {"median_step_s": r.median_step_s} for r in rows
                     ],
                     "targets": verdicts,
+                    "timelines": timelines,
                 },
                 f,
                 indent=1,
             )
+    if timelines:
+        plot_timelines({"args": vars(args), "timelines": timelines}, args.plot)
     return 1 if any(r.exact == "NO" for r in rows) else 0
+
+
+def plot_timelines(doc: dict[str, Any], path: str) -> bool:
+    """Draw the traced steps of a run (its JSON, or the same keys) into ``path``."""
+    a, timelines = doc["args"], doc["timelines"]
+    counter = next(iter(timelines.values()))["counter"] if timelines else "memory"
+    return memory_over_step(
+        timelines,
+        Path(path),
+        saved_bytes=None,
+        title=f"bench/gpu.py, {a['dtype']}, width {a['width']} depth {a['depth']}, "
+        f"batch {a['batch']} x {a['seq']}: one training step per mode",
+        modes=list(timelines),
+        ylabel=f"{counter} above the step's start, MiB",
+    )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@
 #   2. tests/test_cuda.py (150 s), with faulthandler: a test past 60 s dumps every
 #      thread's stack, and pytest-timeout (if this python has it) fails it at 90 s; the
 #      stage's own limit sends SIGABRT, which faulthandler also answers with the stacks
-#   3. fp32, compute-bound: none, cpu, save_on_cpu, ondemand (110 s)
+#   3. fp32, compute-bound: none, cpu, save_on_cpu, ondemand (110 s); then one more
+#      step per mode with torch.cuda.memory_allocated sampled every 0.5 ms, kept in
+#      gpu_fp32.json and drawn to memory_fp32.png where matplotlib is installed
+#      (elsewhere: python bench/gpu.py --replot gpu_fp32.json --plot memory_fp32.png)
 #   4. bf16: none, cpu (80 s)
 #   5. disk, only if the preflight measured O_DIRECT through pinned memory at 1 GB/s or
 #      more (90 s)
@@ -81,7 +84,8 @@ fi
 
 stage "fp32, compute-bound: none, cpu, save_on_cpu, ondemand"
 run 110 $py -X faulthandler bench/gpu.py --dtype fp32 "${fp32[@]}" \
-  --modes none,cpu,save_on_cpu,ondemand --json "$out/gpu_fp32.json" 2>&1 \
+  --modes none,cpu,save_on_cpu,ondemand --json "$out/gpu_fp32.json" \
+  --plot "$out/memory_fp32.png" 2>&1 \
   | tee "$out/gpu_fp32.txt"
 record gpu_fp32 $?
 

@@ -502,10 +502,21 @@ def test_gpu_main_on_the_cpu_twin(tmp_path: Path, cwd: Path) -> None:
     argv = [*TINY, *SMALL_BATCHES, "--twin", "--attention", "explicit", "--dtype", "fp32"]
     argv += ["--vocab", "64"]
     argv += ["--disk-probe-mb", "8", "--save-dir", str(tmp_path / "s"), "--json", str(out)]
+    argv += ["--plot", str(tmp_path / "memory.png")]
     assert gpu.main(argv) == 0
     res = json.loads(out.read_text())
     rows = {r["mode"]: r for r in res["rows"]}
     assert list(rows) == ["none", "cpu", "disk", "save_on_cpu", "ondemand"]
+    # --plot: one traced step per mode, RSS on the twin (memory_allocated on a GPU).
+    for line in res["timelines"].values():
+        assert line["counter"] == "RSS" and len(line["t_s"]) == len(line["rss_bytes"]) > 0
+        assert 0 < line["backward_s"] < line["end_s"]
+    assert list(res["timelines"]) == list(rows)
+    has_plot = importlib.util.find_spec("matplotlib") is not None
+    assert (tmp_path / "memory.png").exists() == has_plot
+    if has_plot:  # drawn again from the JSON, as for a GPU machine without matplotlib
+        assert gpu.main(["--replot", str(out), "--plot", str(tmp_path / "again.png")]) == 0
+        assert (tmp_path / "again.png").stat().st_size > 0
     assert all(r["exact"] in ("ref", "yes") for r in rows.values())
     assert rows["cpu"]["bytes_offloaded_per_step"] > 0
     # Disk's bytes may all be kept by the write tail at this size (NOTE [write tail]).
