@@ -13,8 +13,11 @@ whose cores compute keeps busy), the process's minor page faults per step
 CPU time the hypervisor took from the machine's CPUs during the step (``steal``
 in ``/proc/stat``, all CPUs: on a VM, the host's side of the disk IO). One
 process shares one heap, so pages one engine's heap trim gives back may be
-faulted in again by the next configuration's step. ``--json`` writes the rows
-with the command and the machine (``bench/report.py`` makes a table of them).
+faulted in again by the next configuration's step: ``--isolate`` gives each
+configuration (none included) a process of its own, still stepped one round at
+a time in the same order, so that each one's CPU time and page faults are its
+own (the heap trim's cost: NOTE [heap trim]). ``--json`` writes the rows with
+the command and the machine (``bench/report.py`` makes a table of them).
 
 A configuration may also give ``"noop_io"``: ``"write"``, ``"read"`` or
 ``"both"`` (not an engine knob): that engine's slab store then skips those
@@ -31,15 +34,18 @@ Example (the chunk_bytes comparison in docs/tuning.md):
 from __future__ import annotations
 
 import argparse
-import copy
+import contextlib
 import dataclasses
+import importlib
 import json
+import multiprocessing
 import os
 import resource
 import shlex
 import statistics
 import sys
 import time
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -51,7 +57,7 @@ from _common import machine_info, round_order, scratch_folder, steal_seconds
 from _harness import Shape, add_args
 from _text import machine_line
 
-from prefetch_offload import OffloadConfig, OffloadEngine
+from prefetch_offload import OffloadConfig, OffloadEngine, OffloadStats
 from prefetch_offload.testing import TinyTransformer, make_batch
 
 
@@ -85,6 +91,103 @@ def _skip_io(engine: OffloadEngine, which: str) -> None:
         store.read = lambda extent, offset, out: None  # type: ignore[method-assign]
 
 
+class Lane:
+    """One configuration's training: its model copy, optimizer and engine (None: no
+    offload). ``step`` runs one training step and returns its wall, user and system
+    seconds and minor page faults (``getrusage`` of this process)."""
+
+    def __init__(self, knobs: dict[str, Any] | None, shape: Shape, folder: str, name: str) -> None:
+        torch.manual_seed(0)  # every lane starts from the same weights
+        self.model = TinyTransformer(width=shape.width, depth=shape.depth, heads=shape.heads)
+        self.batch = make_batch(shape.batch, shape.seq)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.engine: OffloadEngine | None = None
+        if knobs is not None:
+            knobs = dict(knobs)
+            noop = knobs.pop("noop_io", None)
+            cfg = OffloadConfig(target="disk", save_dir=os.path.join(folder, name), **knobs)
+            self.engine = OffloadEngine(cfg)
+            if noop is not None:
+                _skip_io(self.engine, noop)
+
+    def step(self) -> tuple[float, float, float, int]:
+        u0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        if self.engine is None:
+            self.model(*self.batch).backward()
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(self.engine.pack, self.engine.unpack):
+                self.model(*self.batch).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        dt, u1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+        return dt, u1.ru_utime - u0.ru_utime, u1.ru_stime - u0.ru_stime, u1.ru_minflt - u0.ru_minflt
+
+    def stats(self) -> OffloadStats | None:
+        return None if self.engine is None else self.engine.stats()
+
+    def params(self) -> list[torch.Tensor]:
+        return [p.detach() for p in self.model.parameters()]
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def _serve(
+    conn: Connection, knobs: dict[str, Any] | None, shape: Shape, folder: str, name: str
+) -> None:
+    """An isolated lane's process: runs the parent's calls on its Lane until "close"."""
+    lane = Lane(knobs, shape, folder, name)
+    try:
+        while True:
+            call = conn.recv()
+            conn.send(getattr(lane, call)())
+            if call == "close":
+                return
+    finally:
+        lane.close()
+
+
+class ProcessLane:
+    """A Lane in a process of its own (``--isolate``): its own heap, so one
+    configuration's heap trims and page faults are not paid by the next one's step."""
+
+    def __init__(self, knobs: dict[str, Any] | None, shape: Shape, folder: str, name: str) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        # The child imports _serve by its module's name: this file's, as "ab", with bench/
+        # on the sys.path the child starts with (whatever name it was loaded under here).
+        here = os.path.dirname(os.path.abspath(__file__))
+        saved = list(sys.path)
+        sys.path.insert(0, here)
+        try:
+            serve = importlib.import_module("ab")._serve
+            self._proc = ctx.Process(target=serve, args=(child, knobs, shape, folder, name))
+            self._proc.start()
+        finally:
+            sys.path[:] = saved
+        child.close()
+
+    def _call(self, name: str) -> Any:
+        self._conn.send(name)
+        return self._conn.recv()
+
+    def step(self) -> tuple[float, float, float, int]:
+        return self._call("step")
+
+    def stats(self) -> OffloadStats | None:
+        return self._call("stats")
+
+    def params(self) -> list[torch.Tensor]:
+        return self._call("params")
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            with contextlib.suppress(EOFError, BrokenPipeError, OSError):
+                self._call("close")
+        self._proc.join(timeout=60)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -97,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rounds", type=int, default=12, help="timed rounds (default 12)")
     p.add_argument("--warmup", type=int, default=2, help="uncounted rounds first (default 2)")
+    p.add_argument(
+        "--isolate",
+        action="store_true",
+        help="run each configuration (none included) in a process of its own, still one "
+        "step of each per round: CPU time and page faults are then each one's own",
+    )
     add_args(p, Shape())  # the benchmark transformer of bench/step.py
     p.add_argument("--save-dir", default=None, help="parent of the run's scratch folder")
     p.add_argument("--json", default=None, help="also write the rows here")
@@ -105,52 +214,31 @@ def main(argv: list[str] | None = None) -> int:
     configs: dict[str, dict[str, Any] | None] = {"none": None}
     for name, knobs in args.config or [("disk", {})]:
         configs[name] = knobs
-    torch.manual_seed(0)
     shape = Shape.from_args(args)
-    base = TinyTransformer(width=shape.width, depth=shape.depth, heads=shape.heads)
-    tokens, targets = make_batch(shape.batch, shape.seq)
+    names = list(configs)
+    unchecked = {n for n, k in configs.items() if k is not None and "noop_io" in k}
     rows = []
-    unchecked: set[str] = set()  # configurations whose IO is skipped: wrong on purpose
+    make = ProcessLane if args.isolate else Lane
     with scratch_folder(args.save_dir, prefix="ab-") as folder:
-        engines: dict[str, OffloadEngine] = {}
-        for name, knobs in configs.items():
-            if knobs is not None:
-                knobs = dict(knobs)
-                noop = knobs.pop("noop_io", None)
-                cfg = OffloadConfig(target="disk", save_dir=folder, **knobs)
-                engines[name] = OffloadEngine(cfg)
-                if noop is not None:
-                    _skip_io(engines[name], noop)
-                    unchecked.add(name)
-        models = {n: copy.deepcopy(base) for n in configs}
-        opts = {n: torch.optim.SGD(models[n].parameters(), lr=1e-3) for n in configs}
-        # (wall, user, system, hypervisor steal) seconds and minor page faults per step
-        samples: dict[str, list[tuple[float, float, float, float, int]]] = {n: [] for n in configs}
-        names = list(configs)
-        before = {}
+        lanes: dict[str, Lane | ProcessLane] = {}
         try:
+            for name, knobs in configs.items():
+                lanes[name] = make(knobs, shape, folder, name)
+            # (wall, user, system, hypervisor steal) seconds and minor page faults per step
+            samples: dict[str, list[tuple[float, float, float, float, int]]] = {
+                n: [] for n in names
+            }
+            before: dict[str, OffloadStats | None] = {}
             for r in range(args.warmup + args.rounds):
                 if r == args.warmup:
-                    before = {n: e.stats() for n, e in engines.items()}
+                    before = {n: lane.stats() for n, lane in lanes.items()}
                 for n in round_order(names, r):
                     s0 = steal_seconds()
-                    u0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-                    engine = engines.get(n)
-                    model = models[n]
-                    if engine is None:
-                        model(tokens, targets).backward()
-                    else:
-                        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
-                            model(tokens, targets).backward()
-                    opts[n].step()
-                    opts[n].zero_grad(set_to_none=True)
-                    dt, u1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+                    dt, user, system, faults = lanes[n].step()
                     s1 = steal_seconds()
                     if r >= args.warmup:
-                        cpu = (u1.ru_utime - u0.ru_utime, u1.ru_stime - u0.ru_stime)
                         steal = s1 - s0 if s0 is not None and s1 is not None else 0.0
-                        faults = u1.ru_minflt - u0.ru_minflt
-                        samples[n].append((dt, *cpu, steal, faults))
+                        samples[n].append((dt, user, system, steal, faults))
             ref = statistics.median(s[0] for s in samples["none"])
             for n in names:
                 step = statistics.median(s[0] for s in samples[n])
@@ -164,8 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                     "steal_s": statistics.fmean(s[3] for s in samples[n]),
                     "faults_per_step": statistics.fmean(s[4] for s in samples[n]),
                 }
-                if n in engines:
-                    a, b = before[n], engines[n].stats()
+                a, b = before[n], lanes[n].stats()
+                if a is not None and b is not None:
                     hits = b.prefetch_hits - a.prefetch_hits
                     total = hits + b.prefetch_misses - a.prefetch_misses
                     row |= {
@@ -175,17 +263,15 @@ def main(argv: list[str] | None = None) -> int:
                         "hit_rate": hits / total if total else 0.0,
                     }
                 rows.append(row)
+            params = {n: lanes[n].params() for n in names}
         finally:
-            for e in engines.values():
-                e.close()
+            for lane in lanes.values():
+                lane.close()
     differ = [
         n
         for n in names[1:]
         if n not in unchecked
-        and not all(
-            torch.equal(a, b)
-            for a, b in zip(models[n].parameters(), models["none"].parameters(), strict=True)
-        )
+        and not all(torch.equal(a, b) for a, b in zip(params[n], params["none"], strict=True))
     ]
     print(
         f"{'config':<10} {'step ms':>8} {'ratio':>6} {'user ms':>8} {'sys ms':>7} "
@@ -214,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             "shape": dataclasses.asdict(shape),
             "rounds": args.rounds,
             "warmup": args.warmup,
+            "isolate": args.isolate,
             "rows": rows,
             "unchecked": sorted(unchecked),
             "check": {"ok": not differ, "differ": differ},

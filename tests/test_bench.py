@@ -547,6 +547,24 @@ def test_ab_main_tiny(tmp_path: Path, cwd: Path) -> None:
     assert _empty(tmp_path / "s")
 
 
+def test_ab_isolate_runs_each_configuration_in_its_own_process(tmp_path: Path, cwd: Path) -> None:
+    """--isolate: the lanes train in child processes (the parent never packs a tensor)
+    and come back bit-identical, with their own counters."""
+    ab = _load("ab")
+    out = tmp_path / "ab.json"
+    argv = [*TINY_SHAPE, "--rounds", "2", "--warmup", "1", "--save-dir", str(tmp_path / "s")]
+    argv += ["--isolate", "--config", 'small:{"chunk_bytes": 16384, "min_offload_bytes": 0}']
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ab.Lane, "step", lambda self: pytest.fail("a lane stepped in the parent"))
+        assert ab.main([*argv, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["isolate"] and doc["check"]["ok"]
+    rows = {r["name"]: r for r in doc["rows"]}
+    assert list(rows) == ["none", "small"] and rows["small"]["mb_per_step"] > 0
+    assert all(r["faults_per_step"] >= 0 for r in rows.values())
+    assert _empty(tmp_path / "s")
+
+
 def test_ab_rejects_a_bad_config() -> None:
     ab = _load("ab")
     with pytest.raises(SystemExit):
