@@ -226,15 +226,39 @@ def _step_io(doc: dict[str, Any]) -> str | None:
     return markdown_table(header, body, left=2)
 
 
-def _step_pending(doc: dict[str, Any]) -> str | None:
-    pending = doc.get("pending_sweep") or []
+# Swept knobs of bench/step.py (--pending-sweep, --trim-sweep): the JSON key, the
+# column of the swept value, and the engine counters (over the probed steps) shown
+# beside disk's memory: (header, counter, format, scale, per step).
+_SWEEPS: dict[str, tuple[str, str, tuple[tuple[str, str, str, float, bool], ...]]] = {
+    "max_pending_write_bytes": (
+        "pending_sweep",
+        "max_pending_write_bytes MiB",
+        (
+            ("peak pending MiB", "peak_pending_write_bytes", ".1f", 1 / MiB, False),
+            ("pack wait s/step", "pack_wait_seconds", ".4f", 1.0, True),
+        ),
+    ),
+    "heap_trim_bytes": (
+        "trim_sweep",
+        "heap_trim_bytes MiB",
+        (
+            ("heap trims/step", "heap_trims", ".1f", 1.0, True),
+            ("trim s/step", "heap_trim_seconds", ".4f", 1.0, True),
+        ),
+    ),
+}
+
+
+def _step_sweep(doc: dict[str, Any], knob: str) -> str | None:
+    key, label, extra = _SWEEPS[knob]
+    items = doc.get(key) or []
     none = next((r for r in doc["rows"] if r["mode"] == "none"), None)
-    if not pending:
+    if not items:
         return None
     saved = doc["saved_activation_bytes"]
-    default_cap = doc["knobs"]["max_pending_write_bytes"]
+    default = doc["knobs"][knob]
     body = []
-    for item in pending:
+    for item in items:
         probe = item["probe"]
         peak = max(probe["step_peak_bytes"]) if probe.get("step_peak_bytes") else None
         act = None
@@ -242,25 +266,25 @@ def _step_pending(doc: dict[str, Any]) -> str | None:
             act = peak - (none["peak"] - saved)
         steps = probe.get("probed_steps") or 1
         counters = probe.get("counters", {})
-        cap = item["max_pending_write_bytes"]
+        value = item[knob]
+        shown = fmt(value, ".0f", 1 / MiB) if value else "off"
         body.append(
             (
-                fmt(cap, ".0f", 1 / MiB) + (" (default)" if cap == default_cap else ""),
+                shown + (" (default)" if value == default else ""),
                 fmt(peak, ".1f", 1 / MiB),
                 fmt(act, ".1f", 1 / MiB),
                 fmt(None if act is None else 1 - act / saved, ".0f", 100, "%"),
-                fmt(counters.get("peak_pending_write_bytes"), ".1f", 1 / MiB),
-                fmt(_per_step(counters.get("pack_wait_seconds"), steps), ".4f"),
+                *(
+                    fmt(
+                        _per_step(counters.get(c), steps) if per_step else counters.get(c),
+                        spec,
+                        scale,
+                    )
+                    for _, c, spec, scale, per_step in extra
+                ),
             )
         )
-    header = (
-        "max_pending_write_bytes MiB",
-        "peak MiB",
-        "activation MiB",
-        "activation cut",
-        "peak pending MiB",
-        "pack wait s/step",
-    )
+    header = (label, "peak MiB", "activation MiB", "activation cut", *(h for h, *_ in extra))
     return markdown_table(header, body)
 
 
@@ -333,7 +357,14 @@ def _render_step(doc: dict[str, Any]) -> list[str]:
         ),
         ("Budget: disk with a device_budget, against disk", _step_budget),
         ("IO: disk's bytes moved by a bare thread, no hooks", _step_io),
-        ("Disk's memory by write cap (default allocator, one probe each)", _step_pending),
+        (
+            "Disk's memory by write cap (default allocator, one probe each)",
+            functools.partial(_step_sweep, knob="max_pending_write_bytes"),
+        ),
+        (
+            "Disk's memory by heap trim interval (default allocator, one probe each)",
+            functools.partial(_step_sweep, knob="heap_trim_bytes"),
+        ),
         ("Targets (default allocator, whole steps)", _step_targets),
     ]
     for title, part in parts:

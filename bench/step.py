@@ -115,6 +115,12 @@ IOSPREAD_LIMIT = 1.05
 # -- arguments ---------------------------------------------------------------------------
 
 
+def _trim_list(text: str) -> list[int]:
+    """``"64,256,off"`` -> heap_trim_bytes values in bytes, 0 for off (the Knobs spelling)."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    return [0 if x == "off" else parse_mib_list(x)[0] for x in items]
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="bench/step.py",
@@ -153,6 +159,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="MIB,...",
         help="also probe disk's activation memory at these max_pending_write_bytes values, "
         "in MiB (default 16,64,256; empty: skip)",
+    )
+    p.add_argument(
+        "--trim-sweep",
+        type=_trim_list,
+        default=[],
+        metavar="MIB,...",
+        help="also probe disk's activation memory at these heap_trim_bytes values, in MiB, "
+        "'off' for None (default: none; e.g. 64,256,off)",
     )
     p.add_argument(
         "--probe-jobs",
@@ -236,6 +250,8 @@ class Run:
     # allocator -> mode -> one probe document per repeat; disk's write-cap probes.
     probes: dict[str, dict[str, list[dict[str, Any]]]]
     pending: list[dict[str, Any]]
+    # Disk's heap-trim probes (--trim-sweep).
+    trim: list[dict[str, Any]]
     problems: list[str]
     machine: dict[str, Any] = dataclasses.field(default_factory=machine_info)
 
@@ -304,11 +320,18 @@ def _run(args: argparse.Namespace, shape: Shape, knobs: Knobs, run_dir: Path, fs
         return 2
     probes: dict[str, dict[str, list[dict[str, Any]]]] = {}
     pending: list[dict[str, Any]] = []
+    trim: list[dict[str, Any]] = []
     if args.mem_probe:
         try:
             probes = _probe_modes(modes, mode_knobs, shape, run_dir, args)
             if "disk" in modes:
-                pending = _pending_probes(knobs, shape, run_dir, args, probes["default"]["disk"])
+                disk = probes["default"]["disk"][0]
+                pending = _sweep_probes(
+                    "max_pending_write_bytes", args.pending_sweep, knobs, shape, run_dir, args, disk
+                )
+                trim = _sweep_probes(
+                    "heap_trim_bytes", args.trim_sweep, knobs, shape, run_dir, args, disk
+                )
         except (ProbeError, subprocess.TimeoutExpired) as exc:
             log(f"error: {exc}")
             return 2
@@ -327,6 +350,7 @@ def _run(args: argparse.Namespace, shape: Shape, knobs: Knobs, run_dir: Path, fs
         losses=rounds.losses,
         probes=probes,
         pending=pending,
+        trim=trim,
         problems=_check(workers, rounds.losses),
     )
     _print_report(run)
@@ -378,22 +402,24 @@ def _probe_modes(
     return out
 
 
-def _pending_probes(
+def _sweep_probes(
+    knob: str,
+    values: Sequence[int],
     knobs: Knobs,
     shape: Shape,
     run_dir: Path,
     args: argparse.Namespace,
-    disk_probes: list[dict[str, Any]],
+    disk_probe: dict[str, Any],
 ) -> list[dict[str, Any]]:
-    """Disk's default-allocator probe at each --pending-sweep cap (its own cap reused)."""
-    caps = [v for v in dict.fromkeys(args.pending_sweep) if v != knobs.max_pending_write_bytes]
-    requests = [("disk", dataclasses.replace(knobs, max_pending_write_bytes=v)) for v in caps]
+    """Disk's default-allocator probe at each value of ``knob`` (--pending-sweep,
+    --trim-sweep), one probe each; the run's own value reuses its first disk probe."""
+    own = getattr(knobs, knob)
+    others = [v for v in dict.fromkeys(values) if v != own]
+    requests = [("disk", dataclasses.replace(knobs, **{knob: v})) for v in others]
     results = probe_many(requests, shape, run_dir, jobs=args.probe_jobs, allocator="default")
-    by_cap = dict(zip(caps, results, strict=True))
-    by_cap[knobs.max_pending_write_bytes] = disk_probes[0]
-    return [
-        {"max_pending_write_bytes": value, "probe": by_cap[value]} for value in args.pending_sweep
-    ]
+    by_value = dict(zip(others, results, strict=True))
+    by_value[own] = disk_probe
+    return [{knob: value, "probe": by_value[value]} for value in values]
 
 
 def _results(
@@ -623,13 +649,12 @@ def _print_report(run: Run) -> None:
     if run.probes:
         print()
         print(_memory_table(run.rows))
-    if run.pending:
-        print()
-        print(
-            "disk memory by max_pending_write_bytes (default allocator, one probe each; "
-            "other knobs as above):"
-        )
-        print(_pending_table(run.pending, run.rows, run.saved_bytes))
+    for knob, items in (("max_pending_write_bytes", run.pending), ("heap_trim_bytes", run.trim)):
+        if items:
+            print()
+            print(f"disk memory by {knob} (default allocator, one probe each; other knobs as")
+            print("above):")
+            print(_sweep_table(knob, items, run.rows, run.saved_bytes))
     if run.target is not None:
         print()
         for line in run.target["lines"]:
@@ -721,33 +746,61 @@ def _memory_table(rows: Sequence[StepResult]) -> str:
     return _rows_table(probed, (("mode", "mode"),), _MEMORY_COLUMNS)
 
 
-def _pending_table(
-    pending: Sequence[dict[str, Any]], rows: Sequence[StepResult], saved_bytes: int
+# --pending-sweep and --trim-sweep: the column of the swept value, and the engine counters
+# (per probed step) that show what the knob did.
+_SWEEPS: dict[str, tuple[str, tuple[tuple[str, str, str, float], ...]]] = {
+    "max_pending_write_bytes": (
+        "pending MiB",
+        (
+            ("peak pending MiB", "peak_pending_write_bytes", ".1f", 1 / MB),
+            ("pack wait s/step", "pack_wait_seconds", ".4f", 1.0),
+        ),
+    ),
+    "heap_trim_bytes": (
+        "heap_trim MiB",
+        (
+            ("heap trims/step", "heap_trims", ".1f", 1.0),
+            ("trim s/step", "heap_trim_seconds", ".4f", 1.0),
+        ),
+    ),
+}
+
+
+def _sweep_table(
+    knob: str, items: Sequence[dict[str, Any]], rows: Sequence[StepResult], saved_bytes: int
 ) -> str:
-    """Disk's memory at each write cap of --pending-sweep, one line per cap."""
+    """Disk's memory at each value of a swept knob, one line per value."""
+    name, extra = _SWEEPS[knob]
     none = next((r for r in rows if r.mode == "none"), None)
     base = none.peak if none is not None else None
     body = []
-    for item in pending:
+    for item in items:
         probe = item["probe"]
         peak = float(max(probe["step_peak_bytes"])) if probe.get("step_peak_bytes") else None
         act = None if peak is None or base is None else peak - (base - saved_bytes)
         counters = probe.get("counters", {})  # over the probed steps
-        wait = counters.get("pack_wait_seconds")
-        wait_per_step = None if wait is None else wait / probe.get("probed_steps", PROBE_STEPS)
+        steps = probe.get("probed_steps", PROBE_STEPS)
+        per_step = {"peak_pending_write_bytes": 1}  # a maximum, not a sum
         body.append(
             (
-                fmt(item["max_pending_write_bytes"], ".0f", 1 / MB),
+                fmt(item[knob], ".0f", 1 / MB) if item[knob] else "off",
                 fmt(peak, ".1f", 1 / MB),
                 fmt(act, ".1f", 1 / MB),
                 fmt(None if act is None else 1 - act / saved_bytes, ".0f", 100, "%"),
                 fmt(probe["heap_bytes"][-1] if probe.get("heap_bytes") else None, ".1f", 1 / MB),
-                fmt(counters.get("peak_pending_write_bytes"), ".1f", 1 / MB),
-                fmt(wait_per_step, ".4f"),
+                *(
+                    fmt(
+                        None
+                        if counters.get(key) is None
+                        else counters[key] / per_step.get(key, steps),
+                        spec,
+                        scale,
+                    )
+                    for _, key, spec, scale in extra
+                ),
             )
         )
-    header = ("pending MiB", "peak MiB", "act MiB", "act cut", "heap MiB")
-    header += ("peak pending MiB", "pack wait s/step")
+    header = (name, "peak MiB", "act MiB", "act cut", "heap MiB", *(h for h, *_ in extra))
     return format_table(header, body, left=0)
 
 
@@ -873,6 +926,7 @@ def _json_doc(run: Run, plot: Path | None) -> dict[str, Any]:
         # training, backward_s and end_s the phase marks.
         "timelines": run.timelines,
         "pending_sweep": run.pending,
+        "trim_sweep": run.trim,
         "target": run.target,
         "io_bound": run.bound,
         "losses": run.losses,

@@ -225,6 +225,7 @@ def test_step_main_memory_probes(
     step, probing = _load("step"), _load("_probe")
     scratch, out = tmp_path / "scratch", tmp_path / "step.json"
     argv = [*TINY, *SMALL_BATCHES, "--modes", "none,disk,budget", "--pending-sweep", "1,64"]
+    argv += ["--trim-sweep", "1,off,128"]
     argv += ["--probe-jobs", "3", "--save-dir", str(scratch), "--json", str(out)]
     assert step.main(argv) == 0
     assert _empty(scratch), list(scratch.iterdir())
@@ -278,6 +279,12 @@ def test_step_main_memory_probes(
     assert pending == [1 * MiB, 64 * MiB]
     assert doc["pending_sweep"][0]["probe"]["knobs"]["max_pending_write_bytes"] == MiB
     assert doc["pending_sweep"][1]["probe"] == probes["default"]["disk"][0]  # reused
+    trims = [
+        (p["heap_trim_bytes"], p["probe"]["knobs"]["heap_trim_bytes"]) for p in doc["trim_sweep"]
+    ]
+    assert trims == [(MiB, MiB), (0, 0), (128 * MiB, 128 * MiB)]  # 0: off
+    assert doc["trim_sweep"][2]["probe"] == probes["default"]["disk"][0]  # the default, reused
+    assert "disk memory by heap_trim_bytes" in text
 
 
 def test_counter_delta_subtracts_totals_and_keeps_gauges() -> None:
@@ -705,7 +712,7 @@ def test_report_tables_from_every_benchmark_json(
     step, compiled, gpu, report = _load("step"), _load("compiled"), _load("gpu"), _load("report")
     step_json, png = tmp_path / "step.json", tmp_path / "memory.png"
     argv = [*TINY, *SMALL_BATCHES, "--modes", "none,disk,budget,iospread"]
-    argv += ["--pending-sweep", "1", "--save-dir", str(tmp_path / "s1")]
+    argv += ["--pending-sweep", "1", "--trim-sweep", "off", "--save-dir", str(tmp_path / "s1")]
     argv += ["--json", str(step_json), "--plot", str(png)]
     assert step.main(argv) == 0
     text = capsys.readouterr().out
@@ -755,6 +762,8 @@ def test_report_tables_from_every_benchmark_json(
         "| mode | device_budget MiB | peak MiB | peak limit MiB | saved - budget MiB |",
         "| mode | what | vs none | vs iospread | written MiB/step | steal s/step |",
         "| max_pending_write_bytes MiB | peak MiB | activation MiB |",
+        "| heap_trim_bytes MiB | peak MiB | activation MiB | activation cut | heap trims/step |",
+        "| off | ",
         "| target | needs | measured | verdict |",
         "| mode | what | no offload s | disk s | vs no offload | hit rate | hit rate per step |",
         "| mode | step ms | vs none | forward peak GB |",
