@@ -496,8 +496,10 @@ def _render_ab(doc: dict[str, Any]) -> list[str]:
     out = _header(doc, "bench/ab.py")
     out.append(
         f"Model: TinyTransformer, {shape['depth']} blocks, width {shape['width']}, batch "
-        f"{shape['batch']} x {shape['seq']} tokens; one process, one step of each "
-        f"configuration per round, {doc['rounds']} timed rounds after {doc['warmup']}."
+        f"{shape['batch']} x {shape['seq']} tokens; "
+        + ("a process per configuration" if doc.get("isolate") else "one process")
+        + f", one step of each configuration per round, {doc['rounds']} timed rounds after "
+        f"{doc['warmup']}."
     )
     if doc.get("unchecked"):
         out.append(
