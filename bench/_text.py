@@ -1,17 +1,29 @@
-"""The text around the benchmarks' tables: cells, aligned columns, the machine line, and
-progress lines on stderr.
+"""The text around the benchmarks' tables: cells, aligned columns, the machine line, the
+keys every JSON begins with, and progress lines on stderr.
 
 Nothing here imports torch, so that ``bench/report.py`` can use it too.
 """
 
 from __future__ import annotations
 
+import argparse
+import shlex
 import shutil
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-__all__ = ["end_progress", "fmt", "format_table", "log", "machine_line", "progress"]
+__all__ = [
+    "end_progress",
+    "fmt",
+    "format_table",
+    "json_args",
+    "json_header",
+    "log",
+    "machine_line",
+    "progress",
+]
 
 
 def fmt(
@@ -54,6 +66,23 @@ def machine_line(prog: str, machine: dict[str, Any]) -> str:
     parts.append(f"torch {machine['torch']} ({machine['torch_threads']} threads)")
     parts.append(f"python {machine['python']}")
     return f"{prog} on {machine['host']}: " + ", ".join(parts)
+
+
+def json_header(script: str, words: Sequence[str], machine: dict[str, Any]) -> dict[str, Any]:
+    """The keys every benchmark's JSON begins with: the script (``"step.py"``), the command
+    that ran it with ``words`` as its arguments, the machine and its :func:`machine_line`."""
+    prog = f"bench/{script}"
+    return {
+        "bench": script,
+        "command": shlex.join(["python", prog, *words]),
+        "machine": machine,
+        "machine_line": machine_line(prog, machine),
+    }
+
+
+def json_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed arguments, JSON-ready (paths as text)."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
 
 
 def log(msg: str) -> None:

@@ -41,7 +41,6 @@ import json
 import multiprocessing
 import os
 import resource
-import shlex
 import statistics
 import sys
 import time
@@ -55,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import machine_info, round_order, scratch_folder, steal_seconds
 from _harness import Shape, add_args
-from _text import machine_line
+from _text import json_header
 
 from prefetch_offload import OffloadConfig, OffloadEngine, OffloadStats
 from prefetch_offload.testing import TinyTransformer, make_batch
@@ -291,12 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['steal_s'] * 1e3:8.0f} {row['faults_per_step']:7.0f} {extra}"
         )
     if args.json:
-        machine = machine_info()
         doc = {
-            "bench": "ab.py",
-            "command": shlex.join(["python", "bench/ab.py", *words]),
-            "machine": machine,
-            "machine_line": machine_line("bench/ab.py", machine),
+            **json_header("ab.py", words, machine_info()),
             "shape": dataclasses.asdict(shape),
             "rounds": args.rounds,
             "warmup": args.warmup,

@@ -52,7 +52,6 @@ import gc
 import itertools
 import json
 import os
-import shlex
 import statistics
 import sys
 import textwrap
@@ -71,7 +70,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import MB, TORCH_THREADS, filesystem_type, machine_info, scratch_folder
 from _harness import LEARNING_RATE, Shape, add_args, build, counter_delta
-from _text import fmt, format_table, machine_line
+from _text import fmt, format_table, json_args, json_header
 
 from prefetch_offload import OffloadConfig, OffloadContext, OffloadEngine
 
@@ -562,8 +561,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if eager is not None and r is not eager:
             r.vs_eager = _max_diff(eager.ref.state, r.ref.state)
 
-    machine = machine_info()
-    print(machine_line("bench/compiled.py", machine))
+    header = json_header("compiled.py", words, machine_info())
+    print(header["machine_line"])
     print(f"shape: {shape}; {args.warmup} warm-up + {args.steps} steps; scratch on {fstype}")
     knob_text = ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(knobs).items())
     print(
@@ -590,14 +589,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("  mode's without offload")
     if args.json is not None:
         doc = {
-            "bench": "compiled.py",
-            "command": shlex.join(["python", "bench/compiled.py", *words]),
-            "machine": machine,
-            "machine_line": machine_line("bench/compiled.py", machine),
+            **header,
             "shape": dataclasses.asdict(shape),
             "knobs": dataclasses.asdict(knobs),
             "has_prefetch_bytes": HAS_PREFETCH_BYTES,
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "args": json_args(args),
             "scratch_fs": fstype,
             "rows": [r.to_json() for r in results],
             "check": {"ok": not problems, "problems": problems},

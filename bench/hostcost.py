@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import resource
-import shlex
 import subprocess
 import sys
 import time
@@ -47,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
 
 from _common import machine_info, ordinary_pages, scratch_folder, steal_seconds
-from _text import machine_line
+from _text import json_header
 
 from prefetch_offload.buffers import Block, mapped_block
 from prefetch_offload.slab import direct_io_supported, open_scratch_file
@@ -188,12 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r.load:<7} {r.buffer:<6} {r.op:<6} {r.gbps:6.2f} {r.cpu_ms_per_gb:10.1f} {steal:>12}"
         )
     if args.json:
-        machine = machine_info()
         doc = {
-            "bench": "hostcost.py",
-            "command": shlex.join(["python", "bench/hostcost.py", *words]),
-            "machine": machine,
-            "machine_line": machine_line("bench/hostcost.py", machine),
+            **json_header("hostcost.py", words, machine_info()),
             "total_mib": args.total_mib,
             "request_mib": args.request_mib,
             "rows": [asdict(r) for r in rows],

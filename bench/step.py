@@ -54,7 +54,6 @@ import dataclasses
 import functools
 import json
 import re
-import shlex
 import subprocess
 import sys
 import traceback
@@ -95,7 +94,7 @@ from _harness import (
 )
 from _plot import memory_over_step
 from _probe import ALLOCATORS, MMAP_THRESHOLD, PROBE_STEPS, ProbeError, probe_many, run_probe
-from _text import end_progress, fmt, format_table, log, machine_line, progress
+from _text import end_progress, fmt, format_table, json_args, json_header, log, progress
 
 __all__ = ["BUDGET_FRACTION", "dumps", "headline", "main"]
 
@@ -253,7 +252,8 @@ class Run:
     # Disk's heap-trim probes (--trim-sweep).
     trim: list[dict[str, Any]]
     problems: list[str]
-    machine: dict[str, Any] = dataclasses.field(default_factory=machine_info)
+    # The JSON's first keys (_text.json_header): the command, the machine and its line.
+    header: dict[str, Any]
 
     @property
     def modes(self) -> list[str]:
@@ -283,7 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.memory_probe is not None:
         print(json.dumps(run_probe(args.memory_probe, shape, knobs, args.save_dir)), flush=True)
         return 0
-    args.command = shlex.join(["python", "bench/step.py", *words])
+    header = json_header("step.py", words, machine_info())
+    args.command = header["command"]
     with scratch_folder(args.save_dir, prefix="bench-step-") as folder:
         run_dir = Path(folder).absolute()
         fstype = filesystem_type(folder)
@@ -292,10 +293,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"warning: {run_dir} is on {fstype}: 'disk' and 'seed' write to RAM there; "
                 "pass --save-dir on a real disk"
             )
-        return _run(args, shape, knobs, run_dir, fstype)
+        return _run(args, shape, knobs, run_dir, fstype, header)
 
 
-def _run(args: argparse.Namespace, shape: Shape, knobs: Knobs, run_dir: Path, fstype: str) -> int:
+def _run(
+    args: argparse.Namespace,
+    shape: Shape,
+    knobs: Knobs,
+    run_dir: Path,
+    fstype: str,
+    header: dict[str, Any],
+) -> int:
     modes: list[str] = args.modes
     phases = ["warmup"] * args.warmup + ["timed"] * args.steps
     model, batches = build(shape, len(phases))
@@ -352,6 +360,7 @@ def _run(args: argparse.Namespace, shape: Shape, knobs: Knobs, run_dir: Path, fs
         pending=pending,
         trim=trim,
         problems=_check(workers, rounds.losses),
+        header=header,
     )
     _print_report(run)
     plot = _plot(run)
@@ -674,7 +683,7 @@ def _print_report(run: Run) -> None:
 def _print_setting(run: Run) -> None:
     """The machine, the shape, the rounds and knobs, and the legend of the columns."""
     args = run.args
-    print(machine_line("bench/step.py", run.machine))
+    print(run.header["machine_line"])
     print(
         f"shape: {run.shape}; saved activations {run.saved_bytes / MB:.1f} MiB/step "
         "(distinct storages, parameters excluded)"
@@ -906,14 +915,11 @@ def _plot(run: Run) -> Path | None:
 def _json_doc(run: Run, plot: Path | None) -> dict[str, Any]:
     args = run.args
     return {
-        "bench": "step.py",
-        "command": args.command,
-        "machine": run.machine,
-        "machine_line": machine_line("bench/step.py", run.machine),
+        **run.header,
         "shape": dataclasses.asdict(run.shape),
         "knobs": dataclasses.asdict(run.knobs),
         "mode_knobs": {m: dataclasses.asdict(k) for m, k in run.mode_knobs.items()},
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "args": json_args(args),
         "saved_activation_bytes": run.saved_bytes,
         "scratch_fs": run.fstype,
         "disk_io_method": run.io_method,

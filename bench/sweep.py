@@ -54,7 +54,7 @@ import _harness as harness
 from _common import MB, TORCH_THREADS, filesystem_type, machine_info
 from _plot import sweep_grid
 from _probe import MMAP_THRESHOLD, ProbeError, probe_many
-from _text import fmt, format_table, log, machine_line
+from _text import fmt, format_table, json_args, log, machine_line
 
 _DEFAULTS = harness.Knobs()
 
@@ -453,7 +453,7 @@ def _run(args: argparse.Namespace, run_dir: Path) -> int:
         doc = {
             "machine": machine,
             "shape": dataclasses.asdict(shape),
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "args": json_args(args),
             "scratch_fs": fstype,
             "cells": [c.to_json() for c in shown],
             "memory_probes": probes,
