@@ -27,7 +27,7 @@ import dataclasses
 import gc
 import resource
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +45,7 @@ __all__ = [
     "LEARNING_RATE",
     "MODES",
     "REPLAY_MODES",
+    "Flags",
     "Knobs",
     "ModeFailed",
     "ModeSetup",
@@ -58,6 +59,7 @@ __all__ = [
     "counters",
     "make_mode",
     "parse_mib_list",
+    "parse_modes",
     "run_rounds",
     "timed_delta",
 ]
@@ -101,8 +103,9 @@ _CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig)
 # -- what is measured: shape and knobs, and their flags ----------------------------------
 
 
-class _Flags:
-    """A frozen dataclass of integers, each set by the flag of its name (``--io-workers``)."""
+class Flags:
+    """A frozen dataclass of integers (or None), each set by the flag of its name
+    (``--io-workers``)."""
 
     HELP: ClassVar[dict[str, str]] = {}
 
@@ -121,7 +124,7 @@ class _Flags:
         return ", ".join(f"{name} {value}" for name, value in self._items())
 
 
-_F = TypeVar("_F", bound=_Flags)
+_F = TypeVar("_F", bound=Flags)
 
 
 def _flag(name: str) -> str:
@@ -129,7 +132,7 @@ def _flag(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class Shape(_Flags):
+class Shape(Flags):
     """The TinyTransformer and batch size trained."""
 
     depth: int = 6
@@ -140,7 +143,7 @@ class Shape(_Flags):
 
 
 @dataclass(frozen=True)
-class Knobs(_Flags):
+class Knobs(Flags):
     """The offload settings under test (``min_offload_bytes`` applies to ``seed`` too)."""
 
     HELP: ClassVar[dict[str, str]] = {
@@ -163,11 +166,24 @@ class Knobs(_Flags):
     heap_trim_bytes: int = _CONFIG_DEFAULTS["heap_trim_bytes"] or 0
 
 
-def add_args(p: argparse.ArgumentParser, defaults: Shape | Knobs) -> None:
+def add_args(p: argparse.ArgumentParser, defaults: Flags) -> None:
     """A flag per field of ``defaults`` (``--depth``, ``--prefetch-depth``, ...), whose
     value is the flag's default."""
     for name, value in defaults._items():
         p.add_argument(_flag(name), type=int, default=value, help=defaults.HELP.get(name))
+
+
+def parse_modes(text: str, choices: Sequence[str]) -> list[str]:
+    """``"a,b"`` -> the modes named, each once, in order; all must be ``choices``."""
+    modes = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    unknown = [m for m in modes if m not in choices]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode {unknown[0]!r}; choose from {', '.join(choices)}"
+        )
+    if not modes:
+        raise argparse.ArgumentTypeError("no modes given")
+    return modes
 
 
 def parse_mib_list(text: str) -> list[int]:
@@ -464,10 +480,16 @@ def run_rounds(
 
 
 def compare_params(
-    ref: torch.nn.Module, other: torch.nn.Module, ref_name: str, name: str
+    ref: torch.nn.Module | Mapping[str, torch.Tensor],
+    other: torch.nn.Module | Mapping[str, torch.Tensor],
+    ref_name: str,
+    name: str,
 ) -> str | None:
-    """A message naming the parameters that differ, or None if all are bit-identical."""
-    ref_state, state = ref.state_dict(), other.state_dict()
+    """A message naming the parameters that differ, or None if all are bit-identical.
+    ``ref`` and ``other`` are models or their state dicts."""
+    ref_state, state = (
+        m.state_dict() if isinstance(m, torch.nn.Module) else m for m in (ref, other)
+    )
     bad: list[str] = []
     for key, want in ref_state.items():
         got = state[key]

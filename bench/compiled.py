@@ -48,6 +48,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import itertools
 import json
@@ -60,7 +61,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from unittest import mock
 
 import torch
@@ -69,8 +70,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import MB, TORCH_THREADS, filesystem_type, machine_info, scratch_folder
-from _harness import LEARNING_RATE, Shape, add_args, build, counter_delta
-from _text import fmt, format_table, json_args, json_header
+from _harness import (
+    LEARNING_RATE,
+    Flags,
+    Shape,
+    add_args,
+    build,
+    compare_params,
+    counter_delta,
+    parse_modes,
+)
+from _text import fmt, format_table, json_args, json_header, log
 
 from prefetch_offload import OffloadConfig, OffloadContext, OffloadEngine
 
@@ -100,19 +110,20 @@ _MAX_RUNS_SHOWN = 12
 
 
 @dataclass(frozen=True)
-class Knobs:
+class Knobs(Flags):
     """The engine settings under test. ``prefetch_bytes`` None: the engine's own default
     (or an engine that has no such knob)."""
+
+    HELP: ClassVar[dict[str, str]] = {
+        "prefetch_bytes": "the engine's prefetch_bytes (only where OffloadConfig has it; "
+        "default: its own)"
+    }
 
     prefetch_depth: int = _DEFAULTS["prefetch_depth"]
     prefetch_bytes: int | None = None
     io_workers: int = _DEFAULTS["io_workers"]
     min_offload_bytes: int = _DEFAULTS["min_offload_bytes"]
     chunk_bytes: int = _DEFAULTS["chunk_bytes"]
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Knobs:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
     def config(self, save_dir: str) -> OffloadConfig:
         """The disk target's config with these knobs."""
@@ -372,18 +383,6 @@ class ModeResult:
         }
 
 
-def _compare(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], mode: str) -> str | None:
-    bad = [k for k, want in ref.items() if not torch.equal(want, got[k])]
-    if not bad:
-        return None
-    diff = max((got[k].double() - ref[k].double()).abs().max().item() for k in bad)
-    shown = ", ".join(bad[:3]) + (", ..." if len(bad) > 3 else "")
-    return (
-        f"mode {mode!r}: final parameters with offload differ from the same mode without "
-        f"offload in {len(bad)} of {len(ref)} tensors ({shown}; max abs diff {diff:.3g})"
-    )
-
-
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
@@ -465,16 +464,6 @@ def _check(results: Sequence[ModeResult]) -> list[str]:
 # -- arguments and main ------------------------------------------------------------------
 
 
-def _parse_modes(text: str) -> list[str]:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise argparse.ArgumentTypeError(
-            f"unknown or no modes {bad}; choose from {', '.join(MODES)}"
-        )
-    return list(dict.fromkeys(modes))
-
-
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="bench/compiled.py",
@@ -482,8 +471,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--modes",
-        type=_parse_modes,
-        default=_parse_modes(DEFAULT_MODES),
+        type=functools.partial(parse_modes, choices=MODES),
+        default=parse_modes(DEFAULT_MODES, MODES),
         help=f"comma list of {', '.join(MODES)} (default {DEFAULT_MODES})",
     )
     p.add_argument("--steps", type=int, default=3, help="steps after the warm-up (default 3)")
@@ -498,16 +487,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "saved tensor offloaded) for a quick check; overrides the shape flags, "
         "--min-offload-bytes and --chunk-bytes",
     )
-    p.add_argument("--prefetch-depth", type=int, default=_DEFAULTS["prefetch_depth"])
-    p.add_argument(
-        "--prefetch-bytes",
-        type=int,
-        default=None,
-        help="the engine's prefetch_bytes (only where OffloadConfig has it; default: its own)",
-    )
-    p.add_argument("--io-workers", type=int, default=_DEFAULTS["io_workers"])
-    p.add_argument("--min-offload-bytes", type=int, default=_DEFAULTS["min_offload_bytes"])
-    p.add_argument("--chunk-bytes", type=int, default=_DEFAULTS["chunk_bytes"])
+    add_args(p, Knobs())
     p.add_argument(
         "--save-dir",
         default=None,
@@ -525,10 +505,6 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns 0, 1 (a check failed) or 2 (a mode raised)."""
     words = list(sys.argv[1:] if argv is None else argv)
@@ -542,20 +518,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     with scratch_folder(args.save_dir, prefix="compiled-") as folder:
         fstype = filesystem_type(folder)
         if fstype in ("tmpfs", "ramfs"):
-            _log(f"warning: {folder} is on {fstype}: 'disk' writes to RAM there")
+            log(f"warning: {folder} is on {fstype}: 'disk' writes to RAM there")
         for mode in args.modes:
             try:
-                _log(f"{mode}: without offload")
+                log(f"{mode}: without offload")
                 ref = _train(mode, base, batches, None, folder)
-                _log(f"{mode}: disk")
+                log(f"{mode}: disk")
                 disk = _train(mode, base, batches, knobs, os.path.join(folder, mode))
             except Exception:
-                _log(f"error: mode {mode!r} failed:")
+                log(f"error: mode {mode!r} failed:")
                 traceback.print_exc()
                 return 2
-            results.append(
-                ModeResult(mode, args.warmup, ref, disk, _compare(ref.state, disk.state, mode))
-            )
+            mismatch = compare_params(ref.state, disk.state, f"{mode} without offload", mode)
+            results.append(ModeResult(mode, args.warmup, ref, disk, mismatch))
     eager = next((r for r in results if r.mode == "eager"), None)
     for r in results:
         if eager is not None and r is not eager:
@@ -564,10 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = json_header("compiled.py", words, machine_info())
     print(header["machine_line"])
     print(f"shape: {shape}; {args.warmup} warm-up + {args.steps} steps; scratch on {fstype}")
-    knob_text = ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(knobs).items())
-    print(
-        f"knobs: {knob_text} (prefetch_bytes knob {'present' if HAS_PREFETCH_BYTES else 'absent'})"
-    )
+    print(f"knobs: {knobs} (prefetch_bytes knob {'present' if HAS_PREFETCH_BYTES else 'absent'})")
     legend = (
         "ref s / disk s: median step time without / with offload (same compile mode, run one "
         "after the other); hit rate: over the timed steps, then per step; MiB, skipped (writes "

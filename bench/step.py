@@ -89,6 +89,7 @@ from _harness import (
     compare_params,
     make_mode,
     parse_mib_list,
+    parse_modes,
     run_rounds,
     timed_delta,
 )
@@ -126,7 +127,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Step time and activation memory of TinyTransformer training per offload mode.",
     )
     p.add_argument(
-        "--modes", type=_parse_modes, default=list(MODES), help="comma list (default: all)"
+        "--modes",
+        type=functools.partial(parse_modes, choices=MODES),
+        default=list(MODES),
+        help="comma list (default: all)",
     )
     p.add_argument("--steps", type=int, default=10, help="timed rounds (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="uncounted rounds first (default 2)")
@@ -204,18 +208,6 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.device_budget < 0 or args.heap_trim_bytes < 0:
         p.error("--device-budget and --heap-trim-bytes must be >= 0")
     return args
-
-
-def _parse_modes(text: str) -> list[str]:
-    modes = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}"
-        )
-    if not modes:
-        raise argparse.ArgumentTypeError("no modes given")
-    return modes
 
 
 def _fraction(text: str) -> float:
