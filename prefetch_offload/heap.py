@@ -26,11 +26,21 @@
 # forward or unpacked in backward (the step's progress: with a device_budget,
 # forward writes only part of what it saves, but its heap churns all the same).
 # A trim runs on an IO thread as a job of write priority (queued reads go first;
-# the hooks never wait for it), at most one at a time. With the default 128 MiB
-# on that transformer (each mode in its own process, 4 each, one torch thread):
-# disk's peak fell from 300-320 to ~190 MiB above the RSS before training (none:
-# ~405), device_budget=124 MiB's from ~390 to ~285, for 90k more page faults per
-# step and 15-28% more step time (64 MiB: ~170 and ~245 MiB, a few % more time).
+# the hooks never wait for it), at most one at a time. Between trims, glibc's
+# allocations wander over free pages the last trim gave back (a freed block
+# coalesces with its cold neighbours and is split from their start), so RSS
+# climbs again within each phase: only frequent trims hold the peak. On that
+# transformer (docs/tuning.md section 4; time side by side, each configuration
+# in its own process) the peak above the RSS before training and the step time
+# against no offload (~410 MiB; 13k faults per step) were: every 64 MiB, ~155
+# MiB at 1.58x; 128 MiB (4 trims per step), ~190 at 1.47x and 104k faults;
+# 256 MiB (2 trims), ~255 at 1.46x and 88k faults; no trims, ~270 at 1.21x.
+# Tried and not kept: reading spans back into heap memory allocated on the
+# unpacking thread (where forward's freed blocks are) instead of mapped blocks
+# changed neither time nor memory; counting only bytes sent to disk (so a
+# device_budget trims less) saved faults in one harness and nothing in the
+# other; MADV_HUGEPAGE on the heap cut a refault's cost by a quarter (zeroing
+# dominates) at the risk of compaction stalls (one 0.19 s refault of 128 MiB).
 # Records of CUDA tensors do not count: their host memory is pinned or mapped,
 # not glibc's heap. Where glibc is absent (musl, macOS, Windows) this does nothing.
 """
