@@ -35,7 +35,6 @@ __all__ = [
     "filesystem_type",
     "heap_in_use_bytes",
     "machine_info",
-    "malloc_trim",
     "ordinary_pages",
     "page_cache_bytes",
     "peak_rss_bytes",
@@ -75,22 +74,6 @@ def read_rss_bytes() -> int:
     return _STATM.rss_bytes()
 
 
-def _load_malloc_trim() -> Any:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        fn = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS)
-        return None
-    fn.argtypes = [ctypes.c_size_t]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MALLOC_TRIM = _load_malloc_trim()
-
-
 class _Mallinfo2(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_size_t)
@@ -115,7 +98,7 @@ def _load_mallinfo2() -> Any:
         return None
     try:
         fn = ctypes.CDLL(name).mallinfo2  # glibc >= 2.33
-    except (OSError, AttributeError):
+    except (OSError, AttributeError):  # not glibc (musl, macOS), or an older one
         return None
     fn.argtypes = []
     fn.restype = _Mallinfo2
@@ -135,19 +118,6 @@ def heap_in_use_bytes() -> int | None:
         return None
     info = _MALLINFO2()
     return int(info.uordblks + info.hblkhd)
-
-
-def malloc_trim() -> bool:
-    """Return glibc's free heap pages to the OS (all arenas). False where unavailable.
-
-    glibc keeps freed memory resident and reuses it, so without this an RSS
-    delta measured around a forward pass shows only what did not fit into
-    memory freed by earlier steps (often 0), not what the forward pass holds.
-    """
-    if _MALLOC_TRIM is None:
-        return False
-    _MALLOC_TRIM(0)
-    return True
 
 
 def round_order(items: Sequence[T], r: int) -> list[T]:
@@ -458,9 +428,8 @@ class IOReplay:
     A control for ``bench/step.py``: training runs exactly as without offload
     while one side thread writes ``nbytes`` per step, in ``chunk``-byte requests
     from ordinary page-aligned memory (4 KiB pages, like activations), during
-    forward, then reads them (or the first ``read_bytes`` of them) back into
-    huge-page blocks (the engine's read buffers, NOTE [huge pages]) in
-    ``read_chunk``-byte requests during backward.
+    forward, then reads them back into huge-page blocks (the engine's read
+    buffers, NOTE [huge pages]) in ``read_chunk``-byte requests during backward.
     Requests use O_DIRECT where the folder allows it, as the engine does. The
     step calls :meth:`forward_started`, :meth:`backward_started` and
     :meth:`wait`; the step time includes the replay's reads that outlast
@@ -483,20 +452,13 @@ class IOReplay:
         chunk: int,
         read_chunk: int = 4 << 20,
         spread: bool = False,
-        read_bytes: int | None = None,
     ) -> None:
         if nbytes < 0 or chunk < _PAGE_SIZE or read_chunk < _PAGE_SIZE:
             raise ValueError("IOReplay needs nbytes >= 0 and requests of at least one page")
-        if read_bytes is not None and not 0 <= read_bytes <= nbytes:
-            raise ValueError("IOReplay needs 0 <= read_bytes <= nbytes (it reads what it wrote)")
         self.folder = folder
         self.chunk = chunk - chunk % _PAGE_SIZE
         self.read_chunk = read_chunk - read_chunk % _PAGE_SIZE
         self.nbytes = -(-nbytes // _PAGE_SIZE) * _PAGE_SIZE
-        # Bytes read back per step (default: all of them), whole pages.
-        self.read_nbytes = (
-            self.nbytes if read_bytes is None else -(-read_bytes // _PAGE_SIZE) * _PAGE_SIZE
-        )
         self.bytes_written = 0
         self.bytes_read = 0
         self.spread = spread
@@ -574,10 +536,10 @@ class IOReplay:
             self.bytes_written += len(piece)
 
     def _read(self, over: float) -> None:
-        start, count = time.perf_counter(), -(-self.read_nbytes // self.read_chunk)
-        for i, off in enumerate(range(0, self.read_nbytes, self.read_chunk)):
+        start, count = time.perf_counter(), -(-self.nbytes // self.read_chunk)
+        for i, off in enumerate(range(0, self.nbytes, self.read_chunk)):
             self._pace(start, over, i, count)
-            n = min(self.read_chunk, self.read_nbytes - off)
+            n = min(self.read_chunk, self.nbytes - off)
             region = memoryview(self._blocks[i % 2].buffer)[:n]
             if os.preadv(self._fd, [region], off) != n:
                 raise OSError(f"IOReplay: short read at offset {off}")

@@ -201,20 +201,6 @@ def test_ioreplay_rejects_bad_sizes(tmp_path: Path) -> None:
         common.IOReplay(str(tmp_path), 4096, chunk=100)
     with pytest.raises(ValueError, match="nbytes"):
         common.IOReplay(str(tmp_path), -1, chunk=65536)
-    with pytest.raises(ValueError, match="read_bytes"):
-        common.IOReplay(str(tmp_path), 65536, chunk=65536, read_bytes=65537)
-
-
-def test_ioreplay_reads_back_only_read_bytes(tmp_path: Path) -> None:
-    common = _load("_common")
-    with common.IOReplay(
-        str(tmp_path / "replay"), 4 * 65536, chunk=65536, read_chunk=65536, read_bytes=65536 + 1
-    ) as replay:
-        replay.forward_started()
-        replay.backward_started()
-        replay.wait()
-    assert replay.bytes_written == 4 * 65536
-    assert replay.bytes_read == 65536 + 4096  # rounded up to whole pages
 
 
 def test_step_main_memory_probes(
