@@ -53,11 +53,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import machine_info, round_order, scratch_folder, steal_seconds
-from _harness import Shape, add_args
+from _harness import LEARNING_RATE, Shape, add_args, build
 from _text import json_header
 
 from prefetch_offload import OffloadConfig, OffloadEngine, OffloadStats
-from prefetch_offload.testing import TinyTransformer, make_batch
 
 
 def _config(spec: str) -> tuple[str, dict[str, Any]]:
@@ -96,10 +95,8 @@ class Lane:
     seconds and minor page faults (``getrusage`` of this process)."""
 
     def __init__(self, knobs: dict[str, Any] | None, shape: Shape, folder: str, name: str) -> None:
-        torch.manual_seed(0)  # every lane starts from the same weights
-        self.model = TinyTransformer(width=shape.width, depth=shape.depth, heads=shape.heads)
-        self.batch = make_batch(shape.batch, shape.seq)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.model, (self.batch,) = build(shape, 1)  # every lane: the same weights and batch
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE)
         self.engine: OffloadEngine | None = None
         if knobs is not None:
             knobs = dict(knobs)

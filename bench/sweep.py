@@ -38,7 +38,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Sequence
@@ -51,7 +50,7 @@ import torch
 # bench/ is not a package: import its modules from this file's folder.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness as harness
-from _common import MB, TORCH_THREADS, filesystem_type, machine_info
+from _common import MB, TORCH_THREADS, filesystem_type, machine_info, scratch_folder
 from _plot import sweep_grid
 from _probe import MMAP_THRESHOLD, ProbeError, probe_many
 from _text import fmt, format_table, json_args, log, machine_line
@@ -376,13 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep; returns 0, 1 (disk and none ended different) or 2 (a run failed)."""
     args = _parse_args(argv)
     torch.set_num_threads(TORCH_THREADS)
-    base = Path(args.save_dir) if args.save_dir is not None else Path.cwd() / ".scratch"
-    base.mkdir(parents=True, exist_ok=True)
-    run_dir = Path(tempfile.mkdtemp(prefix="bench-sweep-", dir=base))
-    try:
-        return _run(args, run_dir)
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+    with scratch_folder(args.save_dir, prefix="bench-sweep-") as folder:
+        return _run(args, Path(folder).absolute())
 
 
 def _run(args: argparse.Namespace, run_dir: Path) -> int:
