@@ -566,6 +566,35 @@ class IOReplay:
 # -- the result row ----------------------------------------------------------------------
 
 
+def _median_of(name: str, doc: str) -> Any:
+    """A property: the median of tuple field ``name``, None where it is empty."""
+    return property(lambda self: _median(getattr(self, name)), doc=doc)
+
+
+def _mean_of(name: str, doc: str) -> Any:
+    """A property: the mean of tuple field ``name``, None where it is empty."""
+
+    def get(self: StepResult) -> float | None:
+        values = getattr(self, name)
+        return statistics.fmean(values) if values else None
+
+    return property(get, doc=doc)
+
+
+def _per_step_of(name: str, doc: str) -> Any:
+    """A property: counter field ``name`` per timed step, None where it was not counted."""
+
+    def get(self: StepResult) -> float | None:
+        total = getattr(self, name)
+        return None if total is None or not self.steps else total / self.steps
+
+    return property(get, doc=doc)
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return float(statistics.median(values)) if values else None
+
+
 @dataclass(frozen=True)
 class StepResult:
     """One mode's measurements: timed rounds and memory probes.
@@ -634,25 +663,15 @@ class StepResult:
             return None
         return self.median_step_s / self.baseline_step_s
 
-    @property
-    def peak(self) -> float | None:
-        """Whole-step peak RSS above the RSS before training (median over probes)."""
-        return _median(self.peak_bytes)
-
-    @property
-    def forward_peak(self) -> float | None:
-        """Like ``peak``, over forward only."""
-        return _median(self.forward_peak_bytes)
-
-    @property
-    def backward_peak(self) -> float | None:
-        """Like ``peak``, over backward and the optimizer step only."""
-        return _median(self.backward_peak_bytes)
-
-    @property
-    def tuned_peak(self) -> float | None:
-        """``peak`` under the tuned allocator (MALLOC_MMAP_THRESHOLD_=65536)."""
-        return _median(self.tuned_peak_bytes)
+    # Medians over the probes (None where none was made).
+    peak = _median_of("peak_bytes", "Whole-step peak RSS above the RSS before training.")
+    forward_peak = _median_of("forward_peak_bytes", "Like ``peak``, over forward only.")
+    backward_peak = _median_of(
+        "backward_peak_bytes", "Like ``peak``, over backward and the optimizer step only."
+    )
+    tuned_peak = _median_of(
+        "tuned_peak_bytes", "``peak`` under the tuned allocator (MALLOC_MMAP_THRESHOLD_=65536)."
+    )
 
     @property
     def act_mem(self) -> float | None:
@@ -675,25 +694,13 @@ class StepResult:
         """``act_cut`` under the tuned allocator."""
         return _cut(self.tuned_act_mem, self.saved_bytes)
 
-    @property
-    def heap(self) -> float | None:
-        """Malloc bytes in use at the end of the last forward above those before training."""
-        return _median(self.heap_bytes)
-
-    @property
-    def cache(self) -> float | None:
-        """Page cache a step added (median over probes; the machine's, not the process's)."""
-        return _median(self.cache_bytes)
-
-    @property
-    def offloaded_per_step(self) -> float | None:
-        """Bytes the engine wrote per timed step."""
-        return self._per_step(self.bytes_offloaded)
-
-    @property
-    def demoted_per_step(self) -> float | None:
-        """Bytes handed to the disk tier per timed step (``bytes_demoted_to_disk``)."""
-        return self._per_step(self.bytes_demoted_to_disk)
+    heap = _median_of(
+        "heap_bytes", "Malloc bytes in use at the end of the last forward above those before."
+    )
+    cache = _median_of("cache_bytes", "Page cache a step added (the machine's, not the process's).")
+    # Engine counters per timed step (None where not counted).
+    offloaded_per_step = _per_step_of("bytes_offloaded", "Bytes the engine wrote.")
+    demoted_per_step = _per_step_of("bytes_demoted_to_disk", "Bytes handed to the disk tier.")
 
     @property
     def move_target(self) -> float | None:
@@ -719,32 +726,13 @@ class StepResult:
         total = self.prefetch_hits + self.prefetch_misses
         return self.prefetch_hits / total if total else None
 
-    @property
-    def stall_per_step(self) -> float | None:
-        """Seconds backward waited for reads, per timed step."""
-        return self._per_step(self.stall_seconds)
-
-    @property
-    def steal_per_step(self) -> float | None:
-        """Mean CPU seconds the hypervisor took per timed step (None where unknown)."""
-        if not self.steal_seconds:
-            return None
-        return statistics.fmean(self.steal_seconds)
-
-    @property
-    def faults_per_step(self) -> float | None:
-        """Mean minor page faults of the process per timed step (None where unknown)."""
-        if not self.minor_faults:
-            return None
-        return statistics.fmean(self.minor_faults)
-
-    @property
-    def pack_wait_per_step(self) -> float | None:
-        """Seconds forward waited at the pending-write cap, per timed step."""
-        return self._per_step(self.pack_wait_seconds)
-
-    def _per_step(self, total: float | None) -> float | None:
-        return None if total is None or not self.steps else total / self.steps
+    stall_per_step = _per_step_of("stall_seconds", "Seconds backward waited for reads.")
+    # Means over the timed steps (None where unknown).
+    steal_per_step = _mean_of("steal_seconds", "CPU seconds the hypervisor took per step.")
+    faults_per_step = _mean_of("minor_faults", "Minor page faults of the process per step.")
+    pack_wait_per_step = _per_step_of(
+        "pack_wait_seconds", "Seconds forward waited at the pending-write cap."
+    )
 
     def to_json(self) -> dict[str, Any]:
         """Raw fields, then every computed property in the order defined, JSON-ready."""
@@ -753,10 +741,6 @@ class StepResult:
             if isinstance(attr, property):
                 out[name] = getattr(self, name)
         return out
-
-
-def _median(values: Sequence[float]) -> float | None:
-    return float(statistics.median(values)) if values else None
 
 
 def _activation_memory(
