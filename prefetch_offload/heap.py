@@ -40,7 +40,11 @@
 # changed neither time nor memory; counting only bytes sent to disk (so a
 # device_budget trims less) saved faults in one harness and nothing in the
 # other; MADV_HUGEPAGE on the heap cut a refault's cost by a quarter (zeroing
-# dominates) at the risk of compaction stalls (one 0.19 s refault of 128 MiB).
+# dominates) at the risk of compaction stalls (one 0.19 s refault of 128 MiB);
+# giving back a written activation's own pages (MADV_DONTNEED, when the engine
+# held the storage's last reference) reached only 30-60% of the bytes, since
+# forward still holds many tensors when their writes land, and without trims
+# moved the cut from ~40% to 42%.
 # Records of CUDA tensors do not count: their host memory is pinned or mapped,
 # not glibc's heap. Where glibc is absent (musl, macOS, Windows) this does nothing.
 """
