@@ -95,6 +95,7 @@ _GAUGES = frozenset(
         "peak_disk_bytes_reserved",
         "disk_bytes_in_use",
         "peak_disk_bytes_in_use",
+        *(f"{p}{t}_tier_bytes" for p in ("", "peak_") for t in ("device", "host", "disk")),
     }
 )
 _CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}

@@ -16,7 +16,10 @@ process shares one heap, so pages one engine's heap trim gives back may be
 faulted in again by the next configuration's step: ``--isolate`` gives each
 configuration (none included) a process of its own, still stepped one round at
 a time in the same order, so that each one's CPU time and page faults are its
-own (the heap trim's cost: NOTE [heap trim]). ``--json`` writes the rows with
+own (the heap trim's cost: NOTE [heap trim]; a trim still running on an IO
+thread when a step returns is counted in that lane's next step, or in none).
+A lane that fails in its process raises ``LaneFailed`` with the child's
+traceback. ``--json`` writes the rows with
 the command and the machine (``bench/report.py`` makes a table of them).
 
 A configuration may also give ``"noop_io"``: ``"write"``, ``"read"`` or
@@ -44,6 +47,8 @@ import resource
 import statistics
 import sys
 import time
+import traceback
+from collections.abc import Iterable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -52,7 +57,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import machine_info, round_order, scratch_folder, steal_seconds
+from _common import TORCH_THREADS, machine_info, round_order, scratch_folder, steal_seconds
 from _harness import LEARNING_RATE, Shape, add_args, build
 from _text import json_header
 
@@ -129,26 +134,45 @@ class Lane:
             self.engine.close()
 
 
+class LaneFailed(RuntimeError):
+    """An isolated lane's process raised or died; the message names the lane."""
+
+
 def _serve(
     conn: Connection, knobs: dict[str, Any] | None, shape: Shape, folder: str, name: str
 ) -> None:
-    """An isolated lane's process: runs the parent's calls on its Lane until "close"."""
-    lane = Lane(knobs, shape, folder, name)
+    """An isolated lane's process: builds its Lane, says "ready", then runs the parent's
+    calls until "close". Every answer is ``(True, value)``, or ``(False, traceback)``
+    when the call raised (the process then ends)."""
+    torch.set_num_threads(TORCH_THREADS)  # as the parent's: spawned children start anew
+    lane = None
     try:
+        lane = Lane(knobs, shape, folder, name)
+        conn.send((True, "ready"))
         while True:
             call = conn.recv()
-            conn.send(getattr(lane, call)())
             if call == "close":
+                lane, closing = None, lane
+                closing.close()
+                conn.send((True, None))
                 return
+            conn.send((True, getattr(lane, call)()))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            conn.send((False, traceback.format_exc()))
     finally:
-        lane.close()
+        if lane is not None:
+            with contextlib.suppress(Exception):
+                lane.close()
 
 
 class ProcessLane:
     """A Lane in a process of its own (``--isolate``): its own heap, so one
-    configuration's heap trims and page faults are not paid by the next one's step."""
+    configuration's heap trims and page faults are not paid by the next one's step.
+    A failure in the child raises :class:`LaneFailed` here, with its traceback."""
 
     def __init__(self, knobs: dict[str, Any] | None, shape: Shape, folder: str, name: str) -> None:
+        self.name = name
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         # The child imports _serve by its module's name: this file's, as "ab", with bench/
@@ -158,15 +182,36 @@ class ProcessLane:
         sys.path.insert(0, here)
         try:
             serve = importlib.import_module("ab")._serve
-            self._proc = ctx.Process(target=serve, args=(child, knobs, shape, folder, name))
+            self._proc = ctx.Process(
+                target=serve, args=(child, knobs, shape, folder, name), daemon=True
+            )
             self._proc.start()
         finally:
             sys.path[:] = saved
         child.close()
 
+    def wait_ready(self) -> None:
+        """Wait until the child has built its lane (or raise what it raised)."""
+        self._answer()
+
+    def _answer(self) -> Any:
+        try:
+            ok, value = self._conn.recv()
+        except EOFError:
+            self._proc.join(timeout=5)
+            raise LaneFailed(
+                f"lane {self.name!r}: its process ended (exit code {self._proc.exitcode})"
+            ) from None
+        if not ok:
+            raise LaneFailed(f"lane {self.name!r} failed in its process:\n{value}")
+        return value
+
     def _call(self, name: str) -> Any:
-        self._conn.send(name)
-        return self._conn.recv()
+        try:
+            self._conn.send(name)
+        except (BrokenPipeError, OSError):
+            raise LaneFailed(f"lane {self.name!r}: its process is gone") from None
+        return self._answer()
 
     def step(self) -> tuple[float, float, float, int]:
         return self._call("step")
@@ -178,10 +223,28 @@ class ProcessLane:
         return self._call("params")
 
     def close(self) -> None:
-        if self._proc.is_alive():
-            with contextlib.suppress(EOFError, BrokenPipeError, OSError):
+        """Close the child's engine (raising what that raised) and end the process."""
+        try:
+            if self._proc.is_alive():
                 self._call("close")
-        self._proc.join(timeout=60)
+        finally:
+            self._proc.join(timeout=60)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join()
+            self._conn.close()
+
+
+def _close_all(lanes: Iterable[Lane | ProcessLane]) -> None:
+    """Close every lane, then raise the first error one of them raised."""
+    first: BaseException | None = None
+    for lane in lanes:
+        try:
+            lane.close()
+        except BaseException as exc:
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the rows here")
     words = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(words)
+    torch.set_num_threads(TORCH_THREADS)  # as bench/step.py: the figures are comparable
     configs: dict[str, dict[str, Any] | None] = {"none": None}
     for name, knobs in args.config or [("disk", {})]:
         configs[name] = knobs
@@ -220,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for name, knobs in configs.items():
                 lanes[name] = make(knobs, shape, folder, name)
+            for lane in lanes.values():  # every child imported torch before round 0
+                if isinstance(lane, ProcessLane):
+                    lane.wait_ready()
             # (wall, user, system, hypervisor steal) seconds and minor page faults per step
             samples: dict[str, list[tuple[float, float, float, float, int]]] = {
                 n: [] for n in names
@@ -261,8 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
             params = {n: lanes[n].params() for n in names}
         finally:
-            for lane in lanes.values():
-                lane.close()
+            _close_all(lanes.values())
     differ = [
         n
         for n in names[1:]

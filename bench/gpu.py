@@ -71,6 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _common import RssSampler, read_rss_bytes, round_order, scratch_folder
 from _plot import memory_over_step
+from _text import log
 
 from prefetch_offload import OffloadConfig, OffloadEngine
 from prefetch_offload.device import (
@@ -580,8 +581,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def plot_timelines(doc: dict[str, Any], path: str) -> bool:
     """Draw the traced steps of a run (its JSON, or the same keys) into ``path``."""
-    a, timelines = doc["args"], doc["timelines"]
-    counter = next(iter(timelines.values()))["counter"] if timelines else "memory"
+    a, timelines = doc["args"], doc.get("timelines")
+    if not timelines:
+        log("--replot: this JSON has no memory timelines: its run had no --plot")
+        return False
+    counter = next(iter(timelines.values()))["counter"]
     return memory_over_step(
         timelines,
         Path(path),

@@ -118,7 +118,10 @@ IOSPREAD_LIMIT = 1.05
 def _trim_list(text: str) -> list[int]:
     """``"64,256,off"`` -> heap_trim_bytes values in bytes, 0 for off (the Knobs spelling)."""
     items = [x.strip() for x in text.split(",") if x.strip()]
-    return [0 if x == "off" else parse_mib_list(x)[0] for x in items]
+    out = [0 if x == "off" else parse_mib_list(x)[0] for x in items]
+    if any(v == 0 and x != "off" for v, x in zip(out, items, strict=True)):
+        raise argparse.ArgumentTypeError(f"{text!r}: a value rounds to 0 bytes (write 'off')")
+    return out
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -7,11 +7,13 @@ must still be empty afterwards, so nothing lands in the repository.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import importlib.util
 import itertools
 import json
+import multiprocessing
 import os
 import sys
 import threading
@@ -273,6 +275,14 @@ def test_step_main_memory_probes(
     assert "disk memory by heap_trim_bytes" in text
 
 
+def test_trim_sweep_values_are_mib_or_off() -> None:
+    step = _load("step")
+    assert step._trim_list("64, off,0.5") == [64 * MiB, 0, MiB // 2]
+    for bad in ("0.0000001", "sideways", "-4"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            step._trim_list(bad)
+
+
 def test_counter_delta_subtracts_totals_and_keeps_gauges() -> None:
     """The window the probe's and the timed phase's counters are reported over."""
     harness = _load("_harness")
@@ -510,6 +520,10 @@ def test_gpu_main_on_the_cpu_twin(tmp_path: Path, cwd: Path) -> None:
     if has_plot:  # drawn again from the JSON, as for a GPU machine without matplotlib
         assert gpu.main(["--replot", str(out), "--plot", str(tmp_path / "again.png")]) == 0
         assert (tmp_path / "again.png").stat().st_size > 0
+    res["timelines"] = {}  # a run without --plot: nothing to draw, said so
+    out.write_text(json.dumps(res))
+    assert gpu.main(["--replot", str(out), "--plot", str(tmp_path / "none.png")]) == 1
+    assert not (tmp_path / "none.png").exists()
     assert all(r["exact"] in ("ref", "yes") for r in rows.values())
     assert rows["cpu"]["bytes_offloaded_per_step"] > 0
     # Disk's bytes may all be kept by the write tail at this size (NOTE [write tail]).
@@ -554,7 +568,18 @@ def test_ab_isolate_runs_each_configuration_in_its_own_process(tmp_path: Path, c
     assert doc["isolate"] and doc["check"]["ok"]
     rows = {r["name"]: r for r in doc["rows"]}
     assert list(rows) == ["none", "small"] and rows["small"]["mb_per_step"] > 0
-    assert all(r["faults_per_step"] >= 0 for r in rows.values())
+    assert _empty(tmp_path / "s")
+
+
+def test_ab_isolate_names_the_lane_that_failed_in_its_process(tmp_path: Path, cwd: Path) -> None:
+    """A knob the engine refuses fails in the child: the parent raises LaneFailed with the
+    lane's name and the child's error, and no process or scratch file is left behind."""
+    ab = _load("ab")
+    argv = [*TINY_SHAPE, "--rounds", "1", "--warmup", "0", "--save-dir", str(tmp_path / "s")]
+    argv += ["--isolate", "--config", 'bad:{"prefetch_depth": -1}']
+    with pytest.raises(ab.LaneFailed, match=r"(?s)lane 'bad' failed.*prefetch_depth"):
+        ab.main(argv)
+    assert multiprocessing.active_children() == []
     assert _empty(tmp_path / "s")
 
 
