@@ -34,17 +34,17 @@
 # in its own process) the peak above the RSS before training and the step time
 # against no offload (~410 MiB; 13k faults per step) were: every 64 MiB, ~155
 # MiB at 1.58x; 128 MiB (4 trims per step), ~190 at 1.47x and 104k faults;
-# 256 MiB (2 trims), ~255 at 1.46x and 88k faults; no trims, ~270 at 1.21x.
-# Tried and not kept: reading spans back into heap memory allocated on the
-# unpacking thread (where forward's freed blocks are) instead of mapped blocks
-# changed neither time nor memory; counting only bytes sent to disk (so a
-# device_budget trims less) saved faults in one harness and nothing in the
-# other; MADV_HUGEPAGE on the heap cut a refault's cost by a quarter (zeroing
-# dominates) at the risk of compaction stalls (one 0.19 s refault of 128 MiB);
-# giving back a written activation's own pages (MADV_DONTNEED, when the engine
-# held the storage's last reference) reached only 30-60% of the bytes, since
-# forward still holds many tensors when their writes land, and without trims
-# moved the cut from ~40% to 42%.
+# 256 MiB (2 trims), ~255 at 1.46x and 88k faults; no trims, ~270-310 at 1.21x.
+# Alternatives measured, and no better: reading spans back into heap memory
+# allocated on the unpacking thread (where forward's freed blocks are) instead
+# of mapped blocks changed neither time nor memory; counting only bytes sent to
+# disk (so a device_budget trims less) saved faults in one harness and nothing
+# in the other; MADV_HUGEPAGE on the heap cut a refault's cost by a quarter
+# (zeroing dominates) at the risk of compaction stalls (one 0.19 s refault of
+# 128 MiB); giving back a written activation's own pages (MADV_DONTNEED, when
+# the engine held the storage's last reference) reached only 30-60% of the
+# bytes, since forward still holds many tensors when their writes land, and
+# without trims moved the cut from ~40% to 42%.
 # Records of CUDA tensors do not count: their host memory is pinned or mapped,
 # not glibc's heap. Where glibc is absent (musl, macOS, Windows) this does nothing.
 """
