@@ -173,6 +173,7 @@ class ProcessLane:
 
     def __init__(self, knobs: dict[str, Any] | None, shape: Shape, folder: str, name: str) -> None:
         self.name = name
+        self._failed = False  # the child reported an error or died: nothing to close
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         # The child imports _serve by its module's name: this file's, as "ab", with bench/
@@ -198,11 +199,13 @@ class ProcessLane:
         try:
             ok, value = self._conn.recv()
         except EOFError:
+            self._failed = True
             self._proc.join(timeout=5)
             raise LaneFailed(
                 f"lane {self.name!r}: its process ended (exit code {self._proc.exitcode})"
             ) from None
         if not ok:
+            self._failed = True  # the child ends after reporting an error
             raise LaneFailed(f"lane {self.name!r} failed in its process:\n{value}")
         return value
 
@@ -225,7 +228,7 @@ class ProcessLane:
     def close(self) -> None:
         """Close the child's engine (raising what that raised) and end the process."""
         try:
-            if self._proc.is_alive():
+            if not self._failed and self._proc.is_alive():
                 self._call("close")
         finally:
             self._proc.join(timeout=60)
@@ -327,8 +330,11 @@ def main(argv: list[str] | None = None) -> int:
                     }
                 rows.append(row)
             params = {n: lanes[n].params() for n in names}
-        finally:
-            _close_all(lanes.values())
+        except BaseException:
+            with contextlib.suppress(Exception):  # the first error is the one to see
+                _close_all(lanes.values())
+            raise
+        _close_all(lanes.values())
     differ = [
         n
         for n in names[1:]
