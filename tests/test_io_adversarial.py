@@ -555,7 +555,9 @@ def test_twin_grads_bit_identical_with_staging_verify_and_copy_delays(
         assert p.grad is not None and torch.equal(p.grad, q.grad)
     gc.collect()
     stats = engine.stats()
-    assert stats.tensors_offloaded > 0 and stats.fallbacks == 0
+    # Taken by the engine: written, or kept by the write tail (a loaded machine can
+    # leave every write of this tiny step queued when backward starts).
+    assert stats.tensors_offloaded + stats.writes_skipped > 0 and stats.fallbacks == 0
     assert stats.disk_bytes_in_use == 0 and stats.disk_bytes_reserved == 0
     if kw.get("stage_writes") == "always" and engine.io_method == "direct":
         assert stats.bytes_staged >= stats.bytes_offloaded
