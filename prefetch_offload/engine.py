@@ -292,6 +292,7 @@ class OffloadEngine:
             with self._lock:
                 self._plan.begin_forward()  # NOTE [learned order]
             self._enforce_budgets()  # NOTE [tiers]: what the write tail kept
+            self._heap.step_begins()  # NOTE [heap trim]: what the last step freed
             self._reader.recent.clear()  # NOTE [recently restored]
             # NOTE [read buffer pool]: unmapping takes a while; an IO thread does it.
             self._pool.submit(self._background(self._reader.read_pool.trim), READ)
@@ -369,7 +370,7 @@ class OffloadEngine:
             self._policy.admit(rec)
         self._enforce_budgets()
         if rec.host_only:
-            self._heap.progress(nbytes)  # NOTE [heap trim]
+            self._heap.saved(nbytes)  # NOTE [heap trim]
         return Handle(rec, view, owner, version)
 
     # -- tiers ------------------------------------------------------------------------------
@@ -581,7 +582,6 @@ class OffloadEngine:
             if self._writer is not None:
                 self._writer.skip_tail()
             self._reader.begin_backward()
-            self._heap.restart()  # NOTE [heap trim]: what forward freed
         if new_task:
             self._queue_end_of_backward()
         if self._dead:
@@ -594,10 +594,7 @@ class OffloadEngine:
         with self._lock:
             if packed.pass_no == self._pass_no:  # NOTE [backward passes]: a new pass
                 self._pass_no += 1
-            first = rec.pass_no != self._pass_no  # the record's first unpack in this pass
             packed.pass_no = rec.pass_no = self._pass_no
-        if first and rec.host_only:
-            self._heap.progress(rec.span.nbytes)  # NOTE [heap trim]
         if self._reader.copy_first(rec):  # NOTE [head of line]
             storage, base, built = self._reader.materialize(rec)
             self._reader.prefetch_after(rec)

@@ -1,4 +1,4 @@
-"""Giving the heap memory that glibc keeps back to the kernel, as activations leave.
+"""Giving the heap memory that glibc keeps back to the kernel, once per training step.
 
 # NOTE [heap trim]
 # glibc's malloc keeps the memory a program frees, to reuse it, and gives back to
@@ -19,32 +19,38 @@
 # ``malloc_trim(0)`` returns the whole free pages inside those holes (every
 # arena, not only the top). Each page that is used again later costs a page
 # fault and a page of zeroing (about 1.8 us per 4 KiB page there, 0.45 ms per
-# MiB), so the engine trims where what it gives back was just freed and the
-# process is about to need less: when backward starts (forward's written
-# activations, if forward saved a quarter of heap_trim_bytes since the last
-# trim), and then every ``heap_trim_bytes`` of CPU activations saved in
-# forward or unpacked in backward (the step's progress: with a device_budget,
-# forward writes only part of what it saves, but its heap churns all the same).
-# A trim runs on an IO thread as a job of write priority (queued reads go first;
-# the hooks never wait for it), at most one at a time. Between trims, glibc's
-# allocations wander over free pages the last trim gave back (a freed block
-# coalesces with its cold neighbours and is split from their start), so RSS
-# climbs again within each phase: only frequent trims hold the peak. On that
-# transformer (docs/tuning.md section 4; time side by side, each configuration
-# in its own process) the peak above the RSS before training and the step time
-# against no offload (~410 MiB; 13k faults per step) were: every 64 MiB, ~155
-# MiB at 1.58x; 128 MiB (4 trims per step), ~190 at 1.47x and 104k faults;
-# 256 MiB (2 trims), ~255 at 1.46x and 88k faults; no trims, ~270-310 at 1.21x.
+# MiB), and after a trim glibc's allocations wander over the cold pages it gave
+# back (a freed block coalesces with its cold neighbours and is split from
+# their start), so every trim costs faults in proportion to what the process
+# allocates after it. So the engine trims once per step, where the fewest
+# bytes are live and the most were just freed: when a forward begins after a
+# backward (the previous step's activations, gradients and temporaries are
+# garbage then), if that step saved at least ``heap_trim_bytes`` of CPU
+# activations. Within the step, forward's later tensors reuse the blocks its
+# written activations left, and backward reuses what forward left, all of it
+# resident: the peak is the step's own growth from a trimmed heap. A trim runs
+# on an IO thread as a job of write priority (queued reads go first; the hooks
+# never wait for it), at most one at a time.
+#
+# Measured on that transformer, each configuration in its own process, one step
+# of each per round (docs/tuning.md section 4): one trim per step at the
+# forward's start held the peak at ~185-195 MiB above the RSS before training
+# (none: ~395-415) for ~55k page faults per step and 1.34-1.45x the step time
+# of no offload; trims when backward starts and every 128 MiB of activations
+# saved or unpacked (4 per step) held the same peak for ~105k faults at
+# 1.47-1.55x; one trim when backward starts, ~275 MiB (backward's gradients
+# then wander over the pages forward's holes gave back); no trims, ~270-310
+# MiB at 1.19-1.31x. At 4x the batch (993 MiB saved per step) one trim per step
+# held the peak at 338 MiB against 1,337 without offload.
 # Alternatives measured, and no better: reading spans back into heap memory
 # allocated on the unpacking thread (where forward's freed blocks are) instead
-# of mapped blocks changed neither time nor memory; counting only bytes sent to
-# disk (so a device_budget trims less) saved faults in one harness and nothing
-# in the other; MADV_HUGEPAGE on the heap cut a refault's cost by a quarter
-# (zeroing dominates) at the risk of compaction stalls (one 0.19 s refault of
-# 128 MiB); giving back a written activation's own pages (MADV_DONTNEED, when
-# the engine held the storage's last reference) reached only 30-60% of the
-# bytes, since forward still holds many tensors when their writes land, and
-# without trims moved the cut from ~40% to 42%.
+# of mapped blocks changed neither time nor memory; MADV_HUGEPAGE on the heap
+# cut a refault's cost by a quarter (zeroing dominates) at the risk of
+# compaction stalls (one 0.19 s refault of 128 MiB); giving back a written
+# activation's own pages (MADV_DONTNEED, when the engine held the storage's
+# last reference) reached only 30-60% of the bytes, since forward still holds
+# many tensors when their writes land, and without trims moved the cut from
+# ~40% to 42%.
 # Records of CUDA tensors do not count: their host memory is pinned or mapped,
 # not glibc's heap. Where glibc is absent (musl, macOS, Windows) this does nothing.
 """
@@ -90,66 +96,63 @@ def heap_trim_supported() -> bool:
 
 
 class HeapTrimmer:
-    """Trims glibc's heap at backward start and every ``every`` bytes (NOTE [heap trim]).
+    """Trims glibc's heap when a step begins (NOTE [heap trim]).
 
     Args:
-        every: bytes of progress between trims; None turns trimming off.
-        pool: the IO pool trims run on (replaced by the engine at close).
+        threshold: bytes of CPU activations a step must save for the heap to be
+            trimmed when the next one begins; None turns trimming off.
+        pool: the IO pool trims run on.
         stats: counts ``heap_trims`` and ``heap_trim_seconds``.
         report: takes a trim's failure, for the next hook call to raise.
     """
 
     def __init__(
         self,
-        every: int | None,
+        threshold: int | None,
         pool: IOPool,
         stats: StatsCounter,
         report: Callable[[BaseException], None],
     ) -> None:
-        self.every = every if _MALLOC_TRIM is not None else None
+        self.threshold = threshold if _MALLOC_TRIM is not None else None
         self.pool = pool
         self._stats = stats
         self._report = report
         self._lock = threading.Lock()
-        self._progress = 0
+        self._saved = 0  # CPU activation bytes saved since the last trim was considered
         self._queued = False  # a trim is queued or running: the next one would add nothing
 
     @property
     def enabled(self) -> bool:
         """Whether trims happen at all."""
-        return self.every is not None
+        return self.threshold is not None
 
-    def progress(self, nbytes: int) -> None:
-        """Count ``nbytes`` of progress (saved or unpacked); trim every ``every`` bytes."""
-        if self.every is None:
+    def saved(self, nbytes: int) -> None:
+        """Count ``nbytes`` of CPU activations saved by forward."""
+        if self.threshold is None:
             return
         with self._lock:
-            self._progress += nbytes
-            if self._progress < self.every:
-                return
-            self._progress = 0
-        self.soon()
+            self._saved += nbytes
 
-    def restart(self) -> None:
-        """A phase begins (backward): trim what the last one freed, if it made at least a
-        quarter of ``every`` of progress since the last trim; count from zero."""
-        if self.every is None:
+    def step_begins(self) -> None:
+        """A forward begins after a backward: trim if the last step saved at least
+        ``threshold`` bytes of CPU activations; count from zero."""
+        if self.threshold is None:
             return
         with self._lock:
-            due, self._progress = self._progress >= self.every // 4, 0
+            due, self._saved = self._saved >= self.threshold, 0
         if due:
             self.soon()
 
     def soon(self) -> None:
         """Queue a trim, unless one is queued or running already."""
-        if self.every is None:
+        if self.threshold is None:
             return
         with self._lock:
             if self._queued:
                 return
             self._queued = True
         try:
-            self.pool.submit(self._trim, WRITE)  # after queued reads: backward waits on those
+            self.pool.submit(self._trim, WRITE)  # after queued reads: unpacks may wait on those
         except BaseException:
             with self._lock:
                 self._queued = False
