@@ -32,15 +32,17 @@
 # on an IO thread as a job of write priority (queued reads go first; the hooks
 # never wait for it), at most one at a time.
 #
-# Measured on that transformer, each configuration in its own process, one step
-# of each per round (docs/tuning.md section 4): one trim per step at the
-# forward's start held the peak at ~185-195 MiB above the RSS before training
-# (none: ~395-415) for ~55k page faults per step and 1.34-1.45x the step time
-# of no offload; trims when backward starts and every 128 MiB of activations
-# saved or unpacked (4 per step) held the same peak for ~105k faults at
-# 1.47-1.55x; one trim when backward starts, ~275 MiB (backward's gradients
-# then wander over the pages forward's holes gave back); no trims, ~270-310
-# MiB at 1.19-1.31x. At 4x the batch (993 MiB saved per step) one trim per step
+# Measured on that transformer (docs/tuning.md section 4), time side by side
+# with each configuration in its own process: one trim per step at the
+# forward's start cost ~52k page faults per step and 1.33x the step time of no
+# offload (no trims: ~14k, 1.22x); trims when backward starts and every 128 MiB
+# of activations saved or unpacked (4 per step) cost ~105k faults, 1.47-1.55x,
+# and held no lower peak than one trim per step, measured side by side in two
+# states of the VM: ~185-195 MiB above the RSS before training for both (cuts
+# of 81-91%) in one, ~285-297 for both (40-49%) in another, whose disk was
+# slower; without offload ~395-415. One trim when backward starts held ~275
+# MiB in the first state: backward's gradients wander over the pages forward's
+# holes gave back. At 4x the batch (993 MiB saved per step) one trim per step
 # held the peak at 338 MiB against 1,337 without offload.
 # Alternatives measured, and no better: reading spans back into heap memory
 # allocated on the unpacking thread (where forward's freed blocks are) instead
