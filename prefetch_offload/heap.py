@@ -39,8 +39,8 @@
 # of activations saved or unpacked (4 per step) cost ~105k faults, 1.47-1.55x,
 # and held no lower peak than one trim per step, measured side by side in two
 # states of the VM: ~185-195 MiB above the RSS before training for both (cuts
-# of 81-91%) in one, ~285-297 for both (40-49%) in another, whose disk was
-# slower; without offload ~395-415. One trim when backward starts held ~275
+# of 81-91%) in one, ~285-297 for both (40-49%) in another (what sets the
+# state is not known); without offload ~395-415. One trim when backward starts held ~275
 # MiB in the first state: backward's gradients wander over the pages forward's
 # holes gave back. At 4x the batch (993 MiB saved per step) one trim per step
 # held the peak at 338 MiB against 1,337 without offload.
