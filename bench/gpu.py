@@ -254,6 +254,8 @@ def run(
         opts = {m: torch.optim.SGD(models[m].parameters(), lr=1e-4) for m in modes}
 
         reserved_growth: dict[str, list[int]] = {m: [] for m in modes}
+        # Each mode's last step: its start, its backward's start and its end (perf_counter).
+        marks: dict[str, tuple[float, float, float]] = {}
         reserved_start: dict[str, list[int]] = {m: [] for m in modes}
 
         def step(mode: str, *, update: bool = True) -> tuple[float, int, int, list[torch.Tensor]]:
@@ -267,6 +269,7 @@ def run(
             with ctx[mode]():
                 loss = model(tokens, targets)
                 fwd_peak = gpu.peak() - start_mem  # allocations are counted when issued
+                tb = time.perf_counter()
                 loss.backward()
             del loss
             grads = [p.grad.detach().clone() for p in model.parameters()] if not update else []
@@ -274,33 +277,24 @@ def run(
                 opts[mode].step()
             opts[mode].zero_grad(set_to_none=True)
             gpu.sync()
-            dt = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            marks[mode] = (t0, tb, t1)
             reserved_growth[mode].append(gpu.peak_reserved() - start_reserved)
-            return dt, fwd_peak, gpu.peak() - start_mem, grads
+            return t1 - t0, fwd_peak, gpu.peak() - start_mem, grads
 
         def traced_step(mode: str) -> dict[str, Any]:
             """One more step of ``mode``, with memory sampled every 0.5 ms: allocated
             device memory on a GPU (counted when allocations are issued), RSS on the
             twin; both above what the step started with."""
-            model = models[mode]
             read = gpu.allocated if gpu.cuda else read_rss_bytes
             gpu.sync()
             base = read()
             with RssSampler(0.0005, record=True, read=read) as sampler:
-                t0 = time.perf_counter()
-                first = (t0, read())
-                with ctx[mode]():
-                    loss = model(tokens, targets)
-                    tb = time.perf_counter()
-                    loss.backward()
-                del loss
-                opts[mode].step()
-                opts[mode].zero_grad(set_to_none=True)
-                gpu.sync()
+                step(mode)
                 last = read()
-                t1 = time.perf_counter()
+            t0, tb, t1 = marks[mode]
             inside = [(t, v) for t, v in sampler.trace if t0 < t < t1]
-            trace = [(t - t0, v - base) for t, v in (first, *inside, (t1, last))]
+            trace = [(t - t0, v - base) for t, v in ((t0, base), *inside, (t1, last))]
             return {
                 "t_s": [round(t, 6) for t, _ in trace],
                 "rss_bytes": [v for _, v in trace],
