@@ -140,6 +140,12 @@ class HostBufferPool:
         return self._leased - sum(list(self._late))  # list(): a snapshot, safe from appends
 
     @property
+    def mapped_bytes(self) -> int:
+        """Bytes of blocks leased or idle: what the pool holds mapped (read without the
+        lock, so possibly a moment old)."""
+        return self._leased + self._idle_bytes
+
+    @property
     def idle_bytes(self) -> int:
         """Bytes of idle blocks held for reuse."""
         self._refile()

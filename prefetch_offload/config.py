@@ -166,10 +166,10 @@ class OffloadConfig:
     # Cap on the bytes one prefetch window reads ahead (NOTE [lookahead] in plan.py);
     # None derives it from the measured read bandwidth. An int or "256MiB".
     prefetch_bytes: ByteSize | None = None
-    # NOTE [heap trim] in heap.py: glibc's free heap pages go back to the kernel when a
-    # forward begins after a backward, if the step before saved at least this many
-    # bytes of CPU activations; None never trims. An int or "16MiB".
-    heap_trim_bytes: ByteSize | None = 16 << 20
+    # NOTE [heap trim] in heap.py: glibc's free heap pages go back to the kernel when
+    # the resident memory malloc keeps free has grown by this many bytes since the
+    # last trim (once CPU activations were saved); None never trims. An int or "64MiB".
+    heap_trim_bytes: ByteSize | None = 64 << 20
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:

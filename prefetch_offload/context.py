@@ -186,7 +186,7 @@ def offload_context(
     device_budget: ByteSize = 0,
     host_budget: ByteSize | None = _TARGET_DEFAULT,
     prefetch_bytes: ByteSize | None = None,
-    heap_trim_bytes: ByteSize | None = 16 << 20,
+    heap_trim_bytes: ByteSize | None = 64 << 20,
 ) -> OffloadContext:
     """Offload the tensors autograd saves for backward while the block runs.
 
@@ -215,10 +215,11 @@ def offload_context(
             only as staging); a positive value makes RAM the tier before disk.
         prefetch_bytes: cap on the bytes one prefetch window reads ahead; None
             sizes it from the measured read bandwidth.
-        heap_trim_bytes: give glibc's free heap memory back to the kernel when a
-            forward begins after a backward, if the step before saved at least this
-            many bytes of CPU activations; the memory costs page faults when it is
-            used again. None never trims.
+        heap_trim_bytes: give glibc's free heap memory back to the kernel whenever
+            the resident memory it keeps free has grown by this many bytes (once CPU
+            activations were saved), so the process stays within about this much
+            of its live memory; memory given back costs page faults when it is used
+            again. None never trims.
 
     Returns:
         A context manager whose ``__enter__`` yields the engine (``engine.stats()``).

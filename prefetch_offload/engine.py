@@ -195,8 +195,6 @@ class OffloadEngine:
         weakref.finalize(self, pool.shutdown, wait=False)
         # Later unpacks of a graph used after exit read synchronously.
         pool = self._pool = InlineAfterShutdown(pool)
-        # NOTE [heap trim]: glibc's free heap pages go back as CPU activations leave.
-        self._heap = HeapTrimmer(config.heap_trim_bytes, pool, self._stats, self._errors.report)
         self._writer: WritePath | None = None
         if self._store is not None:
             self._writer = WritePath(
@@ -210,6 +208,14 @@ class OffloadEngine:
             )
         self._reader = ReadPath(
             config, self._store, self._device, pool, self._stats, self._lock, self._plan
+        )
+        # NOTE [heap trim]: glibc's free heap pages go back when they have built up.
+        read_pool = self._reader.read_pool
+        self._heap = HeapTrimmer(
+            config.heap_trim_bytes,
+            self._stats,
+            self._errors.report,
+            own_bytes=lambda: read_pool.mapped_bytes,
         )
 
     # -- public -----------------------------------------------------------------------------
@@ -292,7 +298,6 @@ class OffloadEngine:
             with self._lock:
                 self._plan.begin_forward()  # NOTE [learned order]
             self._enforce_budgets()  # NOTE [tiers]: what the write tail kept
-            self._heap.step_begins()  # NOTE [heap trim]: what the last step freed
             self._reader.recent.clear()  # NOTE [recently restored]
             # NOTE [read buffer pool]: unmapping takes a while; an IO thread does it.
             self._pool.submit(self._background(self._reader.read_pool.trim), READ)
@@ -370,7 +375,8 @@ class OffloadEngine:
             self._policy.admit(rec)
         self._enforce_budgets()
         if rec.host_only:
-            self._heap.saved(nbytes)  # NOTE [heap trim]
+            self._heap.saved()  # NOTE [heap trim]
+        self._heap.check()
         return Handle(rec, view, owner, version)
 
     # -- tiers ------------------------------------------------------------------------------
@@ -589,6 +595,7 @@ class OffloadEngine:
         if self._copying:
             self._settle_copies()
         self._raise_pending()
+        self._heap.check()  # NOTE [heap trim]
         packed.check_version()
         rec = packed.record
         with self._lock:
@@ -680,6 +687,7 @@ class OffloadEngine:
         self._settle_copies(wait=True)
         self._device.close()
         self._pool.shutdown()
+        self._heap.close()
         # After the IO threads stopped: a prefetch still reading at close returns its
         # block when it ends (NOTE [read buffer pool]: nothing idle is kept after exit).
         self._reader.read_pool.trim()

@@ -1,95 +1,128 @@
-"""Giving the heap memory that glibc keeps back to the kernel, once per training step.
+"""Giving back the heap memory glibc keeps resident, whenever it has built up.
 
 # NOTE [heap trim]
 # glibc's malloc keeps the memory a program frees, to reuse it, and gives back to
 # the kernel only a free top of the heap (or a freed block of its own mapping,
 # which PyTorch's tensors stop getting once glibc raises its mmap threshold to
 # their size). A training step's heap is fragmented: small allocations that live
-# until backward sit between large freed blocks. Offloading frees every activation
-# as its write lands, so forward leaves the heap full of freed holes that glibc
-# keeps resident, and backward's gradients and temporaries then wander through
-# them. Measured on bench/step.py's transformer (6 blocks, width 256, batch
-# 8x256, 248.6 MiB saved per step; 2-core VM, glibc 2.36): with disk offload the
-# heap held 25-45 MiB of live bytes above its size before training while its main
-# arena grew by ~200 MiB, 160-210 MiB of it free in 40-55 chunks of 1-22 MiB;
-# the process's peak RSS was ~300 MiB above its RSS before training against ~400
-# without offload: about half the activation memory cut, where the live bytes
-# promised almost all of it.
+# until backward (autograd's nodes, traced to operator new in libtorch) sit
+# between large freed blocks. Offloading frees every activation as its write
+# lands, so forward leaves the heap full of freed holes, and glibc's placement
+# wanders over them: a freed block coalesces with its free neighbours and the
+# next request is split from the start of the merged block, so forward's later
+# tensors and backward's gradients land on pages the step has not touched yet
+# instead of the blocks just freed. Each page touched stays resident. Measured on
+# bench/step.py's transformer (6 blocks, width 256, batch 8x256, 248.6 MiB saved
+# per step; 2-core VM, glibc 2.36): with disk offload and no trims the heap held
+# 25-60 MiB of live bytes above its size before training while its main arena
+# grew by ~200-250 MiB, and the process's peak RSS over ten steps was ~290-330
+# MiB above its RSS before training, against ~405 without offload.
 #
 # ``malloc_trim(0)`` returns the whole free pages inside those holes (every
-# arena, not only the top). Each page that is used again later costs a page
-# fault and a page of zeroing (about 1.8 us per 4 KiB page there, 0.45 ms per
-# MiB), and after a trim glibc's allocations wander over the cold pages it gave
-# back (a freed block coalesces with its cold neighbours and is split from
-# their start), so every trim costs faults in proportion to what the process
-# allocates after it. So the engine trims once per step, where the fewest
-# bytes are live and the most were just freed: when a forward begins after a
-# backward (the previous step's activations, gradients and temporaries are
-# garbage then), if that step saved at least ``heap_trim_bytes`` of CPU
-# activations. Within the step, forward's later tensors reuse the blocks its
-# written activations left, and backward reuses what forward left, all of it
-# resident: the peak is the step's own growth from a trimmed heap. A trim runs
-# on an IO thread as a job of write priority (queued reads go first; the hooks
-# never wait for it), at most one at a time.
+# arena, not only the top). Each page used again later costs a page fault and
+# a page of zeroing (about 1 us per 4 KiB page there), and glibc holds the
+# arena's lock while it gives pages back (~7 ms for ~100 MiB), so a trim is
+# worth its cost only where memory has built up. The engine trims on that
+# measure: the slack, the process's anonymous resident memory minus the bytes
+# malloc has handed out and not had back (``mallinfo2``) minus the engine's own
+# mapped read buffers, is what a trim could give back. The hooks read it (two
+# calls of ~1 us, at most once per _CHECK_INTERVAL_S); when it has grown by
+# ``heap_trim_bytes`` over its level after the last trim (or its lowest since),
+# and the engine has saved CPU activations, the trimmer's own thread trims (the
+# hooks never wait for it; at most one trim is queued or running). So the
+# process's memory stays within about ``heap_trim_bytes`` of what is live,
+# wherever in the step the slack builds up, and a run that saves no CPU
+# activations (CUDA training) never trims.
 #
-# Measured on that transformer (docs/tuning.md section 4), time side by side
-# with each configuration in its own process: one trim per step at the
-# forward's start cost ~52k page faults per step and 1.33x the step time of no
-# offload (no trims: ~14k, 1.22x); trims when backward starts and every 128 MiB
-# of activations saved or unpacked (4 per step) cost ~105k faults, 1.47-1.55x,
-# and held no lower peak than one trim per step, measured side by side in two
-# states of the VM: ~185-195 MiB above the RSS before training for both (cuts
-# of 81-91%) in one, ~285-297 for both (40-49%) in another (what sets the
-# state is not known); without offload ~395-415. One trim when backward starts held ~275
-# MiB in the first state: backward's gradients wander over the pages forward's
-# holes gave back. At 4x the batch (993 MiB saved per step) one trim per step
-# held the peak at 338 MiB against 1,337 without offload.
-# Alternatives measured, and no better: reading spans back into heap memory
-# allocated on the unpacking thread (where forward's freed blocks are) instead
-# of mapped blocks changed neither time nor memory; MADV_HUGEPAGE on the heap
-# cut a refault's cost by a quarter (zeroing dominates) at the risk of
-# compaction stalls (one 0.19 s refault of 128 MiB); giving back a written
-# activation's own pages (MADV_DONTNEED, when the engine held the storage's
-# last reference) reached only 30-60% of the bytes, since forward still holds
-# many tensors when their writes land, and without trims moved the cut from
-# ~40% to 42%.
+# Measured on that transformer over ten steps, one process per configuration,
+# peaks from a 2 ms RSS sampler (docs/tuning.md section 4 has the benchmark's
+# figures): no trims 1.24x the step time of no offload, ~10k page faults per
+# step, peak ~290-330 MiB above the RSS before training (~405 without offload);
+# slack bound 64 MiB ~7 trims per step, ~135k faults, 1.6x, ~170 MiB; 96 MiB
+# ~3.5 trims, ~100k faults, 1.45-1.55x, ~205 MiB. Fixed schedules measured
+# against it, and no better: one trim per step when forward begins, ~55k
+# faults, 1.34x, ~316 MiB (the step re-touches the whole heap before its peak in
+# backward); one when backward begins, ~55k faults, 1.37x, ~250 MiB (forward's
+# wander sets the peak then); one before every block's forward and backward,
+# ~170k faults, 1.7x, ~145 MiB. Trims queued on the IO pool behind reads ran
+# only after backward (reads are queued all through it), hence a thread of the
+# trimmer's own. Other ideas measured: reading spans back into heap memory
+# instead of mapped blocks grew the heap further (~350 MiB without trims);
+# MADV_HUGEPAGE on the heap cut a refault's cost by a quarter (zeroing
+# dominates) at the risk of compaction stalls (one 0.19 s refault of 128 MiB);
+# giving back a written activation's own pages when the engine held the
+# storage's last reference reached only 30-60% of the bytes, since forward
+# still holds many tensors when their writes land; glibc's mmap threshold set by
+# the engine (every freed block leaves at once) cost ~250k faults per step,
+# 1.84x, and would change the whole process's allocator for good.
 # Records of CUDA tensors do not count: their host memory is pinned or mapped,
-# not glibc's heap. Where glibc is absent (musl, macOS, Windows) this does nothing.
+# not glibc's heap. Where glibc is absent (musl, macOS, Windows) this does nothing;
+# where only mallinfo2 is missing (glibc < 2.33), the slack is the anonymous RSS
+# minus the engine's mapped buffers.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from .errors import OffloadError
-from .io_pool import WRITE, IOPool
 from .stats import StatsCounter
 
-__all__ = ["HeapTrimmer", "heap_trim_supported"]
+__all__ = ["HeapTrimmer", "heap_slack_bytes", "heap_trim_supported"]
+
+# The hooks read the slack at most this often (NOTE [heap trim]).
+_CHECK_INTERVAL_S = 0.0005
 
 
-def _load_malloc_trim() -> Any:
+def _libc() -> Any:
     if not sys.platform.startswith("linux"):
         return None
     name = ctypes.util.find_library("c")
     if name is None:
         return None
     try:
-        fn = ctypes.CDLL(name).malloc_trim  # glibc only
-    except (OSError, AttributeError):
+        return ctypes.CDLL(name)
+    except OSError:
         return None
-    fn.argtypes = [ctypes.c_size_t]
-    fn.restype = ctypes.c_int
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _function(libc: Any, name: str, argtypes: list[Any], restype: Any) -> Any:
+    fn = getattr(libc, name, None) if libc is not None else None
+    if fn is not None:
+        fn.argtypes, fn.restype = argtypes, restype
     return fn
 
 
-_MALLOC_TRIM = _load_malloc_trim()
+_LIBC = _libc()
+_MALLOC_TRIM = _function(_LIBC, "malloc_trim", [ctypes.c_size_t], ctypes.c_int)  # glibc only
+_MALLINFO2 = _function(_LIBC, "mallinfo2", [], _Mallinfo2)  # glibc >= 2.33
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def heap_trim_supported() -> bool:
@@ -97,74 +130,176 @@ def heap_trim_supported() -> bool:
     return _MALLOC_TRIM is not None
 
 
+class _Statm:
+    """``/proc/self/statm``, kept open (one ``pread`` per read) and reopened after a fork."""
+
+    def __init__(self) -> None:
+        self._fd = -1
+        self._pid = -1
+        self._lock = threading.Lock()
+
+    def anon_resident_bytes(self) -> int:
+        """Anonymous resident memory: resident minus shared (file and shmem) pages."""
+        pid = os.getpid()
+        with self._lock:
+            if self._pid != pid:  # "self" was resolved when the file was opened
+                if self._fd >= 0 and self._pid >= 0:
+                    os.close(self._fd)
+                self._fd = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+                self._pid = pid
+            fields = os.pread(self._fd, 256, 0).split()
+        return (int(fields[1]) - int(fields[2])) * _PAGE
+
+
+_STATM = _Statm()
+
+
+def heap_slack_bytes() -> int:
+    """Anonymous resident bytes that malloc has not handed out (NOTE [heap trim]).
+
+    Includes memory mapped outside malloc (by the engine, Python's small-object
+    arenas, ...); only its changes mean something.
+    """
+    resident = _STATM.anon_resident_bytes()
+    if _MALLINFO2 is None:
+        return resident
+    info = _MALLINFO2()
+    return resident - int(info.uordblks + info.hblkhd)
+
+
+class _TrimThread:
+    """One daemon thread that runs the trims it is given, one at a time, in order."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._jobs: list[Callable[[], None]] = []
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._cond:
+            if self._closing:
+                return
+            self._jobs.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="prefetch_offload-heap-trim", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closing:
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                job = self._jobs.pop(0)
+            job()
+
+    def close(self, *, wait: bool = True) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+            thread = self._thread
+        if wait and thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+
 class HeapTrimmer:
-    """Trims glibc's heap when a step begins (NOTE [heap trim]).
+    """Trims glibc's heap when its slack has grown by ``threshold`` (NOTE [heap trim]).
 
     Args:
-        threshold: bytes of CPU activations a step must save for the heap to be
-            trimmed when the next one begins; None turns trimming off.
-        pool: the IO pool trims run on.
+        threshold: bytes of slack growth that trigger a trim; None turns trimming off.
         stats: counts ``heap_trims`` and ``heap_trim_seconds``.
         report: takes a trim's failure, for the next hook call to raise.
+        own_bytes: bytes of the engine's own mapped buffers now (not slack).
+        slack: measures the slack (tests give their own).
+        submit: runs a trim job in the background (default: a thread of the
+            trimmer's own, so that trims neither wait behind reads nor delay them).
+        interval: the least time between two measures by :meth:`check`, in seconds.
     """
 
     def __init__(
         self,
         threshold: int | None,
-        pool: IOPool,
         stats: StatsCounter,
         report: Callable[[BaseException], None],
+        *,
+        own_bytes: Callable[[], int] = lambda: 0,
+        slack: Callable[[], int] = heap_slack_bytes,
+        submit: Callable[[Callable[[], None]], None] | None = None,
+        interval: float = _CHECK_INTERVAL_S,
     ) -> None:
         self.threshold = threshold if _MALLOC_TRIM is not None else None
-        self.pool = pool
         self._stats = stats
         self._report = report
+        self._own_bytes = own_bytes
+        self._slack = slack
+        self._thread = _TrimThread() if submit is None else None
+        self._submit = submit if submit is not None else self._thread.submit  # type: ignore[union-attr]
+        self._interval = interval
+        if self._thread is not None:  # a trimmer dropped without close() stops its thread
+            weakref.finalize(self, self._thread.close, wait=False)
         self._lock = threading.Lock()
-        self._saved = 0  # CPU activation bytes saved since the last trim was considered
+        self._saved = False  # CPU activations were saved (ever: backward frees them later)
         self._queued = False  # a trim is queued or running: the next one would add nothing
+        self._floor: int | None = None  # the slack after the last trim, or its lowest since
+        self._next_check = 0.0
 
     @property
     def enabled(self) -> bool:
         """Whether trims happen at all."""
         return self.threshold is not None
 
-    def saved(self, nbytes: int) -> None:
-        """Count ``nbytes`` of CPU activations saved by forward."""
-        if self.threshold is not None:
-            # No lock on this hot path (every CPU pack): an update lost to a concurrent
-            # pack only shifts a threshold test by one tensor.
-            self._saved += nbytes
+    def level(self) -> int:
+        """The slack now, without the engine's own buffers."""
+        return self._slack() - self._own_bytes()
 
-    def step_begins(self) -> None:
-        """A forward begins after a backward: trim if the last step saved at least
-        ``threshold`` bytes of CPU activations; count from zero."""
-        if self.threshold is None:
-            return
-        with self._lock:
-            due, self._saved = self._saved >= self.threshold, 0
-        if due:
-            self.soon()
+    def saved(self) -> None:
+        """CPU activations were saved: the slack may now be the engine's doing."""
+        self._saved = True  # a plain store: no lock on this hot path (every CPU pack)
 
-    def soon(self) -> None:
-        """Queue a trim, unless one is queued or running already."""
-        if self.threshold is None:
+    def check(self) -> None:
+        """Called by the hooks: queue a trim if the slack has grown by ``threshold``."""
+        if self.threshold is None or not self._saved:
             return
+        now = time.perf_counter()
+        if now < self._next_check:
+            return
+        self._next_check = now + self._interval
+        level = self.level()
         with self._lock:
             if self._queued:
                 return
+            floor = self._floor
+            if floor is None or level < floor:
+                self._floor = level
+                return
+            if level - floor < self.threshold:
+                return
             self._queued = True
         try:
-            self.pool.submit(self._trim, WRITE)  # after queued reads: unpacks may wait on those
+            self._submit(self._trim)
         except BaseException:
             with self._lock:
                 self._queued = False
             raise
+
+    def close(self) -> None:
+        """Stop the trim thread after the trim it may be running."""
+        if self._thread is not None:
+            self._thread.close()
 
     def _trim(self) -> None:
         try:
             start = time.perf_counter()
             _MALLOC_TRIM(0)
             self._stats.add(heap_trims=1, heap_trim_seconds=time.perf_counter() - start)
+            level = self.level()
+            with self._lock:
+                self._floor = level
         except Exception as exc:  # NOTE [errors from workers]
             err = OffloadError(f"prefetch_offload: giving heap memory back failed: {exc}")
             err.__cause__ = exc

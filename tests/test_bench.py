@@ -213,7 +213,7 @@ def test_step_main_memory_probes(
     step, probing = _load("step"), _load("_probe")
     scratch, out = tmp_path / "scratch", tmp_path / "step.json"
     argv = [*TINY, *SMALL_BATCHES, "--modes", "none,disk,budget", "--pending-sweep", "1,64"]
-    argv += ["--trim-sweep", "1,off,16"]
+    argv += ["--trim-sweep", "1,off,64"]
     argv += ["--probe-jobs", "3", "--save-dir", str(scratch), "--json", str(out)]
     assert step.main(argv) == 0
     assert _empty(scratch), list(scratch.iterdir())
@@ -270,7 +270,7 @@ def test_step_main_memory_probes(
     trims = [
         (p["heap_trim_bytes"], p["probe"]["knobs"]["heap_trim_bytes"]) for p in doc["trim_sweep"]
     ]
-    assert trims == [(MiB, MiB), (0, 0), (16 * MiB, 16 * MiB)]  # 0: off
+    assert trims == [(MiB, MiB), (0, 0), (64 * MiB, 64 * MiB)]  # 0: off
     assert doc["trim_sweep"][2]["probe"] == probes["default"]["disk"][0]  # the default, reused
     assert "disk memory by heap_trim_bytes" in text
 

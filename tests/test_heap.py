@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from prefetch_offload import OffloadConfig, offload_context
+from prefetch_offload import OffloadConfig, heap, offload_context
+from prefetch_offload.errors import OffloadError
 from prefetch_offload.heap import HeapTrimmer, heap_trim_supported
-from prefetch_offload.io_pool import InlineIOPool, IOFuture
 from prefetch_offload.stats import StatsCounter
 from prefetch_offload.testing import TinyTransformer, make_batch
 
@@ -24,16 +24,14 @@ glibc_only = pytest.mark.skipif(not heap_trim_supported(), reason="needs glibc's
 MiB = 1 << 20
 
 
-class _QueuedPool(InlineIOPool):
-    """Keeps submitted jobs until the test runs them."""
+class _Jobs:
+    """Keeps submitted trim jobs until the test runs them."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.jobs: list[Callable[[], Any]] = []
+        self.jobs: list[Callable[[], None]] = []
 
-    def submit(self, fn: Callable[[], Any], priority: int) -> IOFuture[Any]:
-        self.jobs.append(fn)
-        return IOFuture(fn)
+    def submit(self, job: Callable[[], None]) -> None:
+        self.jobs.append(job)
 
     def run_all(self) -> None:
         jobs, self.jobs = self.jobs, []
@@ -41,41 +39,140 @@ class _QueuedPool(InlineIOPool):
             job()
 
 
-def _trimmer(every: int | None) -> tuple[HeapTrimmer, _QueuedPool, StatsCounter, list[Any]]:
-    pool, stats, errors = _QueuedPool(), StatsCounter(), []
-    return HeapTrimmer(every, pool, stats, errors.append), pool, stats, errors
+class _Slack:
+    """A slack gauge the test sets by hand."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def __call__(self) -> int:
+        return self.value
+
+
+def _trimmer(
+    threshold: int | None, *, own: Callable[[], int] = lambda: 0
+) -> tuple[HeapTrimmer, _Jobs, _Slack, StatsCounter, list[Any]]:
+    jobs, slack, stats, errors = _Jobs(), _Slack(), StatsCounter(), []
+    trimmer = HeapTrimmer(
+        threshold,
+        stats,
+        errors.append,
+        own_bytes=own,
+        slack=slack,
+        submit=jobs.submit,
+        interval=0.0,
+    )
+    return trimmer, jobs, slack, stats, errors
 
 
 @glibc_only
-def test_trims_when_a_step_begins_after_enough_bytes_and_never_queues_two() -> None:
-    trimmer, pool, stats, errors = _trimmer(10)
-    trimmer.saved(6)
-    trimmer.step_begins()  # the step before saved less than the threshold: no trim
-    assert pool.jobs == []
-    trimmer.saved(6)
-    trimmer.saved(6)  # no trim within a step, however much it saves
-    assert pool.jobs == []
-    trimmer.step_begins()  # 12 >= 10: one trim, and counting starts again
-    assert len(pool.jobs) == 1
-    trimmer.saved(10)
-    trimmer.step_begins()  # due, but one is queued: it would give back nothing more
-    assert len(pool.jobs) == 1
-    pool.run_all()
+def test_trims_when_the_slack_has_grown_by_the_threshold_and_never_queues_two() -> None:
+    trimmer, jobs, slack, stats, errors = _trimmer(10 * MiB)
+    slack.value = 100 * MiB
+    trimmer.check()  # no CPU activation saved yet: the slack is not the engine's doing
+    assert jobs.jobs == []
+    trimmer.saved()
+    trimmer.check()  # the first measure sets the floor
+    slack.value = 109 * MiB
+    trimmer.check()  # grown by 9 MiB < 10: nothing
+    assert jobs.jobs == []
+    slack.value = 110 * MiB
+    trimmer.check()  # grown by 10 MiB: one trim
+    assert len(jobs.jobs) == 1
+    slack.value = 150 * MiB
+    trimmer.check()  # due again, but one is queued: it will give this back too
+    assert len(jobs.jobs) == 1
+    slack.value = 102 * MiB  # what the trim leaves is the new floor
+    jobs.run_all()
     assert stats.snapshot().heap_trims == 1 and stats.snapshot().heap_trim_seconds >= 0
-    trimmer.step_begins()  # nothing saved since: nothing to give back
-    assert pool.jobs == []
-    trimmer.saved(10)
-    trimmer.step_begins()
-    pool.run_all()
+    slack.value = 111 * MiB
+    trimmer.check()  # 9 MiB over 102: nothing
+    assert jobs.jobs == []
+    slack.value = 95 * MiB
+    trimmer.check()  # the floor follows the slack down...
+    slack.value = 105 * MiB
+    trimmer.check()  # ...so 10 MiB over its lowest is due
+    assert len(jobs.jobs) == 1
+    jobs.run_all()
     assert stats.snapshot().heap_trims == 2 and errors == []
 
 
+@glibc_only
+def test_the_engines_own_buffers_are_not_slack() -> None:
+    own = [0]
+    trimmer, jobs, slack, _, _ = _trimmer(10 * MiB, own=lambda: own[0])
+    trimmer.saved()
+    trimmer.check()
+    slack.value, own[0] = 30 * MiB, 25 * MiB  # read buffers mapped: 5 MiB of slack
+    trimmer.check()
+    assert jobs.jobs == []
+    slack.value = 40 * MiB
+    trimmer.check()
+    assert len(jobs.jobs) == 1
+
+
+@glibc_only
+def test_checks_are_spaced_by_the_interval() -> None:
+    jobs, slack = _Jobs(), _Slack()
+    trimmer = HeapTrimmer(
+        MiB, StatsCounter(), lambda e: None, slack=slack, submit=jobs.submit, interval=3600.0
+    )
+    trimmer.saved()
+    trimmer.check()  # sets the floor
+    slack.value = 64 * MiB
+    trimmer.check()  # within the interval: not even measured
+    assert jobs.jobs == []
+
+
 def test_none_never_trims() -> None:
-    trimmer, pool, stats, _ = _trimmer(None)
+    trimmer, jobs, slack, stats, _ = _trimmer(None)
     assert not trimmer.enabled
-    trimmer.saved(1 << 40)
-    trimmer.step_begins()
-    assert pool.jobs == [] and stats.snapshot().heap_trims == 0
+    trimmer.saved()
+    trimmer.check()
+    slack.value = 1 << 40
+    trimmer.check()
+    assert jobs.jobs == [] and stats.snapshot().heap_trims == 0
+
+
+@glibc_only
+def test_a_failed_trim_reaches_the_report_and_the_next_is_allowed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trimmer, jobs, slack, _, errors = _trimmer(MiB)
+    trimmer.saved()
+    trimmer.check()
+    slack.value = 2 * MiB
+    trimmer.check()
+
+    def broken(pad: int) -> int:
+        raise OSError("no")
+
+    monkeypatch.setattr(heap, "_MALLOC_TRIM", broken)
+    jobs.run_all()
+    assert len(errors) == 1 and isinstance(errors[0], OffloadError)
+    assert "giving heap memory back failed" in str(errors[0])
+    slack.value = 10 * MiB
+    trimmer.check()  # not stuck as "queued"
+    assert len(jobs.jobs) == 1
+
+
+@glibc_only
+def test_the_trim_thread_runs_trims_and_stops_at_close() -> None:
+    slack = _Slack()
+    stats = StatsCounter()
+    trimmer = HeapTrimmer(MiB, stats, lambda e: None, slack=slack, interval=0.0)
+    trimmer.saved()
+    trimmer.check()
+    slack.value = 8 * MiB
+    trimmer.check()
+    deadline = time.monotonic() + 30
+    while stats.snapshot().heap_trims == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert stats.snapshot().heap_trims == 1
+    thread = trimmer._thread._thread  # type: ignore[union-attr]
+    assert thread is not None and thread.is_alive()
+    trimmer.close()
+    assert not thread.is_alive()
 
 
 @glibc_only
@@ -107,51 +204,80 @@ def test_a_trim_gives_freed_heap_pages_back() -> None:
         for c in chunks:
             libc.free(c)
         kept = rss()
-        trimmer, pool, _, _ = _trimmer(1)
-        trimmer.soon()
-        pool.run_all()
-        freed.extend([before - kept, kept - rss()])
+        slack_kept = heap.heap_slack_bytes()
+        heap._MALLOC_TRIM(0)
+        freed.extend([before - kept, kept - rss(), slack_kept - heap.heap_slack_bytes()])
         libc.free(pin)
 
     thread = threading.Thread(target=churn)
     thread.start()
     thread.join()
-    kept_back, given_back = freed
+    kept_back, given_back, slack_given_back = freed
     assert kept_back < 16 * MiB  # free() alone kept most of it resident
     assert given_back > 32 * MiB
+    assert slack_given_back > 32 * MiB  # the slack saw it: what the engine trims on
+
+
+def _leave_free_heap_memory(libc: Any, nbytes: int) -> int:
+    """Allocate, touch and free ``nbytes`` of 64 KiB heap chunks below a live one
+    (returned, for the caller to free): glibc keeps them resident, as slack."""
+    chunks = [libc.malloc(64 << 10) for _ in range(nbytes // (64 << 10))]
+    for c in chunks:
+        ctypes.memset(c, 1, 64 << 10)
+    pin = libc.malloc(64 << 10)
+    ctypes.memset(pin, 1, 64 << 10)
+    for c in chunks:
+        libc.free(c)
+    return int(pin)
 
 
 @glibc_only
-@pytest.mark.parametrize("every", [None, 1 << 20])
-def test_engine_trims_as_activations_leave(tmp_path: Path, every: int | None) -> None:
-    """One trim per step, when the next forward begins; CPU training stays exact."""
+@pytest.mark.parametrize("threshold", [None, 4 * MiB])
+def test_engine_trims_when_slack_builds_up(tmp_path: Path, threshold: int | None) -> None:
+    """Slack left between steps is given back at the next hook; training stays exact."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
     torch.manual_seed(0)
     model = TinyTransformer(width=64, depth=2, heads=2)
     ref = TinyTransformer(width=64, depth=2, heads=2)
     ref.load_state_dict(model.state_dict())
     tokens, targets = make_batch(2, 64)
     ref(tokens, targets).backward()
+    pins: list[int] = []
     with offload_context(
         "disk",
         save_dir=str(tmp_path),
         min_offload_bytes=0,
         chunk_bytes=16384,  # small write batches: the tiny model's tensors reach the disk
-        heap_trim_bytes=every,
+        heap_trim_bytes=threshold,
     ) as engine:
+        trims = []
         for _ in range(3):
             model.zero_grad(set_to_none=True)
             model(tokens, targets).backward()
             deadline = time.monotonic() + 30
             while engine._heap._queued and time.monotonic() < deadline:
-                time.sleep(0.001)  # the step's trim has run: the next one is not skipped
+                time.sleep(0.001)  # a trim still running would take this slack too
+            trims.append(engine.stats().heap_trims)
+            # Free memory that earlier tests left resident would take the churn below
+            # without new pages: give it back, and let the trimmer see that level.
+            heap._MALLOC_TRIM(0)
+            time.sleep(0.002)
+            engine._heap.check()
+            pins.append(_leave_free_heap_memory(libc, 32 * MiB))
+            time.sleep(0.002)  # past the check interval: the next hook measures
         stats = engine.stats()
+    for pin in pins:
+        libc.free(pin)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert p.grad is not None and torch.equal(p.grad, q.grad)
     assert stats.bytes_offloaded > 0
-    if every is None:
+    if threshold is None:
         assert stats.heap_trims == 0
-    else:  # when the second and the third forward began; none within a step
-        assert stats.heap_trims == 2
+    else:  # each step after slack was left began with a trim
+        assert trims[1] > trims[0] and trims[2] > trims[1]
 
 
 @pytest.mark.parametrize(
@@ -171,4 +297,4 @@ def test_heap_trim_bytes_is_checked(value: object, error: type[Exception], match
 def test_heap_trim_bytes_takes_units_and_none() -> None:
     assert OffloadConfig(target=None, heap_trim_bytes="64MiB").heap_trim_bytes == 64 * MiB
     assert OffloadConfig(target=None, heap_trim_bytes=None).heap_trim_bytes is None
-    assert OffloadConfig(target=None).heap_trim_bytes == 16 * MiB
+    assert OffloadConfig(target=None).heap_trim_bytes == 64 * MiB
