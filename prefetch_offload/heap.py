@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
 import sys
 import threading
@@ -77,6 +78,8 @@ from .errors import OffloadError
 from .stats import StatsCounter
 
 __all__ = ["HeapTrimmer", "heap_slack_bytes", "heap_trim_supported"]
+
+logger = logging.getLogger("prefetch_offload")
 
 # The hooks read the slack at most this often (NOTE [heap trim]).
 _CHECK_INTERVAL_S = 0.0005
@@ -269,7 +272,16 @@ class HeapTrimmer:
         if now < self._next_check:
             return
         self._next_check = now + self._interval
-        level = self.level()
+        try:
+            level = self.level()
+        except (OSError, ValueError, IndexError) as exc:  # no readable /proc/self/statm
+            self.threshold = None
+            logger.warning(
+                "prefetch_offload: cannot measure the heap's free resident memory (%s); "
+                "glibc's free heap pages will not be given back (heap_trim_bytes ignored).",
+                exc,
+            )
+            return
         with self._lock:
             if self._queued:
                 return

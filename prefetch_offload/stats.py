@@ -86,8 +86,8 @@ class OffloadStats:
     # Backward passes whose prefetches followed the order learned from the step
     # before (NOTE [learned order] in plan.py); the others used reverse pack order.
     predicted_steps: int = 0
-    # Times glibc's free heap pages were given back, and the IO threads' seconds doing
-    # it (NOTE [heap trim] in heap.py); the page faults of reusing them come later.
+    # Times glibc's free heap pages were given back, and the trim thread's seconds
+    # doing it (NOTE [heap trim] in heap.py); the page faults of reusing them come later.
     heap_trims: int = 0
     heap_trim_seconds: float = 0.0
 

@@ -298,3 +298,22 @@ def test_heap_trim_bytes_takes_units_and_none() -> None:
     assert OffloadConfig(target=None, heap_trim_bytes="64MiB").heap_trim_bytes == 64 * MiB
     assert OffloadConfig(target=None, heap_trim_bytes=None).heap_trim_bytes is None
     assert OffloadConfig(target=None).heap_trim_bytes == 64 * MiB
+
+
+@glibc_only
+def test_a_slack_that_cannot_be_measured_turns_trimming_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def unreadable() -> int:
+        raise OSError("no /proc")
+
+    jobs = _Jobs()
+    trimmer = HeapTrimmer(
+        MiB, StatsCounter(), lambda e: None, slack=unreadable, submit=jobs.submit, interval=0.0
+    )
+    trimmer.saved()
+    with caplog.at_level("WARNING", logger="prefetch_offload"):
+        trimmer.check()  # the hook goes on; trimming is off, said once
+        trimmer.check()
+    assert not trimmer.enabled and jobs.jobs == []
+    assert len([r for r in caplog.records if "heap_trim_bytes ignored" in r.message]) == 1
