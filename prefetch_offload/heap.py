@@ -34,17 +34,18 @@
 # wherever in the step the slack builds up, and a run that saves no CPU
 # activations (CUDA training) never trims.
 #
-# Measured on that transformer over ten steps, one process per configuration,
-# peaks from a 2 ms RSS sampler (docs/tuning.md section 4 has the benchmark's
-# figures): no trims 1.24x the step time of no offload, ~10k page faults per
-# step, peak ~290-330 MiB above the RSS before training (~405 without offload);
-# slack bound 64 MiB ~7 trims per step, ~135k faults, 1.6x, ~170 MiB; 96 MiB
-# ~3.5 trims, ~100k faults, 1.45-1.55x, ~205 MiB. Fixed schedules measured
-# against it, and no better: one trim per step when forward begins, ~55k
-# faults, 1.34x, ~316 MiB (the step re-touches the whole heap before its peak in
-# backward); one when backward begins, ~55k faults, 1.37x, ~250 MiB (forward's
-# wander sets the peak then); one before every block's forward and backward,
-# ~170k faults, 1.7x, ~145 MiB. Trims queued on the IO pool behind reads ran
+# Measured on that transformer (docs/tuning.md section 4: time and page faults
+# side by side, each configuration in its own process; memory from the step
+# benchmark's probes): no trims 1.21x the step time of no offload, ~3k page
+# faults per step, activation memory cut 40%; a slack bound of 128 MiB 1.55x,
+# ~97k faults, 73%; 96 MiB 1.61x, ~117k, 84%; 64 MiB (the default) 1.71x,
+# ~148k, 98%. Fixed schedules measured against it over ten steps (a 2 ms RSS
+# sampler), no better: one trim per step when forward begins, ~55k faults,
+# 1.34x, peak ~316 MiB above the RSS before training (the step re-touches the
+# whole heap before its peak in backward); one when backward begins, ~55k,
+# 1.37x, ~250 MiB (forward's wander sets the peak then); one before every
+# block's forward and backward, ~170k, 1.7x, ~145 MiB; the 64 MiB bound there:
+# ~135k, 1.6x, ~170 MiB. Trims queued on the IO pool behind reads ran
 # only after backward (reads are queued all through it), hence a thread of the
 # trimmer's own. Other ideas measured: reading spans back into heap memory
 # instead of mapped blocks grew the heap further (~350 MiB without trims);
@@ -200,6 +201,7 @@ class _TrimThread:
                     return
                 job = self._jobs.pop(0)
             job()
+            del job  # a waiting thread must not keep the trimmer alive
 
     def close(self, *, wait: bool = True) -> None:
         with self._cond:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import os
 import threading
 import time
@@ -317,3 +318,23 @@ def test_a_slack_that_cannot_be_measured_turns_trimming_off(
         trimmer.check()
     assert not trimmer.enabled and jobs.jobs == []
     assert len([r for r in caplog.records if "heap_trim_bytes ignored" in r.message]) == 1
+
+
+@glibc_only
+def test_a_trimmer_dropped_without_close_stops_its_thread() -> None:
+    slack = _Slack()
+    stats = StatsCounter()
+    trimmer = HeapTrimmer(MiB, stats, lambda e: None, slack=slack, interval=0.0)
+    trimmer.saved()
+    trimmer.check()
+    slack.value = 8 * MiB
+    trimmer.check()
+    deadline = time.monotonic() + 30
+    while stats.snapshot().heap_trims == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    thread = trimmer._thread._thread  # type: ignore[union-attr]
+    assert thread is not None and thread.is_alive()
+    del trimmer
+    gc.collect()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
