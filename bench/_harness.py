@@ -163,7 +163,8 @@ class Knobs(Flags):
     # Bytes of saved activations that may stay in memory (engine modes; "budget" mode
     # sets its own from --budget-fraction).
     device_budget: int = _CONFIG_DEFAULTS["device_budget"]
-    # Bytes of progress between heap trims (NOTE [heap trim]); 0: never trim.
+    # Growth of glibc's resident free memory that triggers a heap trim (NOTE [heap
+    # trim]); 0: never trim.
     heap_trim_bytes: int = _CONFIG_DEFAULTS["heap_trim_bytes"] or 0
 
 

@@ -362,7 +362,7 @@ def _render_step(doc: dict[str, Any]) -> list[str]:
             functools.partial(_step_sweep, knob="max_pending_write_bytes"),
         ),
         (
-            "Disk's memory by heap trim interval (default allocator, one probe each)",
+            "Disk's memory by heap_trim_bytes (default allocator, one probe each)",
             functools.partial(_step_sweep, knob="heap_trim_bytes"),
         ),
         ("Targets (default allocator, whole steps)", _step_targets),
