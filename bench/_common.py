@@ -8,8 +8,6 @@ live here (not in the package) only so the benchmark can compare against them.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import os
 import platform
 import queue
@@ -24,6 +22,10 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import torch
+
+# Bytes malloc has handed out and not had back: live heap memory, without what glibc
+# keeps for reuse (None without glibc's mallinfo2).
+from prefetch_offload.heap import malloc_in_use_bytes as heap_in_use_bytes
 
 __all__ = [
     "MB",
@@ -72,52 +74,6 @@ _STATM = _Statm()
 def read_rss_bytes() -> int:
     """This process's resident memory in bytes (``/proc/self/statm`` field 2)."""
     return _STATM.rss_bytes()
-
-
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
-
-
-def _load_mallinfo2() -> Any:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        fn = ctypes.CDLL(name).mallinfo2  # glibc >= 2.33
-    except (OSError, AttributeError):  # not glibc (musl, macOS), or an older one
-        return None
-    fn.argtypes = []
-    fn.restype = _Mallinfo2
-    return fn
-
-
-_MALLINFO2 = _load_mallinfo2()
-
-
-def heap_in_use_bytes() -> int | None:
-    """Bytes malloc has handed out and not had back (all arenas, mmapped blocks included).
-
-    Unlike RSS this does not count freed memory that glibc keeps for reuse, so it
-    shows what is live. None where glibc's ``mallinfo2`` is unavailable.
-    """
-    if _MALLINFO2 is None:
-        return None
-    info = _MALLINFO2()
-    return int(info.uordblks + info.hblkhd)
 
 
 def round_order(items: Sequence[T], r: int) -> list[T]:

@@ -78,7 +78,7 @@ from typing import Any
 from .errors import OffloadError
 from .stats import StatsCounter
 
-__all__ = ["HeapTrimmer", "heap_slack_bytes", "heap_trim_supported"]
+__all__ = ["HeapTrimmer", "heap_slack_bytes", "heap_trim_supported", "malloc_in_use_bytes"]
 
 logger = logging.getLogger("prefetch_offload")
 
@@ -158,17 +158,23 @@ class _Statm:
 _STATM = _Statm()
 
 
+def malloc_in_use_bytes() -> int | None:
+    """Bytes malloc has handed out and not had back (all arenas, mmapped blocks
+    included): live memory, without what glibc keeps for reuse. None where glibc's
+    ``mallinfo2`` is unavailable."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return int(info.uordblks + info.hblkhd)
+
+
 def heap_slack_bytes() -> int:
     """Anonymous resident bytes that malloc has not handed out (NOTE [heap trim]).
 
     Includes memory mapped outside malloc (by the engine, Python's small-object
     arenas, ...); only its changes mean something.
     """
-    resident = _STATM.anon_resident_bytes()
-    if _MALLINFO2 is None:
-        return resident
-    info = _MALLINFO2()
-    return resident - int(info.uordblks + info.hblkhd)
+    return _STATM.anon_resident_bytes() - (malloc_in_use_bytes() or 0)
 
 
 class _TrimThread:

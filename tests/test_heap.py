@@ -157,8 +157,8 @@ def test_a_failed_trim_reaches_the_report_and_the_next_is_allowed(
     assert len(jobs.jobs) == 1
 
 
-@glibc_only
-def test_the_trim_thread_runs_trims_and_stops_at_close() -> None:
+def _trimmer_with_its_thread() -> tuple[HeapTrimmer, threading.Thread]:
+    """A trimmer on its own thread that has run one trim."""
     slack = _Slack()
     stats = StatsCounter()
     trimmer = HeapTrimmer(MiB, stats, lambda e: None, slack=slack, interval=0.0)
@@ -172,6 +172,12 @@ def test_the_trim_thread_runs_trims_and_stops_at_close() -> None:
     assert stats.snapshot().heap_trims == 1
     thread = trimmer._thread._thread  # type: ignore[union-attr]
     assert thread is not None and thread.is_alive()
+    return trimmer, thread
+
+
+@glibc_only
+def test_the_trim_thread_runs_trims_and_stops_at_close() -> None:
+    trimmer, thread = _trimmer_with_its_thread()
     trimmer.close()
     assert not thread.is_alive()
 
@@ -322,18 +328,7 @@ def test_a_slack_that_cannot_be_measured_turns_trimming_off(
 
 @glibc_only
 def test_a_trimmer_dropped_without_close_stops_its_thread() -> None:
-    slack = _Slack()
-    stats = StatsCounter()
-    trimmer = HeapTrimmer(MiB, stats, lambda e: None, slack=slack, interval=0.0)
-    trimmer.saved()
-    trimmer.check()
-    slack.value = 8 * MiB
-    trimmer.check()
-    deadline = time.monotonic() + 30
-    while stats.snapshot().heap_trims == 0 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    thread = trimmer._thread._thread  # type: ignore[union-attr]
-    assert thread is not None and thread.is_alive()
+    trimmer, thread = _trimmer_with_its_thread()
     del trimmer
     gc.collect()
     thread.join(timeout=30)
