@@ -45,9 +45,11 @@
 # whole heap before its peak in backward); one when backward begins, ~55k,
 # 1.37x, ~250 MiB (forward's wander sets the peak then); one before every
 # block's forward and backward, ~170k, 1.7x, ~145 MiB; the 64 MiB bound there:
-# ~135k, 1.6x, ~170 MiB. Trims queued on the IO pool behind reads ran
-# only after backward (reads are queued all through it), hence a thread of the
-# trimmer's own. Other ideas measured: reading spans back into heap memory
+# ~135k, 1.6x, ~170 MiB; a ceiling instead (trim when the anonymous RSS
+# passes the most live memory seen plus the bound, so no trims while far below
+# it): ~105k, ~5% faster, ~15 MiB higher. Trims queued on the IO pool behind
+# reads ran only after backward (reads are queued all through it), hence a
+# thread of the trimmer's own. Other ideas measured: reading spans back into heap memory
 # instead of mapped blocks grew the heap further (~350 MiB without trims);
 # MADV_HUGEPAGE on the heap cut a refault's cost by a quarter (zeroing
 # dominates) at the risk of compaction stalls (one 0.19 s refault of 128 MiB);
