@@ -22,13 +22,15 @@
 #
 # NOTE [huge pages]
 # Python's ``mmap.mmap(-1, n)`` is a *shared* anonymous mapping (shmem), which
-# never gets transparent huge pages. O_DIRECT pins every 4 KiB page of its
-# buffer for each request: measured here, reading into such buffers costs the
-# kernel 40-50 ms of CPU per GB, and 5-8 ms per GB into private mappings that
-# ``madvise(MADV_HUGEPAGE)`` gave huge pages (writes: 31-39 against 6-10), at
-# twice the bandwidth. So blocks of 2 MiB or more are private anonymous
-# mappings aligned to 2 MiB that ask for huge pages (the kernel may still
-# refuse: then they behave as before).
+# never gets transparent huge pages (nor counts as anonymous memory, which the
+# heap trimmer measures: NOTE [heap trim]), so every block is a private
+# anonymous mapping where the platform has one. O_DIRECT pins every 4 KiB page
+# of its buffer for each request: measured here, reading into 4 KiB pages costs
+# the kernel 40-50 ms of CPU per GB, and 5-8 ms per GB into private mappings
+# that ``madvise(MADV_HUGEPAGE)`` gave huge pages (writes: 31-39 against 6-10),
+# at twice the bandwidth. So blocks of 2 MiB or more are also aligned to 2 MiB
+# and ask for huge pages (the kernel may still refuse: then they behave as
+# before).
 #
 # Pinned host memory for the CUDA path is not pooled here: it comes from a few
 # large arenas (NOTE [pinned arena] in arena.py). Its pageable fallback uses
@@ -83,7 +85,9 @@ def mapped_block(size: int) -> Block:
     """A private anonymous mapping, 2 MiB aligned, asking for huge pages (NOTE [huge pages])."""
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     if not flags or size < _HUGE:
-        m = mmap.mmap(-1, size)
+        # Private where possible, as the large blocks are: anonymous memory, which is
+        # what the heap trimmer takes the pool's bytes out of (NOTE [heap trim]).
+        m = mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size)
         return Block(m, size, pinned=False, owner=m)
     m = mmap.mmap(-1, size + _HUGE, flags=flags)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)

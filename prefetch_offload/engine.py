@@ -212,10 +212,7 @@ class OffloadEngine:
         # NOTE [heap trim]: glibc's free heap pages go back when they have built up.
         read_pool = self._reader.read_pool
         self._heap = HeapTrimmer(
-            config.heap_trim_bytes,
-            self._stats,
-            self._errors.report,
-            own_bytes=lambda: read_pool.mapped_bytes,
+            config.heap_trim_bytes, self._stats, own_bytes=lambda: read_pool.mapped_bytes
         )
 
     # -- public -----------------------------------------------------------------------------

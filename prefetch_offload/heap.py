@@ -25,14 +25,21 @@
 # worth its cost only where memory has built up. The engine trims on that
 # measure: the slack, the process's anonymous resident memory minus the bytes
 # malloc has handed out and not had back (``mallinfo2``) minus the engine's own
-# mapped read buffers, is what a trim could give back. The hooks read it (two
-# calls of ~1 us, at most once per _CHECK_INTERVAL_S); when it has grown by
-# ``heap_trim_bytes`` over its level after the last trim (or its lowest since),
-# and the engine has saved CPU activations, the trimmer's own thread trims (the
-# hooks never wait for it; at most one trim is queued or running). So the
-# process's memory stays within about ``heap_trim_bytes`` of what is live,
-# wherever in the step the slack builds up, and a run that saves no CPU
-# activations (CUDA training) never trims.
+# mapped read buffers, is what a trim could give back. The hooks read it (a few
+# microseconds on a tidy heap; mallinfo2 walks every free chunk under the arena
+# locks, so up to a millisecond on a heap of tens of thousands of them: at most
+# once per _CHECK_INTERVAL_S and at most a tenth of the time, and not while a
+# trim runs, which holds those locks). When it has grown by ``heap_trim_bytes``
+# over its level after the last trim (or its lowest since), and the engine has
+# saved CPU activations, the trimmer's own thread trims (the hooks never wait
+# for it; at most one trim is queued or running, and a measure taken across a
+# trim is dropped). So the process's memory stays within about
+# ``heap_trim_bytes`` of what is live, wherever in the step the slack builds up,
+# and a run that saves no CPU activations (CUDA training) never trims. A read
+# buffer counts as the engine's from its lease, a few milliseconds before its
+# read makes it resident; the level dips by that much meanwhile. Trimming is
+# an optimisation: whatever stops it (no readable /proc/self/statm, no thread,
+# a failed trim, a fork) turns it off with one warning, and training goes on.
 #
 # Measured on that transformer (docs/tuning.md section 4: time and page faults
 # side by side, each configuration in its own process; memory from the step
@@ -66,6 +73,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -77,7 +85,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .errors import OffloadError
 from .stats import StatsCounter
 
 __all__ = ["HeapTrimmer", "heap_slack_bytes", "heap_trim_supported", "malloc_in_use_bytes"]
@@ -156,6 +163,14 @@ class _Statm:
             fields = os.pread(self._fd, 256, 0).split()
         return (int(fields[1]) - int(fields[2])) * _PAGE
 
+    def after_fork_in_child(self) -> None:
+        """A child of fork: the lock may have been copied held; reopen on next read."""
+        self._lock = threading.Lock()
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+        self._fd, self._pid = -1, -1
+
 
 _STATM = _Statm()
 
@@ -189,15 +204,18 @@ class _TrimThread:
         self._thread: threading.Thread | None = None
 
     def submit(self, job: Callable[[], None]) -> None:
+        """Queue ``job``; starts the thread if it is not running (first job, or it
+        died). Raises RuntimeError if no thread can be started."""
         with self._cond:
             if self._closing:
                 return
-            self._jobs.append(job)
-            if self._thread is None:
-                self._thread = threading.Thread(
+            if self._thread is None or not self._thread.is_alive():
+                thread = threading.Thread(
                     target=self._run, name="prefetch_offload-heap-trim", daemon=True
                 )
-                self._thread.start()
+                thread.start()
+                self._thread = thread
+            self._jobs.append(job)
             self._cond.notify()
 
     def _run(self) -> None:
@@ -214,31 +232,39 @@ class _TrimThread:
     def close(self, *, wait: bool = True) -> None:
         with self._cond:
             self._closing = True
-            self._cond.notify()
+            self._cond.notify_all()
             thread = self._thread
         if wait and thread is not None and thread is not threading.current_thread():
             thread.join()
 
 
+# Every live trimmer, for the child of a fork (_after_fork_in_child).
+_TRIMMERS: weakref.WeakSet[HeapTrimmer] = weakref.WeakSet()
+
+
 class HeapTrimmer:
     """Trims glibc's heap when its slack has grown by ``threshold`` (NOTE [heap trim]).
+
+    Trimming is an optimisation: whatever keeps it from working (no readable
+    ``/proc/self/statm``, no thread to run it, a failed trim, a fork) turns it off
+    with one warning on the ``prefetch_offload`` logger, and training goes on.
 
     Args:
         threshold: bytes of slack growth that trigger a trim; None turns trimming off.
         stats: counts ``heap_trims`` and ``heap_trim_seconds``.
-        report: takes a trim's failure, for the next hook call to raise.
-        own_bytes: bytes of the engine's own mapped buffers now (not slack).
+        own_bytes: bytes of the engine's own anonymous mapped buffers now (not slack).
         slack: measures the slack (tests give their own).
         submit: runs a trim job in the background (default: a thread of the
             trimmer's own, so that trims neither wait behind reads nor delay them).
-        interval: the least time between two measures by :meth:`check`, in seconds.
+        interval: the least time between two measures by :meth:`check`, in
+            seconds, and at least ten times what the last measure took; 0 measures
+            at every call.
     """
 
     def __init__(
         self,
         threshold: int | None,
         stats: StatsCounter,
-        report: Callable[[BaseException], None],
         *,
         own_bytes: Callable[[], int] = lambda: 0,
         slack: Callable[[], int] = heap_slack_bytes,
@@ -247,7 +273,6 @@ class HeapTrimmer:
     ) -> None:
         self.threshold = threshold if _MALLOC_TRIM is not None else None
         self._stats = stats
-        self._report = report
         self._own_bytes = own_bytes
         self._slack = slack
         self._thread = _TrimThread() if submit is None else None
@@ -259,7 +284,9 @@ class HeapTrimmer:
         self._saved = False  # CPU activations were saved (ever: backward frees them later)
         self._queued = False  # a trim is queued or running: the next one would add nothing
         self._floor: int | None = None  # the slack after the last trim, or its lowest since
+        self._generation = 0  # trims done: a measure from before the last one is stale
         self._next_check = 0.0
+        _TRIMMERS.add(self)
 
     @property
     def enabled(self) -> bool:
@@ -276,25 +303,25 @@ class HeapTrimmer:
 
     def check(self) -> None:
         """Called by the hooks: queue a trim if the slack has grown by ``threshold``."""
-        if self.threshold is None or not self._saved:
+        if self.threshold is None or not self._saved or self._queued:
+            return  # (while a trim runs, measuring would wait on glibc's arena locks)
+        start = time.perf_counter()
+        if start < self._next_check:
             return
-        now = time.perf_counter()
-        if now < self._next_check:
-            return
-        self._next_check = now + self._interval
+        generation = self._generation
         try:
             level = self.level()
         except (OSError, ValueError, IndexError) as exc:  # no readable /proc/self/statm
-            self.threshold = None
-            logger.warning(
-                "prefetch_offload: cannot measure the heap's free resident memory (%s); "
-                "glibc's free heap pages will not be given back (heap_trim_bytes ignored).",
-                exc,
-            )
+            self._turn_off(f"cannot measure the heap's free resident memory ({exc})")
             return
+        # mallinfo2 walks every free chunk: on a fragmented heap a measure can take a
+        # millisecond, so measure at most a tenth of the time.
+        if self._interval > 0:
+            end = time.perf_counter()
+            self._next_check = end + max(self._interval, 10 * (end - start))
         with self._lock:
-            if self._queued:
-                return
+            if self._queued or generation != self._generation:
+                return  # measured across a trim: stale
             floor = self._floor
             if floor is None or level < floor:
                 self._floor = level
@@ -304,15 +331,26 @@ class HeapTrimmer:
             self._queued = True
         try:
             self._submit(self._trim)
-        except BaseException:
+        except RuntimeError as exc:  # no thread can be started (limits, shutdown)
             with self._lock:
                 self._queued = False
-            raise
+            self._turn_off(f"cannot start the trim thread ({exc})")
 
     def close(self) -> None:
-        """Stop the trim thread after the trim it may be running."""
+        """Turn trimming off and stop the trim thread after the trim it may be running."""
+        self.threshold = None
         if self._thread is not None:
             self._thread.close()
+
+    def _turn_off(self, why: str) -> None:
+        if self.threshold is None:
+            return
+        self.threshold = None
+        logger.warning(
+            "prefetch_offload: %s; glibc's free heap pages will not be given back "
+            "(heap_trim_bytes ignored).",
+            why,
+        )
 
     def _trim(self) -> None:
         try:
@@ -322,10 +360,29 @@ class HeapTrimmer:
             level = self.level()
             with self._lock:
                 self._floor = level
-        except Exception as exc:  # NOTE [errors from workers]
-            err = OffloadError(f"prefetch_offload: giving heap memory back failed: {exc}")
-            err.__cause__ = exc
-            self._report(err)
+                self._generation += 1
+        except Exception as exc:  # NOTE [errors from workers]: said, and trimming stops
+            self._turn_off(f"giving heap memory back failed ({exc!r})")
         finally:
             with self._lock:
                 self._queued = False
+
+    def _after_fork_in_child(self) -> None:
+        """The child of a fork has none of the parent's threads, and its locks may have
+        been copied held: trimming stops there (the engine's IO threads are gone too)."""
+        self.threshold = None
+        self._lock = threading.Lock()
+        self._queued = False
+        if self._thread is not None:
+            self._thread = _TrimThread()
+            self._submit = self._thread.submit
+
+
+def _after_fork_in_child() -> None:
+    _STATM.after_fork_in_child()
+    for trimmer in list(_TRIMMERS):
+        trimmer._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

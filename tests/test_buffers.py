@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import gc
 import mmap
+import sys
 
+import pytest
 import torch
 
+from prefetch_offload import heap
 from prefetch_offload.buffers import Block, HostBufferPool
 
 
@@ -86,3 +89,24 @@ def test_follow_peak_pool_reuses_blocks_and_keeps_up_to_its_peak() -> None:
     del kept
     gc.collect()
     assert not factory.alive  # returned after close: released at once, not parked
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_mapped_bytes_is_anonymous_memory() -> None:
+    """The heap trimmer takes ``mapped_bytes`` out of the process's anonymous RSS
+    (NOTE [heap trim]): small blocks and large ones must both count there."""
+    pool = HostBufferPool(0)
+    statm = heap._STATM
+    before, mapped = statm.anon_resident_bytes(), pool.mapped_bytes
+    leased = []
+    for size in (1 << 20,) * 8 + (4 << 20,) * 4:  # 24 MiB, half in blocks below 2 MiB
+        tensor, region = pool.lease(size)
+        region[:] = b"\x01" * size  # what a read does: every page resident
+        region.release()
+        leased.append(tensor)
+    grown = statm.anon_resident_bytes() - before
+    assert pool.mapped_bytes - mapped == 24 << 20
+    assert abs(grown - (24 << 20)) < 4 << 20, grown
+    del leased, tensor
+    gc.collect()
+    pool.close()

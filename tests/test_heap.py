@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from prefetch_offload import OffloadConfig, heap, offload_context
-from prefetch_offload.errors import OffloadError
 from prefetch_offload.heap import HeapTrimmer, heap_trim_supported
 from prefetch_offload.stats import StatsCounter
 from prefetch_offload.testing import TinyTransformer, make_batch
@@ -52,23 +51,21 @@ class _Slack:
 
 def _trimmer(
     threshold: int | None, *, own: Callable[[], int] = lambda: 0
-) -> tuple[HeapTrimmer, _Jobs, _Slack, StatsCounter, list[Any]]:
-    jobs, slack, stats, errors = _Jobs(), _Slack(), StatsCounter(), []
+) -> tuple[HeapTrimmer, _Jobs, _Slack, StatsCounter]:
+    jobs, slack, stats = _Jobs(), _Slack(), StatsCounter()
     trimmer = HeapTrimmer(
-        threshold,
-        stats,
-        errors.append,
-        own_bytes=own,
-        slack=slack,
-        submit=jobs.submit,
-        interval=0.0,
+        threshold, stats, own_bytes=own, slack=slack, submit=jobs.submit, interval=0.0
     )
-    return trimmer, jobs, slack, stats, errors
+    return trimmer, jobs, slack, stats
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> int:
+    return len([r for r in caplog.records if "heap_trim_bytes ignored" in r.message])
 
 
 @glibc_only
 def test_trims_when_the_slack_has_grown_by_the_threshold_and_never_queues_two() -> None:
-    trimmer, jobs, slack, stats, errors = _trimmer(10 * MiB)
+    trimmer, jobs, slack, stats = _trimmer(10 * MiB)
     slack.value = 100 * MiB
     trimmer.check()  # no CPU activation saved yet: the slack is not the engine's doing
     assert jobs.jobs == []
@@ -95,13 +92,13 @@ def test_trims_when_the_slack_has_grown_by_the_threshold_and_never_queues_two() 
     trimmer.check()  # ...so 10 MiB over its lowest is due
     assert len(jobs.jobs) == 1
     jobs.run_all()
-    assert stats.snapshot().heap_trims == 2 and errors == []
+    assert stats.snapshot().heap_trims == 2
 
 
 @glibc_only
 def test_the_engines_own_buffers_are_not_slack() -> None:
     own = [0]
-    trimmer, jobs, slack, _, _ = _trimmer(10 * MiB, own=lambda: own[0])
+    trimmer, jobs, slack, _ = _trimmer(10 * MiB, own=lambda: own[0])
     trimmer.saved()
     trimmer.check()
     slack.value, own[0] = 30 * MiB, 25 * MiB  # read buffers mapped: 5 MiB of slack
@@ -115,9 +112,7 @@ def test_the_engines_own_buffers_are_not_slack() -> None:
 @glibc_only
 def test_checks_are_spaced_by_the_interval() -> None:
     jobs, slack = _Jobs(), _Slack()
-    trimmer = HeapTrimmer(
-        MiB, StatsCounter(), lambda e: None, slack=slack, submit=jobs.submit, interval=3600.0
-    )
+    trimmer = HeapTrimmer(MiB, StatsCounter(), slack=slack, submit=jobs.submit, interval=3600.0)
     trimmer.saved()
     trimmer.check()  # sets the floor
     slack.value = 64 * MiB
@@ -126,7 +121,7 @@ def test_checks_are_spaced_by_the_interval() -> None:
 
 
 def test_none_never_trims() -> None:
-    trimmer, jobs, slack, stats, _ = _trimmer(None)
+    trimmer, jobs, slack, stats = _trimmer(None)
     assert not trimmer.enabled
     trimmer.saved()
     trimmer.check()
@@ -136,10 +131,10 @@ def test_none_never_trims() -> None:
 
 
 @glibc_only
-def test_a_failed_trim_reaches_the_report_and_the_next_is_allowed(
-    monkeypatch: pytest.MonkeyPatch,
+def test_a_failed_trim_turns_trimming_off_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    trimmer, jobs, slack, _, errors = _trimmer(MiB)
+    trimmer, jobs, slack, _ = _trimmer(MiB)
     trimmer.saved()
     trimmer.check()
     slack.value = 2 * MiB
@@ -149,19 +144,128 @@ def test_a_failed_trim_reaches_the_report_and_the_next_is_allowed(
         raise OSError("no")
 
     monkeypatch.setattr(heap, "_MALLOC_TRIM", broken)
-    jobs.run_all()
-    assert len(errors) == 1 and isinstance(errors[0], OffloadError)
-    assert "giving heap memory back failed" in str(errors[0])
+    with caplog.at_level("WARNING", logger="prefetch_offload"):
+        jobs.run_all()
+    assert not trimmer.enabled and _warnings(caplog) == 1
+    assert "giving heap memory back failed" in caplog.records[-1].getMessage()
     slack.value = 10 * MiB
-    trimmer.check()  # not stuck as "queued"
+    trimmer.check()  # off: the hooks go on without trims
+    assert jobs.jobs == [] and not trimmer._queued
+
+
+@glibc_only
+def test_no_measure_while_a_trim_is_queued_and_none_across_one() -> None:
+    calls = [0]
+    jobs, slack = _Jobs(), _Slack()
+
+    def counted() -> int:
+        calls[0] += 1
+        return slack()
+
+    trimmer = HeapTrimmer(MiB, StatsCounter(), slack=counted, submit=jobs.submit, interval=0.0)
+    trimmer.saved()
+    trimmer.check()
+    slack.value = 2 * MiB
+    trimmer.check()
+    assert len(jobs.jobs) == 1 and calls[0] == 2
+    trimmer.check()  # queued: glibc holds its arena locks while it trims; no measure
+    assert calls[0] == 2
+    slack.value = 0
+    jobs.run_all()  # the trim measures the level it leaves: 0
+    assert calls[0] == 3
+
+    # A hook that measured before a trim and decides after it must drop its measure.
+    slack.value = 5 * MiB
+    real_level = trimmer.level
+
+    def level_across_a_trim() -> int:
+        level = real_level()  # 5 MiB over the floor: due...
+        with trimmer._lock:
+            trimmer._generation += 1  # ...but a trim completes meanwhile
+        return level
+
+    trimmer.level = level_across_a_trim  # type: ignore[method-assign]
+    trimmer.check()
+    assert jobs.jobs == []
+    trimmer.level = real_level  # type: ignore[method-assign]
+    trimmer.check()  # measured afresh: due
     assert len(jobs.jobs) == 1
+
+
+@glibc_only
+def test_a_thread_that_cannot_start_turns_trimming_off(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    slack = _Slack()
+    trimmer = HeapTrimmer(MiB, StatsCounter(), slack=slack, interval=0.0)
+    trimmer.saved()
+    trimmer.check()
+    slack.value = 8 * MiB
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with caplog.at_level("WARNING", logger="prefetch_offload"):
+        trimmer.check()  # the hook does not fail
+    assert not trimmer.enabled and not trimmer._queued and _warnings(caplog) == 1
+    trimmer.close()
+
+
+@glibc_only
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_trim_thread_is_started_again() -> None:
+    stats = StatsCounter()
+    slack = _Slack()
+    trimmer = HeapTrimmer(MiB, stats, slack=slack, interval=0.0)
+    worker = trimmer._thread
+    assert worker is not None
+
+    def die() -> None:
+        raise SystemExit  # ends the thread quietly, as no trim job would
+
+    worker.submit(die)
+    first = worker._thread
+    assert first is not None
+    first.join(timeout=30)
+    assert not first.is_alive()
+    trimmer.saved()
+    trimmer.check()
+    slack.value = 8 * MiB
+    trimmer.check()  # queued on a dead thread, it would never run: a new one runs it
+    deadline = time.monotonic() + 30
+    while stats.snapshot().heap_trims == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert stats.snapshot().heap_trims == 1
+    assert worker._thread is not first
+    trimmer.close()
+
+
+@glibc_only
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_trimming_stops_in_the_child_of_a_fork() -> None:
+    slack = _Slack()
+    trimmer = HeapTrimmer(MiB, StatsCounter(), slack=slack, interval=0.0)
+    trimmer.saved()
+    heap.heap_slack_bytes()  # the parent's statm is open
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        ok = not trimmer.enabled and heap._STATM._pid == -1
+        ok = ok and heap.heap_slack_bytes() != 0 and heap._STATM._pid == os.getpid()
+        trimmer.check()
+        trimmer.close()  # must not wait on a thread or a lock copied from the parent
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert trimmer.enabled
+    trimmer.close()
 
 
 def _trimmer_with_its_thread() -> tuple[HeapTrimmer, threading.Thread]:
     """A trimmer on its own thread that has run one trim."""
     slack = _Slack()
     stats = StatsCounter()
-    trimmer = HeapTrimmer(MiB, stats, lambda e: None, slack=slack, interval=0.0)
+    trimmer = HeapTrimmer(MiB, stats, slack=slack, interval=0.0)
     trimmer.saved()
     trimmer.check()
     slack.value = 8 * MiB
@@ -315,15 +419,12 @@ def test_a_slack_that_cannot_be_measured_turns_trimming_off(
         raise OSError("no /proc")
 
     jobs = _Jobs()
-    trimmer = HeapTrimmer(
-        MiB, StatsCounter(), lambda e: None, slack=unreadable, submit=jobs.submit, interval=0.0
-    )
+    trimmer = HeapTrimmer(MiB, StatsCounter(), slack=unreadable, submit=jobs.submit, interval=0.0)
     trimmer.saved()
     with caplog.at_level("WARNING", logger="prefetch_offload"):
         trimmer.check()  # the hook goes on; trimming is off, said once
         trimmer.check()
-    assert not trimmer.enabled and jobs.jobs == []
-    assert len([r for r in caplog.records if "heap_trim_bytes ignored" in r.message]) == 1
+    assert not trimmer.enabled and jobs.jobs == [] and _warnings(caplog) == 1
 
 
 @glibc_only

@@ -18,8 +18,10 @@ STEPS = 300
 
 def _threads() -> int:
     """Live threads, less the heap trim thread, which starts at the first trim
-    (NOTE [heap trim]): once, whenever that comes, not one per step."""
-    return sum(1 for t in threading.enumerate() if t.name != "prefetch_offload-heap-trim")
+    (NOTE [heap trim]): once, whenever that comes, never a second one."""
+    names = [t.name for t in threading.enumerate()]
+    assert names.count("prefetch_offload-heap-trim") <= 1, names
+    return sum(1 for name in names if name != "prefetch_offload-heap-trim")
 
 
 def _rss() -> int:
