@@ -43,10 +43,11 @@
 #
 # Measured on that transformer (docs/tuning.md section 4: time and page faults
 # side by side, each configuration in its own process; memory from the step
-# benchmark's probes): no trims 1.21x the step time of no offload, ~3k page
-# faults per step, activation memory cut 40%; a slack bound of 128 MiB 1.55x,
-# ~97k faults, 73%; 96 MiB 1.61x, ~117k, 84%; 64 MiB (the default) 1.71x,
-# ~148k, 98%. Fixed schedules measured against it over ten steps (a 2 ms RSS
+# benchmark's probes): no trims 1.22x the step time of no offload, ~6k page
+# faults per step, activation memory cut 36%; a slack bound of 128 MiB 1.51x,
+# ~88k faults, 78%; 96 MiB 1.59x, ~112k, 88%; 64 MiB (the default) 1.65x,
+# ~136k, 102% (peak RSS 158 MiB above the RSS before training, against 411
+# without offload). Fixed schedules measured against it over ten steps (a 2 ms RSS
 # sampler), no better: one trim per step when forward begins, ~55k faults,
 # 1.34x, peak ~316 MiB above the RSS before training (the step re-touches the
 # whole heap before its peak in backward); one when backward begins, ~55k,
