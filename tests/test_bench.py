@@ -548,7 +548,8 @@ def test_ab_main_tiny(tmp_path: Path, cwd: Path) -> None:
     rows = {r["name"]: r for r in doc["rows"]}
     assert list(rows) == ["none", "small", "big"] and rows["none"]["ratio"] == 1.0
     assert all(r["faults_per_step"] >= 0 for r in rows.values())
-    assert rows["small"]["mb_per_step"] > 0  # small batches reach the disk
+    # Small batches reach the disk, or stay in the write tail when backward comes first.
+    assert rows["small"]["mb_per_step"] + rows["small"]["skipped_per_step"] > 0
     assert rows["big"]["mb_per_step"] == 0 and rows["big"]["skipped_per_step"] > 0
     assert all(r["steal_s"] >= 0 for r in rows.values())
     assert _empty(tmp_path / "s")
@@ -567,7 +568,10 @@ def test_ab_isolate_runs_each_configuration_in_its_own_process(tmp_path: Path, c
     doc = json.loads(out.read_text())
     assert doc["isolate"] and doc["check"]["ok"]
     rows = {r["name"]: r for r in doc["rows"]}
-    assert list(rows) == ["none", "small"] and rows["small"]["mb_per_step"] > 0
+    assert list(rows) == ["none", "small"]
+    # The engine in the child took tensors: written, or kept by the write tail (under
+    # load a tiny step's writes can all still be queued when backward starts).
+    assert rows["small"]["mb_per_step"] + rows["small"]["skipped_per_step"] > 0
     assert _empty(tmp_path / "s")
 
 

@@ -384,7 +384,7 @@ def test_engine_trims_when_slack_builds_up(tmp_path: Path, threshold: int | None
         libc.free(pin)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert p.grad is not None and torch.equal(p.grad, q.grad)
-    assert stats.bytes_offloaded > 0
+    assert stats.tensors_offloaded + stats.writes_skipped > 0  # written, or the write tail
     if threshold is None:
         assert stats.heap_trims == 0
     else:  # each step after slack was left began with a trim
