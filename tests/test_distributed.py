@@ -167,8 +167,8 @@ def test_fsdp2_example_runs_under_torchrun(tmp_path: Path) -> None:
     pytest.importorskip("torch.distributed.run", reason="needs torchrun")
     shared = tmp_path / "acts"
     # About 10 MiB saved per step: more than one 8 MiB write batch (chunk_bytes), so some
-    # tensors reach the disk; in a smaller step all of them stay in memory (the batch still
-    # open when backward starts is never written).
+    # tensors usually reach the disk; in a smaller step all of them stay in memory (the
+    # batch still open when backward starts is never written).
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "examples" / "fsdp2_train.py"), "--save-dir", str(shared),
@@ -178,7 +178,13 @@ def test_fsdp2_example_runs_under_torchrun(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = re.findall(r"rank (\d): offloaded (\d+) tensors", proc.stdout)
+    lines = re.findall(
+        r"rank (\d): offloaded \d+ tensors .*peak disk in use ([\d.]+) MiB", proc.stdout
+    )
     assert sorted(r for r, _ in lines) == ["0", "1"], proc.stdout
-    assert all(int(n) > 0 for _, n in lines), proc.stdout
+    # Each rank's engine took tensors for the disk: slab space is taken when a tensor is
+    # queued for writing. Whether a write landed is timing: on a loaded machine every batch
+    # can still be queued when backward starts, and the write tail drops them all
+    # (NOTE [write tail]: "offloaded 0 tensors", the tensors served from memory).
+    assert all(float(peak) > 0 for _, peak in lines), proc.stdout
     assert list(shared.iterdir()) == []

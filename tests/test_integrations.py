@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -62,9 +63,21 @@ def _train(tmp: Path, *, save_dir: Path | None, checkpointing: bool) -> tuple[li
         with offload_context(
             "disk", str(save_dir), min_offload_bytes=0, chunk_bytes=1 << 14
         ) as engine:
+            compute_loss = trainer.compute_loss
+
+            def flush_first_step(*args: Any, **kwargs: Any) -> Any:
+                out = compute_loss(*args, **kwargs)
+                if trainer.state.global_step == 0:
+                    # The first step's writes land before its backward (NOTE [write tail]
+                    # could drop them all on a loaded machine): reads are exercised. The
+                    # other steps overlap as they would in training.
+                    engine.flush()
+                return out
+
+            trainer.compute_loss = flush_first_step  # runs between forward and backward
             trainer.train()
         stats = engine.stats()
-        assert stats.tensors_offloaded > 0
+        assert stats.tensors_offloaded > 0 and stats.bytes_read > 0
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return losses, [p.detach().clone() for p in model.parameters()]
 
