@@ -26,6 +26,7 @@ import torch
 # Bytes malloc has handed out and not had back: live heap memory, without what glibc
 # keeps for reuse (None without glibc's mallinfo2).
 from prefetch_offload.heap import malloc_in_use_bytes as heap_in_use_bytes
+from prefetch_offload.heap import resident_bytes
 
 __all__ = [
     "MB",
@@ -57,23 +58,9 @@ _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 # -- resident memory ---------------------------------------------------------------------
 
 
-class _Statm:
-    """An open ``/proc/self/statm``, read with one ``pread`` per sample."""
-
-    def __init__(self) -> None:
-        self._fd = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
-
-    def rss_bytes(self) -> int:
-        """Resident set size: field 2 of statm, in pages, times the page size."""
-        return int(os.pread(self._fd, 256, 0).split()[1]) * _PAGE_SIZE
-
-
-_STATM = _Statm()
-
-
 def read_rss_bytes() -> int:
     """This process's resident memory in bytes (``/proc/self/statm`` field 2)."""
-    return _STATM.rss_bytes()
+    return resident_bytes()
 
 
 def round_order(items: Sequence[T], r: int) -> list[T]:

@@ -90,7 +90,13 @@ from typing import Any
 
 from .stats import StatsCounter
 
-__all__ = ["HeapTrimmer", "heap_slack_bytes", "heap_trim_supported", "malloc_in_use_bytes"]
+__all__ = [
+    "HeapTrimmer",
+    "heap_slack_bytes",
+    "heap_trim_supported",
+    "malloc_in_use_bytes",
+    "resident_bytes",
+]
 
 logger = logging.getLogger("prefetch_offload")
 
@@ -147,24 +153,25 @@ def heap_trim_supported() -> bool:
 
 
 class _Statm:
-    """``/proc/self/statm``, kept open (one ``pread`` per read) and reopened after a fork."""
+    """``/proc/self/statm``, kept open (one ``pread`` per read); a fork's child reopens
+    it (the open file names the parent: "self" was resolved when it was opened)."""
 
     def __init__(self) -> None:
         self._fd = -1
-        self._pid = -1
         self._lock = threading.Lock()
 
-    def anon_resident_bytes(self) -> int:
-        """Anonymous resident memory: resident minus shared (file and shmem) pages."""
-        pid = os.getpid()
+    def pages(self) -> tuple[int, int]:
+        """(resident, shared) pages: shared ones are file-backed or shmem."""
         with self._lock:
-            if self._pid != pid:  # "self" was resolved when the file was opened
-                if self._fd >= 0 and self._pid >= 0:
-                    os.close(self._fd)
+            if self._fd < 0:
                 self._fd = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
-                self._pid = pid
             fields = os.pread(self._fd, 256, 0).split()
-        return (int(fields[1]) - int(fields[2])) * _PAGE
+        return int(fields[1]), int(fields[2])
+
+    def anon_resident_bytes(self) -> int:
+        """Anonymous resident memory: resident minus shared pages."""
+        resident, shared = self.pages()
+        return (resident - shared) * _PAGE
 
     def after_fork_in_child(self) -> None:
         """A child of fork: the lock may have been copied held; reopen on next read."""
@@ -172,10 +179,15 @@ class _Statm:
         if self._fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
-        self._fd, self._pid = -1, -1
+        self._fd = -1
 
 
 _STATM = _Statm()
+
+
+def resident_bytes() -> int:
+    """This process's resident memory in bytes (``/proc/self/statm``; Linux)."""
+    return _STATM.pages()[0] * _PAGE
 
 
 def malloc_in_use_bytes() -> int | None:
