@@ -11,6 +11,11 @@ on writes until the byte cap is hit).
 # pops it, or a hook thread that needs the result now and would rather do the
 # read itself than wait behind a queue of prefetches. ``IOFuture.claim`` is that
 # atomic PENDING -> RUNNING step; the loser of the race just waits on the result.
+# A job a hook thread claimed is still in the pool's queue until a worker pops
+# and skips it, which can be long after the hook used the result (every worker
+# busy with reads). So the job's one consumer takes the result with
+# ``IOFuture.take``, which leaves the future without it: a read's buffer is
+# held by the tensor autograd uses, never by a queued future.
 """
 
 from __future__ import annotations
@@ -106,6 +111,17 @@ class IOFuture(Generic[T]):
         if self._exc is not None:
             raise self._exc
         return self._result  # type: ignore[return-value]
+
+    def take(self) -> T:
+        """``result()`` for the job's one consumer: the future lets go of the value
+        (NOTE [claiming jobs]); a later ``take()`` or ``result()`` raises RuntimeError."""
+        self.wait()
+        with self._cond:
+            if self._exc is not None:
+                raise self._exc
+            result, self._result = self._result, None
+            self._exc = RuntimeError("IOFuture: its result was already taken (take())")
+        return result  # type: ignore[return-value]
 
     def exception(self) -> BaseException | None:
         """Wait for the job and return its exception, or None."""

@@ -190,7 +190,7 @@ class ReadPath:
 
     def _read_result(self, rec: Record, fut: IOFuture[Fetched]) -> Fetched:
         try:
-            return fut.result()
+            return fut.take()  # NOTE [claiming jobs]: no queued future keeps the buffer
         except OSError as exc:
             raise OffloadIOError(
                 f"prefetch_offload: reading {rec.describe()} back from {self.config.save_dir!r} "

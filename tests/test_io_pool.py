@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import traceback
+import weakref
 
 import pytest
 
@@ -90,6 +92,43 @@ def test_a_claimed_job_is_skipped_by_workers() -> None:
     gate.set()
     pool.shutdown()
     assert ran_in == [threading.current_thread().name]
+
+
+def test_a_taken_result_is_not_kept_by_the_queue() -> None:
+    # A job a hook thread claimed stays queued until a worker pops it; the
+    # worker here is busy, so only take() lets the result go (a read buffer).
+    pool = ThreadIOPool(1)
+    gate, busy = threading.Event(), threading.Event()
+    pool.submit(lambda: (busy.set(), gate.wait()), WRITE)
+    assert busy.wait(10)
+
+    class Buffer:
+        pass
+
+    fut = pool.submit(Buffer, READ)
+    assert fut.claim()
+    fut.run()
+    buf = fut.take()
+    alive = weakref.ref(buf)
+    del buf, fut
+    gc.collect()
+    try:
+        assert alive() is None
+    finally:
+        gate.set()
+        pool.shutdown()
+
+
+def test_take_is_for_one_consumer() -> None:
+    fut = InlineIOPool().submit(lambda: 7, READ)
+    assert fut.take() == 7
+    with pytest.raises(RuntimeError, match="already taken"):
+        fut.take()
+    with pytest.raises(RuntimeError, match="already taken"):
+        fut.result()
+    failing = InlineIOPool().submit(lambda: 1 / 0, READ)
+    with pytest.raises(ZeroDivisionError):
+        failing.take()
 
 
 def test_shutdown_finishes_queued_jobs_and_stops_threads() -> None:
