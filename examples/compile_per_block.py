@@ -94,7 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"gradients bit-identical at every step: {same}")
     if stats.tensors_offloaded == 0:
-        print("nothing reached the disk: the step is smaller than one write batch", file=sys.stderr)
+        why = (
+            f"backward began before any write landed ({stats.writes_skipped} kept in memory "
+            "by the write tail): the step is small against one write batch, or the disk "
+            "slow against its forward"
+            if stats.writes_skipped
+            else "the step saved nothing the engine offloads"
+        )
+        print(f"nothing reached the disk: {why}", file=sys.stderr)
         return 1
     return 0 if same else 1
 
