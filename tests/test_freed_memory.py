@@ -1,0 +1,181 @@
+"""Memory the engine gives back is poisoned the moment it is given back.
+
+Every read buffer returned to the read pool, every run returned to a pinned (or,
+on the CPU twin, mapped) arena, and every slab extent freed is overwritten with
+0xFF bytes (NaN in a float) before anything can reuse it, while each IO job
+starts after a random delay (seeded). A record or tensor that still used memory
+the engine had given back would then change a gradient: the silent bug of
+buffers reused while still referenced, made loud. Each workload's gradients
+must be bit-identical to the same workload without hooks, at every step.
+"""
+
+from __future__ import annotations
+
+import copy
+import mmap
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from engine_helpers import engine_with_hooks, grads_of, tiny_model, twin_with_hooks
+from torch.utils.checkpoint import checkpoint
+
+from prefetch_offload import arena, buffers, slab
+from prefetch_offload.freelist import FreeRuns
+from prefetch_offload.io_pool import IOFuture
+from prefetch_offload.testing import TinyTransformer, make_batch
+
+POISON = 0xFF
+
+
+class Poisoned:
+    """Counts of what the fixture overwrote (a test that poisoned nothing proves nothing)."""
+
+    def __init__(self) -> None:
+        self.buffers = 0
+        self.arena_runs = 0
+        self.extents = 0
+
+
+def _fill(buffer: Any, lo: int, hi: int) -> None:
+    np.frombuffer(buffer, dtype=np.uint8)[lo:hi] = POISON
+
+
+@pytest.fixture
+def poisoned(monkeypatch: pytest.MonkeyPatch) -> Iterator[Poisoned]:
+    seen = Poisoned()
+    give_back = buffers.HostBufferPool._give_back
+
+    def poison_block(self: buffers.HostBufferPool, block: buffers.Block) -> None:
+        _fill(block.buffer, 0, block.size)
+        seen.buffers += 1
+        give_back(self, block)
+
+    def poison_run(self: arena._Arena, offset: int, length: int) -> None:
+        _fill(self.block.buffer, offset, offset + length)
+        seen.arena_runs += 1
+        FreeRuns.give(self, offset, length)
+
+    def poison_extent(self: slab._Slab, offset: int, length: int) -> None:
+        if self.mm is not None:
+            _fill(self.mm, offset, offset + length)
+        else:
+            junk = mmap.mmap(-1, length)  # page-aligned: fine for O_DIRECT files too
+            junk.write(bytes([POISON]) * length)
+            try:
+                assert os.pwrite(self.fd, junk, offset) == length
+            finally:
+                junk.close()
+        seen.extents += 1
+        FreeRuns.give(self, offset, length)
+
+    rng = random.Random(1234)
+    run = IOFuture.run
+
+    def late_run(self: IOFuture[Any]) -> None:
+        time.sleep(rng.random() * 0.002)  # shuffles which job, and which thread, is first
+        run(self)
+
+    monkeypatch.setattr(buffers.HostBufferPool, "_give_back", poison_block)
+    monkeypatch.setattr(arena._Arena, "give", poison_run)
+    monkeypatch.setattr(slab._Slab, "give", poison_extent)
+    monkeypatch.setattr(IOFuture, "run", late_run)
+    yield seen
+
+
+def _train(model: TinyTransformer, steps: int, flush: Callable[[], None] | None) -> list[Any]:
+    """``steps`` SGD steps on fixed batches; every step's gradients. ``flush`` runs
+    before every other backward, so that reads happen whatever the IO timing."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = []
+    for step in range(steps):
+        tokens, targets = make_batch(4, 32, vocab=64, seed=step)
+        loss = model(tokens, targets)
+        if flush is not None and step % 2:
+            flush()
+        loss.backward()
+        out.append(grads_of(model))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+def _same(a: list[Any], b: list[Any]) -> None:
+    assert len(a) == len(b) and a
+    for ga, gb in zip(a, b, strict=True):
+        assert len(ga) == len(gb) and ga
+        for x, y in zip(ga, gb, strict=True):
+            assert torch.equal(x, y), (x - y).abs().max()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"prefetch_depth": 0},
+        {"prefetch_depth": 8, "io_workers": 3},
+        {"chunk_bytes": 4096},  # many small write batches, each its own job
+        {"device_budget": 200_000},  # some records stay, the oldest go to disk
+        {"io_method": "mmap"},
+        {"io_method": "buffered", "prefetch_bytes": 1 << 16},
+    ],
+    ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()),
+)
+def test_training_steps_with_freed_memory_poisoned(
+    save_dir: Path, poisoned: Poisoned, kw: dict[str, Any]
+) -> None:
+    model = tiny_model()
+    ref = _train(copy.deepcopy(model), 3, None)
+    with engine_with_hooks(save_dir, **kw) as engine:
+        got = _train(model, 3, engine.flush)
+        stats = engine.stats()
+    _same(got, ref)
+    assert stats.bytes_read > 0, stats
+    assert poisoned.buffers > 0 and poisoned.extents > 0
+
+
+def test_backward_twice_and_checkpoint_with_freed_memory_poisoned(
+    save_dir: Path, poisoned: Poisoned
+) -> None:
+    model = tiny_model()
+    tokens, targets = make_batch(4, 32, vocab=64)
+
+    def step(m: TinyTransformer, flush: Callable[[], None] = lambda: None) -> None:
+        x = m.embed(tokens)
+        for block in m.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        logits = m.head(m.norm(x))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        flush()
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    ref = copy.deepcopy(model)
+    step(ref)
+    with engine_with_hooks(save_dir) as engine:
+        step(model, engine.flush)
+        stats = engine.stats()
+    _same([grads_of(model)], [grads_of(ref)])
+    assert stats.bytes_read > 0 and poisoned.buffers > 0 and poisoned.extents > 0
+
+
+@pytest.mark.parametrize("target", ["cpu", "disk"])
+def test_twin_copies_with_freed_memory_poisoned(
+    save_dir: Path, poisoned: Poisoned, target: str
+) -> None:
+    """The CPU twin of the CUDA path: host copies in arena runs, late side-stream copies."""
+    model = tiny_model()
+    ref = _train(copy.deepcopy(model), 3, None)
+    with twin_with_hooks(target, save_dir, delay=0.001) as (engine, _):
+        got = _train(model, 3, engine.flush)
+        stats = engine.stats()
+    _same(got, ref)
+    assert stats.tensors_offloaded > 0
+    assert poisoned.arena_runs > 0
+    if target == "disk":
+        assert poisoned.extents > 0
