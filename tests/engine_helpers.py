@@ -1,22 +1,28 @@
 """Helpers the tests share: a tiny model, exact gradient comparison, engines (on the
-disk, or over the CPU twin of the CUDA path), and a small real filesystem."""
+disk, or over the CPU twin of the CUDA path), a small real filesystem, and freed memory
+poisoned on purpose."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import mmap
+import os
+import random
 import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from prefetch_offload import OffloadConfig, OffloadEngine
+from prefetch_offload import OffloadConfig, OffloadEngine, arena, buffers, slab
 from prefetch_offload.device import RoutingDevice, SpanCopyDevice
-from prefetch_offload.io_pool import InlineIOPool
+from prefetch_offload.freelist import FreeRuns
+from prefetch_offload.io_pool import InlineIOPool, IOFuture
 from prefetch_offload.testing import TinyTransformer
 
 Grads = list[torch.Tensor]
@@ -124,3 +130,65 @@ def mounted_tmpfs(where: Path, size: str, *, read_only: bool = False) -> Iterato
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=20)
+
+
+POISON = 0xFF
+
+
+class Poisoned:
+    """Counts of what was overwritten (a test that poisoned nothing proves nothing)."""
+
+    def __init__(self) -> None:
+        self.buffers = 0
+        self.arena_runs = 0
+        self.extents = 0
+
+
+def _fill(buffer: Any, lo: int, hi: int) -> None:
+    np.frombuffer(buffer, dtype=np.uint8)[lo:hi] = POISON
+
+
+def poison_freed_memory(monkeypatch: pytest.MonkeyPatch, *, jitter_s: float = 0.002) -> Poisoned:
+    """From now on (until ``monkeypatch`` undoes it), every read buffer returned to a
+    read pool, every run returned to an arena and every slab extent freed is
+    overwritten with 0xFF bytes (NaN in a float) before anything can reuse it, and
+    each IO job starts after a random delay of up to ``jitter_s`` (seeded), which
+    shuffles which job, and which thread, goes first."""
+    seen = Poisoned()
+    give_back = buffers.HostBufferPool._give_back
+
+    def poison_block(self: buffers.HostBufferPool, block: buffers.Block) -> None:
+        _fill(block.buffer, 0, block.size)
+        seen.buffers += 1
+        give_back(self, block)
+
+    def poison_run(self: arena._Arena, offset: int, length: int) -> None:
+        _fill(self.block.buffer, offset, offset + length)
+        seen.arena_runs += 1
+        FreeRuns.give(self, offset, length)
+
+    def poison_extent(self: slab._Slab, offset: int, length: int) -> None:
+        if self.mm is not None:
+            _fill(self.mm, offset, offset + length)
+        else:
+            junk = mmap.mmap(-1, length)  # page-aligned: fine for O_DIRECT files too
+            junk.write(bytes([POISON]) * length)
+            try:
+                assert os.pwrite(self.fd, junk, offset) == length
+            finally:
+                junk.close()
+        seen.extents += 1
+        FreeRuns.give(self, offset, length)
+
+    rng = random.Random(1234)
+    run = IOFuture.run
+
+    def late_run(self: IOFuture[Any]) -> None:
+        time.sleep(rng.random() * jitter_s)
+        run(self)
+
+    monkeypatch.setattr(buffers.HostBufferPool, "_give_back", poison_block)
+    monkeypatch.setattr(arena._Arena, "give", poison_run)
+    monkeypatch.setattr(slab._Slab, "give", poison_extent)
+    monkeypatch.setattr(IOFuture, "run", late_run)
+    return seen

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_helpers import poison_freed_memory
 from torch.utils.checkpoint import checkpoint
 
 from prefetch_offload import OffloadConfig, OffloadEngine, offload_context
@@ -124,6 +125,29 @@ def _sleepy_step(x: torch.Tensor) -> torch.Tensor:
         del y, scratch
     torch.cuda._sleep(20_000_000)
     return loss
+
+
+@pytest.mark.parametrize("target", ["cpu", "disk"])
+def test_cuda_freed_host_memory_poisoned(
+    save_dir: Path, target: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pinned runs, read buffers and slab extents are overwritten the moment the engine
+    gives them back (tests/test_freed_memory.py), while queued GPU work makes every copy
+    run late: a copy still reading host memory the engine gave back corrupts a gradient."""
+    seen = poison_freed_memory(monkeypatch)
+    x = torch.randn(1 << 22, device="cuda", requires_grad=True)
+    _sleepy_step(x).backward()
+    expected = x.grad
+    with offload_context(target, min_offload_bytes=0, **_kw(target, save_dir)) as engine:
+        for step in range(3):
+            x.grad = None
+            loss = _sleepy_step(x)
+            if step == 1:
+                engine.flush()  # disk: this step reads everything back
+            loss.backward()
+            assert torch.equal(x.grad, expected), f"step {step}"
+    assert engine.stats().tensors_offloaded > 0
+    assert seen.arena_runs > 0
 
 
 @pytest.mark.parametrize("target", ["cpu", "disk"])

@@ -12,81 +12,28 @@ must be bit-identical to the same workload without hooks, at every step.
 from __future__ import annotations
 
 import copy
-import mmap
-import os
-import random
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-from engine_helpers import engine_with_hooks, grads_of, tiny_model, twin_with_hooks
+from engine_helpers import (
+    Poisoned,
+    engine_with_hooks,
+    grads_of,
+    poison_freed_memory,
+    tiny_model,
+    twin_with_hooks,
+)
 from torch.utils.checkpoint import checkpoint
 
-from prefetch_offload import arena, buffers, slab
-from prefetch_offload.freelist import FreeRuns
-from prefetch_offload.io_pool import IOFuture
 from prefetch_offload.testing import TinyTransformer, make_batch
-
-POISON = 0xFF
-
-
-class Poisoned:
-    """Counts of what the fixture overwrote (a test that poisoned nothing proves nothing)."""
-
-    def __init__(self) -> None:
-        self.buffers = 0
-        self.arena_runs = 0
-        self.extents = 0
-
-
-def _fill(buffer: Any, lo: int, hi: int) -> None:
-    np.frombuffer(buffer, dtype=np.uint8)[lo:hi] = POISON
 
 
 @pytest.fixture
-def poisoned(monkeypatch: pytest.MonkeyPatch) -> Iterator[Poisoned]:
-    seen = Poisoned()
-    give_back = buffers.HostBufferPool._give_back
-
-    def poison_block(self: buffers.HostBufferPool, block: buffers.Block) -> None:
-        _fill(block.buffer, 0, block.size)
-        seen.buffers += 1
-        give_back(self, block)
-
-    def poison_run(self: arena._Arena, offset: int, length: int) -> None:
-        _fill(self.block.buffer, offset, offset + length)
-        seen.arena_runs += 1
-        FreeRuns.give(self, offset, length)
-
-    def poison_extent(self: slab._Slab, offset: int, length: int) -> None:
-        if self.mm is not None:
-            _fill(self.mm, offset, offset + length)
-        else:
-            junk = mmap.mmap(-1, length)  # page-aligned: fine for O_DIRECT files too
-            junk.write(bytes([POISON]) * length)
-            try:
-                assert os.pwrite(self.fd, junk, offset) == length
-            finally:
-                junk.close()
-        seen.extents += 1
-        FreeRuns.give(self, offset, length)
-
-    rng = random.Random(1234)
-    run = IOFuture.run
-
-    def late_run(self: IOFuture[Any]) -> None:
-        time.sleep(rng.random() * 0.002)  # shuffles which job, and which thread, is first
-        run(self)
-
-    monkeypatch.setattr(buffers.HostBufferPool, "_give_back", poison_block)
-    monkeypatch.setattr(arena._Arena, "give", poison_run)
-    monkeypatch.setattr(slab._Slab, "give", poison_extent)
-    monkeypatch.setattr(IOFuture, "run", late_run)
-    yield seen
+def poisoned(monkeypatch: pytest.MonkeyPatch) -> Poisoned:
+    return poison_freed_memory(monkeypatch)
 
 
 def _train(model: TinyTransformer, steps: int, flush: Callable[[], None] | None) -> list[Any]:
