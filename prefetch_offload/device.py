@@ -90,8 +90,17 @@ class DeviceLayer:
         """Whether ``device``'s memory is host memory (no copies at all)."""
         raise NotImplementedError
 
-    def to_host(self, storage: torch.UntypedStorage, base: int, nbytes: int) -> Placed:
-        """The span's bytes in host memory, as the current stream leaves them now."""
+    def mark(self, storage: torch.UntypedStorage) -> Fence | None:
+        """A fence for the work queued so far on the current stream of ``storage``'s
+        device, for a later :meth:`to_host` (NOTE [copy streams]); None where that
+        work is already done."""
+        return None
+
+    def to_host(
+        self, storage: torch.UntypedStorage, base: int, nbytes: int, after: Fence | None = None
+    ) -> Placed:
+        """The span's bytes in host memory, as the work before ``after`` (a
+        :meth:`mark`) leaves them, or else as the current stream leaves them now."""
         raise NotImplementedError
 
     def to_device(
@@ -152,7 +161,9 @@ class HostDevice(DeviceLayer):
     def identity(self, device: torch.device) -> bool:
         return True
 
-    def to_host(self, storage: torch.UntypedStorage, base: int, nbytes: int) -> Placed:
+    def to_host(
+        self, storage: torch.UntypedStorage, base: int, nbytes: int, after: Fence | None = None
+    ) -> Placed:
         return storage, base, None
 
     def to_device(
@@ -217,10 +228,16 @@ class SpanCopyDevice(DeviceLayer):
     def identity(self, device: torch.device) -> bool:
         return False
 
-    def to_host(self, storage: torch.UntypedStorage, base: int, nbytes: int) -> Placed:
+    def mark(self, storage: torch.UntypedStorage) -> Fence | None:
+        return self.streams(storage.device).mark()
+
+    def to_host(
+        self, storage: torch.UntypedStorage, base: int, nbytes: int, after: Fence | None = None
+    ) -> Placed:
         host, region = self.pool.lease(nbytes)
         region.release()
-        fence = self.streams(storage.device).d2h(host[:nbytes], _bytes(storage, base, nbytes))
+        src = _bytes(storage, base, nbytes)
+        fence = self.streams(storage.device).d2h(host[:nbytes], src, after)
         return host.untyped_storage(), 0, fence
 
     def to_device(
@@ -297,8 +314,13 @@ class RoutingDevice(DeviceLayer):
     def identity(self, device: torch.device) -> bool:
         return self._by_type[device.type].identity(device)
 
-    def to_host(self, storage: torch.UntypedStorage, base: int, nbytes: int) -> Placed:
-        return self._by_type[storage.device.type].to_host(storage, base, nbytes)
+    def mark(self, storage: torch.UntypedStorage) -> Fence | None:
+        return self._by_type[storage.device.type].mark(storage)
+
+    def to_host(
+        self, storage: torch.UntypedStorage, base: int, nbytes: int, after: Fence | None = None
+    ) -> Placed:
+        return self._by_type[storage.device.type].to_host(storage, base, nbytes, after)
 
     def to_device(
         self,

@@ -357,7 +357,8 @@ class OffloadEngine:
                 version,
             )
             if not identity:  # NOTE [tiers]: resident on its device until demoted
-                rec.held = here
+                # NOTE [copy streams]: what the copy to the host, now or later, waits for.
+                rec.held = (storage, start, self._device.mark(storage))
                 rec.restored = (weakref.ref(storage), start, None)
             self._seq += 1
             rec.align = (key + start) % 512
@@ -423,7 +424,7 @@ class OffloadEngine:
                 with self._lock:
                     self._policy.keep(rec, DEVICE)
                 return
-        host, base, fence = self._device.to_host(held[0], held[1], nbytes)
+        host, base, fence = self._device.to_host(held[0], held[1], nbytes, held[2])
         pad = (host.data_ptr() + base) % 4096
         if pad != rec.span.pad:  # a host block that is not page-aligned
             rec.span = Span(nbytes, pad)

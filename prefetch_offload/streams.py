@@ -16,9 +16,14 @@ each copy with a :class:`Fence` that says when it has finished.
 
 # NOTE [copy streams]
 # Ordering. A device-to-host copy must see the tensor as the compute stream
-# left it when the pack hook ran: the D2H stream waits on the compute stream
-# (``wait_stream``) before each copy. The current stream is read at every
-# call, never cached, because FSDP and checkpoint recompute switch streams.
+# left it when the pack hook ran. The pack hook records an event on the
+# current stream (``mark``) and the D2H stream waits on it before the copy:
+# a record a budget keeps on the device is copied at a later pack, or at the
+# next forward, when the current stream may be another one (FSDP and
+# checkpoint recompute switch streams), and an event also lets the copy start
+# as soon as the tensor is made rather than after everything queued since. A
+# copy with no mark waits on the current stream (``wait_stream``), read at
+# every call, never cached.
 # A host-to-device copy may depend on a D2H copy that is still running (a
 # record whose host copy is not finished yet is unpacked, or prefetched): the
 # H2D stream waits on that copy's event. The compute stream waits on an H2D
@@ -221,8 +226,15 @@ class CopyStreams:
         #: The most D2H bytes that were in flight at once (never above the cap).
         self.peak_inflight_bytes = 0
 
-    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
-        """Copy device bytes ``src`` into host bytes ``dst`` after the compute stream's work.
+    def mark(self) -> Fence | None:
+        """A fence for the work the current stream has queued so far (NOTE [copy
+        streams]): pass it to a later :meth:`d2h`. None where that work is done
+        already (the CPU twin: the hook thread is its compute stream)."""
+        return None
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Fence | None = None) -> Fence:
+        """Copy device bytes ``src`` into host bytes ``dst`` once ``after`` (a
+        :meth:`mark`) is done, or else after the current stream's work so far.
 
         Copies larger than a chunk are issued chunk by chunk, each waiting only for
         room under the cap (NOTE [copy chunks]). Both tensors stay alive until the
@@ -233,10 +245,10 @@ class CopyStreams:
         fences = []
         for lo in range(0, n, self._chunk) if n else [0]:
             hi = min(n, lo + self._chunk)
-            fences.append(self._d2h_chunk(dst[lo:hi], src[lo:hi]))
+            fences.append(self._d2h_chunk(dst[lo:hi], src[lo:hi], after))
         return fences[0] if len(fences) == 1 else self._joined(fences)
 
-    def _d2h_chunk(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
+    def _d2h_chunk(self, dst: torch.Tensor, src: torch.Tensor, after: Fence | None) -> Fence:
         n = src.numel()
         inflight, cap = self._d2h_inflight, self.max_inflight_bytes
         if inflight.bytes and inflight.bytes + n > cap:
@@ -244,7 +256,7 @@ class CopyStreams:
             while inflight.bytes and inflight.bytes + n > cap:
                 inflight.wait_oldest()
             self.throttle_seconds += time.perf_counter() - start
-        fence = self._d2h(dst, src)
+        fence = self._d2h(dst, src, after)
         inflight.add(fence, n, dst, src)
         self.peak_inflight_bytes = max(self.peak_inflight_bytes, inflight.bytes)
         return fence
@@ -285,7 +297,7 @@ class CopyStreams:
         """Wait for every copy; the streams stay usable (a graph may outlive its context)."""
         self.synchronize()
 
-    def _d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
+    def _d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Fence | None) -> Fence:
         raise NotImplementedError
 
     def _h2d(self, src: torch.Tensor, after: Fence | None, pad: int) -> tuple[torch.Tensor, Fence]:
@@ -306,9 +318,15 @@ class CudaStreams(CopyStreams):
     # IO threads call these too: every CUDA call runs with the device named, or
     # CUDA would make a context on device 0 for that thread.
 
-    def d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
+    def mark(self) -> Fence | None:
         with torch.cuda.device(self.device):
-            return super().d2h(dst, src)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        return _CudaFence(event, self.device)
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Fence | None = None) -> Fence:
+        with torch.cuda.device(self.device):
+            return super().d2h(dst, src, after)
 
     def h2d(
         self, src: torch.Tensor, after: Fence | None, pad: int = 0
@@ -325,9 +343,13 @@ class CudaStreams(CopyStreams):
         # it stays a CUDA event, which an H2D copy can wait on without the host.
         return fences[-1]
 
-    def _d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
+    def _d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Fence | None) -> Fence:
         side = self._d2h_stream
-        side.wait_stream(torch.cuda.current_stream(self.device))  # read at every call
+        if after is None:
+            side.wait_stream(torch.cuda.current_stream(self.device))  # read at every call
+        elif not after.done():
+            assert isinstance(after, _CudaFence)
+            side.wait_event(after.event)  # the stream that made the tensor (NOTE [copy streams])
         with torch.cuda.stream(side):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event(blocking=True)  # host waits sleep, not spin
@@ -451,9 +473,9 @@ class ThreadStreams(CopyStreams):
         for worker in (self._d2h_worker, self._h2d_worker):
             weakref.finalize(self, worker.close, wait=False)
 
-    def _d2h(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
+    def _d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Fence | None) -> Fence:
         fence = _ThreadFence()
-        self._d2h_worker.put(_copy_job(weakref.ref(dst), weakref.ref(src), fence, None))
+        self._d2h_worker.put(_copy_job(weakref.ref(dst), weakref.ref(src), fence, after))
         return fence
 
     def _h2d(self, src: torch.Tensor, after: Fence | None, pad: int) -> tuple[torch.Tensor, Fence]:

@@ -151,6 +151,34 @@ def test_cuda_freed_host_memory_poisoned(
 
 
 @pytest.mark.parametrize("target", ["cpu", "disk"])
+def test_cuda_budget_copy_waits_for_the_stream_that_made_the_tensor(
+    save_dir: Path, target: str
+) -> None:
+    """NOTE [copy streams]: a record a device_budget keeps on the GPU is copied at a later
+    pack, here made on another stream than the one the copy is issued from. The copy
+    must wait for the stream that made the tensor, not for the current one."""
+    x = torch.randn(1 << 22, device="cuda", requires_grad=True)  # 16 MiB per saved tensor
+    other = torch.cuda.Stream()
+
+    def step() -> torch.Tensor:
+        other.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(other):
+            torch.cuda._sleep(100_000_000)  # x * 2 is made late, on the other stream
+            a = (x * 2).sin()  # saves x * 2: kept on the GPU, within the budget
+        b = (x * 3).sin()  # saves x * 3 here: over budget, x * 2's record is copied now
+        torch.cuda.current_stream().wait_stream(other)
+        return a.sum() + b.sum()
+
+    step().backward()
+    expected, x.grad = x.grad, None
+    kw = _kw(target, save_dir)
+    with offload_context(target, device_budget=16 << 20, min_offload_bytes=0, **kw) as engine:
+        step().backward()
+    assert torch.equal(x.grad, expected)
+    assert engine.stats().bytes_demoted_to_host + engine.stats().bytes_demoted_to_disk > 0
+
+
+@pytest.mark.parametrize("target", ["cpu", "disk"])
 @pytest.mark.parametrize("depth", [0, 4])
 def test_cuda_race_with_queued_gpu_work(save_dir: Path, target: str, depth: int) -> None:
     """Long GPU work queued around each copy: a too-early free or reuse corrupts values."""

@@ -26,6 +26,7 @@ from engine_helpers import twin_with_hooks
 from prefetch_offload import OffloadConfig, OffloadEngine, OffloadError, OffloadFallbackWarning
 from prefetch_offload.device import RoutingDevice, SpanCopyDevice, direct_io_roundtrip
 from prefetch_offload.slab import direct_io_supported
+from prefetch_offload.streams import ThreadStreams, _ThreadFence
 from prefetch_offload.testing import TinyTransformer, make_batch
 
 
@@ -82,6 +83,36 @@ def test_twin_race_freed_and_reused_memory(save_dir: Path, target: str) -> None:
         step().backward()
     assert torch.equal(x.grad, expected)
     assert layer.pool.pin_calls > 0
+
+
+def test_twin_copy_made_at_a_later_pack_waits_for_the_mark_of_its_own(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [copy streams]: a record a budget keeps on its device is copied when a later
+    pack puts the tier over budget; that copy must wait for the work before its own pack
+    (a CUDA event on the stream current then), not for whatever stream is current now."""
+    marks: list[_ThreadFence] = []
+
+    def mark(self: ThreadStreams) -> _ThreadFence:
+        marks.append(_ThreadFence())  # set by hand below: "the producing work is done"
+        return marks[-1]
+
+    monkeypatch.setattr(ThreadStreams, "mark", mark)
+    x = torch.randn(4096, requires_grad=True)
+    ((x * 2).sin() * 3).sin().sum().backward()
+    expected, x.grad = x.grad, None
+    with twin_with_hooks("cpu", save_dir, device_budget=4096 * 4) as (engine, _):
+        a = (x * 2).sin()  # sin saves x * 2: one record of 16 KiB, within the budget
+        loss = (a * 3).sin().sum()  # saves a * 3: over budget, the first record is copied
+        assert len(marks) == 2 and engine.stats().bytes_demoted_to_host == 4096 * 4
+        fence = engine._copying[0][0]
+        time.sleep(0.05)
+        assert not fence.done()  # the copy waits for the first record's own mark
+        marks[0].set()
+        fence.wait()
+        marks[1].set()
+        loss.backward()
+    assert torch.equal(x.grad, expected)
 
 
 def test_twin_inplace_change_before_the_copy_ran_is_caught(save_dir: Path) -> None:
@@ -358,8 +389,10 @@ def test_twin_host_block_off_the_page_start_is_reserved_again(
     the copy) gets its slab space reserved again for the real alignment: exact."""
     real = SpanCopyDevice.to_host
 
-    def shifted(self: SpanCopyDevice, storage: Any, base: int, nbytes: int) -> Any:
-        host, hbase, fence = real(self, storage, base, nbytes + 512)  # room for the shift
+    def shifted(
+        self: SpanCopyDevice, storage: Any, base: int, nbytes: int, after: Any = None
+    ) -> Any:
+        host, hbase, fence = real(self, storage, base, nbytes + 512, after)  # room for the shift
         assert hbase == 0 and fence is not None
         fence.wait()  # the twin's copy landed at 0: move it to 512
         raw = torch.empty(0, dtype=torch.uint8).set_(host)

@@ -91,9 +91,9 @@ def _recording_d2h(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     seen: list[tuple[int, int]] = []
     real = ThreadStreams._d2h
 
-    def recording(self: ThreadStreams, dst: torch.Tensor, src: torch.Tensor) -> Any:
+    def recording(self: ThreadStreams, dst: torch.Tensor, src: torch.Tensor, after: Any) -> Any:
         seen.append((self._d2h_inflight.bytes, src.numel()))
-        return real(self, dst, src)
+        return real(self, dst, src, after)
 
     monkeypatch.setattr(ThreadStreams, "_d2h", recording)
     return seen
@@ -145,12 +145,12 @@ def test_a_failed_chunk_fails_the_whole_copy(monkeypatch: pytest.MonkeyPatch) ->
     calls = []
     short: list[torch.Tensor] = []  # the twin holds copy tensors weakly: keep it alive
 
-    def second_fails(self: ThreadStreams, dst: torch.Tensor, src: torch.Tensor) -> Any:
+    def second_fails(self: ThreadStreams, dst: torch.Tensor, src: torch.Tensor, after: Any) -> Any:
         calls.append(src.numel())
         if len(calls) == 2:
             short.append(dst[:-1])  # a size mismatch: this chunk's copy fails
             dst = short[-1]
-        return real(self, dst, src)
+        return real(self, dst, src, after)
 
     monkeypatch.setattr(ThreadStreams, "_d2h", second_fails)
     streams = ThreadStreams(delay=0.01, max_inflight_bytes=16 << 20)  # 4 MiB chunks
