@@ -25,9 +25,11 @@
 # (or ``trim``), so the next step finds them.
 #
 # Bounds. The arenas never hold more than ``limit_bytes``: by default half of
-# the machine's RAM or of the cgroup's memory limit, whichever is smaller
-# (pinned memory cannot be swapped or reclaimed, and the rest of the process
-# needs room); ``set_limit`` replaces it (the engine passes its host budget plus
+# the machine's RAM or of the cgroup's memory limit, whichever is smaller,
+# shared among the node's ranks (divided by ``LOCAL_WORLD_SIZE``, which
+# torchrun sets: eight ranks on one node would otherwise pin up to four times
+# its RAM), since pinned memory cannot be swapped or reclaimed, and the rest of
+# the process needs room; ``set_limit`` replaces it (the engine passes its host budget plus
 # what staging needs), never above the RAM or cgroup limit itself. A lease that
 # fits nowhere under the limit, or arrives after pinning failed once, is served
 # from pageable memory instead: correct, but every copy from or to it is
@@ -40,6 +42,14 @@
 # After ``close`` leases still work (a graph may be unpacked after its context
 # exits): each is one pinned block of its own, freed with its storage, and
 # arenas are dropped as soon as nothing uses them.
+#
+# Unpinning. PyTorch's pinned allocator keeps a freed block pinned in its cache
+# for the next request of that size, so an arena the layer drops would stay
+# page-locked for good (arenas come in sizes nothing else asks for). So once
+# arenas pinned by PyTorch are dropped, the layer empties that cache
+# (``torch.accelerator.empty_host_cache``): it unpins every cached block that
+# nothing uses, other components' too, which costs them a new pin at their
+# next request; it happens at ``close`` and when arenas become unused after it.
 """
 
 from __future__ import annotations
@@ -116,12 +126,30 @@ def host_memory_limit() -> int | None:
     return min(limits) if limits else None
 
 
+def _local_ranks() -> int:
+    """Processes on this node that each pin their own arenas (torchrun's LOCAL_WORLD_SIZE)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return max(int(value), 1) if value.isdigit() else 1
+
+
 def _limit(limit_bytes: int | None) -> int | None:
-    """``limit_bytes`` capped at the RAM or cgroup limit; None: half of that limit."""
+    """``limit_bytes`` capped at the RAM or cgroup limit; None: half of that limit,
+    shared among the node's ranks (NOTE [pinned arena])."""
     ram = host_memory_limit()
     if limit_bytes is None:
-        return None if ram is None else ram // 2
+        return None if ram is None else ram // 2 // _local_ranks()
     return limit_bytes if ram is None else min(limit_bytes, ram)
+
+
+def _unpin_cached() -> None:
+    """Unpin the blocks PyTorch's pinned allocator keeps cached and unused (NOTE
+    [pinned arena]: otherwise a dropped arena stays page-locked)."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if empty is None:
+        empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        with contextlib.suppress(RuntimeError):
+            empty()
 
 
 def _pow2_at_least(n: int) -> int:
@@ -345,19 +373,24 @@ class PinnedArena:
                 arena, offset, size = returned.popleft()
                 arena.give(offset, size)
                 self._leased -= size
-            if self._closed:
-                self._drop(lambda a: a.used == 0)
+            dropped = self._drop(lambda a: a.used == 0) if self._closed else False
+        if dropped:
+            _unpin_cached()
 
-    def _drop(self, idle: Callable[[_Arena], bool]) -> None:
+    def _drop(self, idle: Callable[[_Arena], bool]) -> bool:
         # Under the lock. A dropped arena's memory lives on while any lease uses it
-        # (each lease's storage holds the block), so dropping is always safe.
+        # (each lease's storage holds the block), so dropping is always safe. Returns
+        # whether an arena PyTorch pinned was dropped (NOTE [pinned arena]: unpinning).
         keep = []
+        pinned = False
         for arena in self._arenas:
             if idle(arena):
                 self.pinned_bytes -= arena.reserved
+                pinned = pinned or arena.block.pinned
             else:
                 keep.append(arena)
         self._arenas = keep
+        return pinned
 
     # -- lifetime -------------------------------------------------------------------------
 
@@ -365,7 +398,9 @@ class PinnedArena:
         """Release arenas that nothing uses (and idle pageable blocks)."""
         self._refile()
         with self._lock:
-            self._drop(lambda a: a.used == 0)
+            dropped = self._drop(lambda a: a.used == 0)
+        if dropped:
+            _unpin_cached()  # the arena's memory only now leaves PyTorch's pinned cache
         self._pageable.trim()
 
     def close(self) -> None:

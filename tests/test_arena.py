@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from prefetch_offload import OffloadFallbackWarning
+from prefetch_offload import arena as arena_module
 from prefetch_offload.arena import PinnedArena, host_memory_limit, pin_block
 from prefetch_offload.buffers import Block, mapped_block
 
@@ -210,7 +211,8 @@ def test_step_bytes_must_be_a_grain() -> None:
         PinnedArena(_Pins(), step_bytes=4096)
 
 
-def test_host_memory_limit_bounds_every_limit() -> None:
+def test_host_memory_limit_bounds_every_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     ram = host_memory_limit()
     assert ram is None or ram > 0
     arena = PinnedArena(_Pins(), limit_bytes=1 << 62)
@@ -219,6 +221,43 @@ def test_host_memory_limit_bounds_every_limit() -> None:
     assert arena.limit_bytes == (None if ram is None else ram // 2)
     arena.set_limit(MiB)
     assert arena.limit_bytes == MiB
+
+
+def test_default_limit_is_shared_among_the_node_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(arena_module, "host_memory_limit", lambda: 64 << 30)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun: eight ranks pin on this node
+    assert PinnedArena(_Pins()).limit_bytes == 4 << 30
+    assert PinnedArena(_Pins(), limit_bytes=16 << 30).limit_bytes == 16 << 30  # as asked
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert PinnedArena(_Pins()).limit_bytes == 32 << 30
+
+
+def test_dropped_pinned_arenas_leave_pytorchs_pinned_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [pinned arena]: PyTorch keeps a freed pinned block pinned in its cache; once an
+    arena it pinned is dropped, the cache is emptied, or the arena stays page-locked."""
+    unpins: list[int] = []
+    monkeypatch.setattr(arena_module, "_unpin_cached", lambda: unpins.append(1))
+
+    def pinned(size: int) -> Block:
+        block = mapped_block(size)
+        return Block(block.buffer, block.size, pinned=True, owner=block.owner)
+
+    arena = PinnedArena(pinned, step_bytes=MiB)
+    kept, _ = arena.lease(100_000)
+    arena.close()
+    assert unpins == []  # still in use: nothing dropped
+    del kept
+    gc.collect()
+    _late, region = arena.lease(5000)  # the next call drops the unused arena
+    region.release()
+    assert unpins == [1] and arena.pinned_bytes == 0
+    twin = PinnedArena(_Pins(), step_bytes=MiB)  # the CPU twin's mappings: nothing to unpin
+    twin.lease(5000)
+    gc.collect()
+    twin.close()
+    assert unpins == [1] and twin.pinned_bytes == 0
 
 
 def test_pin_block_pins_or_raises() -> None:
