@@ -304,6 +304,27 @@ class CopyStreams:
         raise NotImplementedError
 
 
+# NOTE [side streams]
+# ``torch.cuda.Stream()`` hands out PyTorch's pooled streams in turn (32 per
+# device and priority), the pool NCCL's and FSDP's streams come from too. Two
+# new ones per engine would, after a few contexts, be the very streams of
+# collectives or user work: copies would wait behind them, and a missing wait
+# could hide in tests. So the process takes one pair per device, once, and
+# every engine's copies use it (engines alive at once share it: their copies
+# only queue behind each other's).
+_SIDE_STREAMS: dict[torch.device, tuple[Any, Any]] = {}
+_SIDE_STREAMS_LOCK = threading.Lock()
+
+
+def _side_streams(device: torch.device) -> tuple[Any, Any]:
+    """The process's D2H and H2D streams for ``device`` (NOTE [side streams])."""
+    with _SIDE_STREAMS_LOCK:
+        pair = _SIDE_STREAMS.get(device)
+        if pair is None:
+            pair = _SIDE_STREAMS[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return pair
+
+
 class CudaStreams(CopyStreams):
     """CUDA side streams and events for one device."""
 
@@ -312,8 +333,7 @@ class CudaStreams(CopyStreams):
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self._d2h_stream = torch.cuda.Stream(device)
-        self._h2d_stream = torch.cuda.Stream(device)
+        self._d2h_stream, self._h2d_stream = _side_streams(device)
 
     # IO threads call these too: every CUDA call runs with the device named, or
     # CUDA would make a context on device 0 for that thread.

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from prefetch_offload import OffloadError
-from prefetch_offload.streams import ThreadStreams
+from prefetch_offload import streams as streams_module
+from prefetch_offload.streams import CudaStreams, ThreadStreams
 
 
 def test_d2h_then_h2d_chain_without_host_waits() -> None:
@@ -163,3 +164,25 @@ def test_a_failed_chunk_fails_the_whole_copy(monkeypatch: pytest.MonkeyPatch) ->
     finally:
         with contextlib.suppress(OffloadError):
             streams.close()
+
+
+def test_engines_share_one_pair_of_side_streams_per_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [side streams]: PyTorch's pooled streams come round again after 16 pairs, as
+    the streams of collectives; the process takes one pair per device, once."""
+    made: list[torch.device] = []
+
+    class FakeStream:
+        def __init__(self, device: torch.device) -> None:
+            made.append(device)
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(streams_module, "_SIDE_STREAMS", {})
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    first = [CudaStreams(cuda0, max_inflight_bytes=1 << 20) for _ in range(20)]
+    assert made == [cuda0, cuda0]
+    assert len({(s._d2h_stream, s._h2d_stream) for s in first}) == 1
+    assert first[0]._d2h_stream is not first[0]._h2d_stream
+    CudaStreams(cuda1, max_inflight_bytes=1 << 20)
+    assert made == [cuda0, cuda0, cuda1, cuda1]
