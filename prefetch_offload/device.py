@@ -185,7 +185,8 @@ class SpanCopyDevice(DeviceLayer):
         device_type: ``"cuda"``, or ``"cpu"`` for the CPU twin (NOTE [copy streams]).
         max_inflight_bytes: cap on device-to-host bytes in flight.
         twin_delay: the twin's delay before each copy (tests use it to provoke races).
-        host_budget: cap on pinned host bytes (None: half the RAM or cgroup limit, shared among the node's ranks).
+        host_budget: cap on pinned host bytes (None: half the RAM or cgroup limit,
+            shared among the node's ranks).
         arena_step_bytes: the first pinned arena's size (NOTE [pinned arena]).
         pin: makes one pinned block, raising when it cannot (default: PyTorch's
             pinned allocator for ``"cuda"``, anonymous mappings for the twin).
