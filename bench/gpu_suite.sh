@@ -22,13 +22,19 @@
 # nothing. Every stage runs even if an earlier one failed (a lease is one shot), prints
 # its numbers as it goes, and appends "NAME STATUS" to OUTDIR/rc.txt; the script exits
 # non-zero if any stage failed. SUITE_TWIN=1 runs every stage on the CPU at toy sizes
-# through the CUDA path's twin, to check this script without a GPU.
+# through the CUDA path's twin, to check this script without a GPU. SUITE_STAGES (a comma
+# list of preflight, tests, fp32, bf16, disk; default all) runs some stages only: a first
+# call of "preflight,tests" (about 3 minutes) leaves room in a short lease to rerun.
+# The env stage always runs, and stops the script at once where torch sees no CUDA
+# device, or where torch, numpy or pytest is missing or older than the engine needs.
 set -u -o pipefail
 out=${1:-${OUT:-gpu-suite-out}}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 twin=${SUITE_TWIN:-0}
+stages=",${SUITE_STAGES:-preflight,tests,fp32,bf16,disk},"
+want() { case "$stages" in *",$1,"*) return 0;; *) record "$1" skipped; return 1;; esac; }
 failed=0
 : > "$out/rc.txt"
 stage() { echo "== $1 ($(date +%T))"; }
@@ -45,6 +51,13 @@ stage env
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; fi
   $py -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
   nproc; uname -a; df -h . | tail -1; } 2>&1 | tee "$out/env.txt"
+# The engine's own floor (prefetch_offload.context.check_torch_version), numpy, pytest:
+# a stage that cannot run would spend the lease on import errors.
+$py -c "import numpy, pytest, torch; from prefetch_offload.context import check_torch_version
+check_torch_version(torch.__version__)" 2>&1 | tail -3
+rc=$?
+record requirements $rc
+if [ $rc -ne 0 ]; then echo "!! $py lacks what the suite needs (above): nothing to run"; exit 1; fi
 if [ "$twin" != 1 ]; then
   # Under a CPU build of torch every gpu_only test would skip and pytest would pass.
   $py -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
@@ -54,15 +67,14 @@ if [ "$twin" != 1 ]; then
 fi
 
 stage "preflight (40 s)"
-run 40 $py -X faulthandler bench/gpu_preflight.py --json "$out/preflight.json" 2>&1 \
-  | tee "$out/preflight.txt"
-record preflight $?
+if want preflight; then
+  run 40 $py -X faulthandler bench/gpu_preflight.py --json "$out/preflight.json" 2>&1 \
+    | tee "$out/preflight.txt"
+  record preflight $?
+fi
 
 stage "CUDA tests"
-if ! $py -c "import pytest" 2>/dev/null; then
-  echo "!! $py has no pytest: the CUDA tests cannot run"
-  record tests_cuda no-pytest
-else
+if want tests; then
   limits=(-o faulthandler_timeout=60)
   if $py -c "import pytest_timeout" 2>/dev/null; then limits+=(--timeout=90); fi
   run 150 $py -X faulthandler -m pytest -q -p no:cacheprovider -m gpu_only tests/test_cuda.py \
@@ -83,19 +95,25 @@ else
 fi
 
 stage "fp32, compute-bound: none, cpu, save_on_cpu, ondemand"
-run 110 $py -X faulthandler bench/gpu.py --dtype fp32 "${fp32[@]}" \
-  --modes none,cpu,save_on_cpu,ondemand --json "$out/gpu_fp32.json" \
-  --plot "$out/memory_fp32.png" 2>&1 \
-  | tee "$out/gpu_fp32.txt"
-record gpu_fp32 $?
+if want fp32; then
+  run 110 $py -X faulthandler bench/gpu.py --dtype fp32 "${fp32[@]}" \
+    --modes none,cpu,save_on_cpu,ondemand --json "$out/gpu_fp32.json" \
+    --plot "$out/memory_fp32.png" 2>&1 \
+    | tee "$out/gpu_fp32.txt"
+  record gpu_fp32 $?
+fi
 
 stage "bf16: none, cpu"
-run 80 $py -X faulthandler bench/gpu.py --dtype bf16 "${bf16[@]}" --modes none,cpu \
-  --json "$out/gpu_bf16.json" 2>&1 | tee "$out/gpu_bf16.txt"
-record gpu_bf16 $?
+if want bf16; then
+  run 80 $py -X faulthandler bench/gpu.py --dtype bf16 "${bf16[@]}" --modes none,cpu \
+    --json "$out/gpu_bf16.json" 2>&1 | tee "$out/gpu_bf16.txt"
+  record gpu_bf16 $?
+fi
 
 stage "disk (only with O_DIRECT at 1 GB/s or more)"
-if $py -c "import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))['direct_io']['disk_ok'] else 1)" \
+if ! want disk; then
+  :
+elif $py -c "import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))['direct_io']['disk_ok'] else 1)" \
     "$out/preflight.json" 2>/dev/null; then
   run 90 $py -X faulthandler bench/gpu.py --dtype bf16 "${disk[@]}" --modes none,cpu,disk \
     --json "$out/gpu_disk.json" 2>&1 | tee "$out/gpu_disk.txt"

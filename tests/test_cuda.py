@@ -324,6 +324,8 @@ def test_cuda_no_host_sync_in_hooks(save_dir: Path, monkeypatch: pytest.MonkeyPa
             torch.cuda.set_sync_debug_mode("default")
         monkeypatch.undo()
         assert layer.pool.pin_calls == pins  # no cudaHostAlloc in steady state
+        # A copy to pageable memory blocks the host without a sync the debug mode sees.
+        assert layer.pageable_fallbacks() == 0
     finally:
         engine.close()
 
