@@ -258,14 +258,20 @@ class OffloadEngine:
         return self._stats.snapshot()
 
     def flush(self) -> None:
-        """Block until every queued write has finished; raise a stored worker error."""
-        self._wait_writes()
+        """Block until every copy off the device and every queued write has finished (what
+        the tiers hold is then in host memory or on disk); raise a stored worker error."""
+        self._wait_offloads()
         self._raise_pending()
 
     async def aflush(self) -> None:
         """:meth:`flush` for event loops: waits in a worker thread, not in the loop."""
-        await asyncio.get_running_loop().run_in_executor(None, self._wait_writes)
+        await asyncio.get_running_loop().run_in_executor(None, self._wait_offloads)
         self._raise_pending()
+
+    def _wait_offloads(self) -> None:
+        self._wait_writes()
+        if self._copying:
+            self._settle_copies(wait=True)
 
     # -- pack -------------------------------------------------------------------------------
 

@@ -49,7 +49,10 @@ def test_twin_grads_bit_identical(save_dir: Path, target: str, depth: int, delay
     ref = copy.deepcopy(model)
     ref(tokens, targets).backward()
     with twin_with_hooks(target, save_dir, delay=delay, prefetch_depth=depth) as (engine, _):
-        model(tokens, targets).backward()
+        loss = model(tokens, targets)
+        if not depth:  # every copy settled: none is served from device memory
+            engine.flush()
+        loss.backward()
     for a, b in zip(_grads(model), _grads(ref), strict=True):
         assert torch.equal(a, b)
     stats = engine.stats()
@@ -113,6 +116,28 @@ def test_twin_copy_made_at_a_later_pack_waits_for_the_mark_of_its_own(
         marks[1].set()
         loss.backward()
     assert torch.equal(x.grad, expected)
+
+
+def test_twin_device_memory_changed_after_its_copy_settled_is_not_used(save_dir: Path) -> None:
+    """NOTE [version check]: once a record's copy is settled, it no longer watches the
+    device memory's version; a detached alias of the dead owner then changes that
+    memory. Backward must use the host copy (or refuse, as autograd would)."""
+    x = torch.randn(1 << 14, requires_grad=True)
+    (x * 2).exp().sum().backward()
+    expected, x.grad = x.grad, None
+    with twin_with_hooks("cpu", save_dir) as (engine, _):
+        y = (x * 2).exp()  # exp saves its output
+        alias = y.detach()
+        loss = y.sum()
+        del y
+        engine.flush()  # the copy has run and is settled
+        alias.mul_(2)
+        try:
+            loss.backward()
+        except RuntimeError as exc:
+            assert "modified by an inplace operation" in str(exc)
+        else:
+            assert torch.equal(x.grad, expected), "backward used bytes changed after the copy"
 
 
 def test_twin_inplace_change_before_the_copy_ran_is_caught(save_dir: Path) -> None:
