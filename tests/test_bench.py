@@ -495,7 +495,36 @@ def test_gpu_suite_fails_without_cuda(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "no CUDA device" in proc.stdout
-    assert (tmp_path / "out" / "rc.txt").read_text().split() == ["cuda_available", "3"]
+    rc = (tmp_path / "out" / "rc.txt").read_text().split()
+    assert rc == ["requirements", "0", "cuda_available", "3"]
+
+
+def test_gpu_suite_stops_where_the_engine_cannot_run(tmp_path: Path) -> None:
+    """A python whose torch is older than the engine needs (or lacks numpy or pytest)
+    stops the suite before any stage spends the lease."""
+    import subprocess
+
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'case "$*" in *check_torch_version*) echo "OffloadError: torch 2.0 is too old"; '
+        "exit 1;; esac\n"
+        f'exec {sys.executable} "$@"\n'
+    )
+    fake.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(fake))
+    proc = subprocess.run(
+        ["bash", str(BENCH / "gpu_suite.sh"), str(tmp_path / "out")],
+        cwd=BENCH.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "too old" in proc.stdout and "nothing to run" in proc.stdout
+    assert (tmp_path / "out" / "rc.txt").read_text().split() == ["requirements", "1"]
 
 
 def test_gpu_main_on_the_cpu_twin(tmp_path: Path, cwd: Path) -> None:
