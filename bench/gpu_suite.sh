@@ -23,8 +23,9 @@
 # its numbers as it goes, and appends "NAME STATUS" to OUTDIR/rc.txt; the script exits
 # non-zero if any stage failed. SUITE_TWIN=1 runs every stage on the CPU at toy sizes
 # through the CUDA path's twin, to check this script without a GPU. SUITE_STAGES (a comma
-# list of preflight, tests, fp32, bf16, disk; default all) runs some stages only: a first
-# call of "preflight,tests" (about 3 minutes) leaves room in a short lease to rerun.
+# list of preflight, tests, fp32, bf16, disk; default all; disk brings preflight, which
+# decides whether it runs) runs some stages only: a first call of "preflight,tests"
+# (about 3 minutes) leaves room in a short lease to rerun.
 # The env stage always runs, and stops the script at once where torch sees no CUDA
 # device, or where torch, numpy or pytest is missing or older than the engine needs.
 set -u -o pipefail
@@ -34,7 +35,14 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 twin=${SUITE_TWIN:-0}
 stages=",${SUITE_STAGES:-preflight,tests,fp32,bf16,disk},"
-want() { case "$stages" in *",$1,"*) return 0;; *) record "$1" skipped; return 1;; esac; }
+for s in ${stages//,/ }; do
+  case $s in preflight|tests|fp32|bf16|disk) ;;
+    *) echo "!! SUITE_STAGES: unknown stage '$s' (preflight, tests, fp32, bf16, disk)"; exit 2;;
+  esac
+done
+case $stages in *,disk,*) stages="${stages}preflight,";; esac
+# want STAGE NAME: whether STAGE runs; if not, NAME is recorded as skipped.
+want() { case "$stages" in *",$1,"*) return 0;; *) record "$2" skipped; return 1;; esac; }
 failed=0
 : > "$out/rc.txt"
 stage() { echo "== $1 ($(date +%T))"; }
@@ -67,14 +75,14 @@ if [ "$twin" != 1 ]; then
 fi
 
 stage "preflight (40 s)"
-if want preflight; then
+if want preflight preflight; then
   run 40 $py -X faulthandler bench/gpu_preflight.py --json "$out/preflight.json" 2>&1 \
     | tee "$out/preflight.txt"
   record preflight $?
 fi
 
 stage "CUDA tests"
-if want tests; then
+if want tests tests_cuda; then
   limits=(-o faulthandler_timeout=60)
   if $py -c "import pytest_timeout" 2>/dev/null; then limits+=(--timeout=90); fi
   run 150 $py -X faulthandler -m pytest -q -p no:cacheprovider -m gpu_only tests/test_cuda.py \
@@ -95,7 +103,7 @@ else
 fi
 
 stage "fp32, compute-bound: none, cpu, save_on_cpu, ondemand"
-if want fp32; then
+if want fp32 gpu_fp32; then
   run 110 $py -X faulthandler bench/gpu.py --dtype fp32 "${fp32[@]}" \
     --modes none,cpu,save_on_cpu,ondemand --json "$out/gpu_fp32.json" \
     --plot "$out/memory_fp32.png" 2>&1 \
@@ -104,14 +112,14 @@ if want fp32; then
 fi
 
 stage "bf16: none, cpu"
-if want bf16; then
+if want bf16 gpu_bf16; then
   run 80 $py -X faulthandler bench/gpu.py --dtype bf16 "${bf16[@]}" --modes none,cpu \
     --json "$out/gpu_bf16.json" 2>&1 | tee "$out/gpu_bf16.txt"
   record gpu_bf16 $?
 fi
 
 stage "disk (only with O_DIRECT at 1 GB/s or more)"
-if ! want disk; then
+if ! want disk gpu_disk; then
   :
 elif $py -c "import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))['direct_io']['disk_ok'] else 1)" \
     "$out/preflight.json" 2>/dev/null; then

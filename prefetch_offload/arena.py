@@ -373,6 +373,7 @@ class PinnedArena:
                 arena, offset, size = returned.popleft()
                 arena.give(offset, size)
                 self._leased -= size
+                del arena  # a dropped arena must be gone before the unpin below
             dropped = self._drop(lambda a: a.used == 0) if self._closed else False
         if dropped:
             _unpin_cached()

@@ -270,8 +270,9 @@ class OffloadEngine:
 
     def _wait_offloads(self) -> None:
         self._wait_writes()
-        if self._copying:
-            self._settle_copies(wait=True)
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if self._copying and not capturing:
+            self._settle_copies(wait=True)  # (event queries would invalidate a capture)
 
     # -- pack -------------------------------------------------------------------------------
 

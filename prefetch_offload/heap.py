@@ -102,6 +102,8 @@ logger = logging.getLogger("prefetch_offload")
 
 # The hooks read the slack at most this often (NOTE [heap trim]).
 _CHECK_INTERVAL_S = 0.0005
+# The ceiling's window moves at least this often, steps or not (NOTE [heap trim]).
+_WINDOW_S = 30.0
 
 
 def _libc() -> Any:
@@ -318,6 +320,7 @@ class HeapTrimmer:
         self._next_check = 0.0
         # The most anonymous resident bytes measured in this step, and in the one before.
         self._high = self._high_before = 0
+        self._window_end = time.perf_counter() + _WINDOW_S
         _TRIMMERS.add(self)
 
     @property
@@ -346,7 +349,12 @@ class HeapTrimmer:
         """A forward begins: the ceiling is this step's peak or the last one's (NOTE
         [heap trim]), so a spike (an evaluation, a checkpoint) lifts it for one step."""
         with self._lock:
-            self._high_before, self._high = self._high, 0
+            self._shift_window()
+
+    def _shift_window(self) -> None:
+        # Under the lock.
+        self._high_before, self._high = self._high, 0
+        self._window_end = time.perf_counter() + _WINDOW_S
 
     def check(self) -> None:
         """Called by the hooks: queue a trim if the slack has grown by ``threshold``."""
@@ -369,8 +377,10 @@ class HeapTrimmer:
         with self._lock:
             if self._queued or generation != self._generation:
                 return  # measured across a trim: stale
-            if rss is not None and rss > self._high:
-                self._high = rss
+            if rss is not None:
+                if start > self._window_end:  # no new step for a while (no backward)
+                    self._shift_window()
+                self._high = max(self._high, rss)
             floor = self._floor
             if floor is None or level < floor:
                 self._floor = level

@@ -109,7 +109,9 @@ class _CudaFence(Fence):
 
     def done(self) -> bool:
         if not self._done:
-            self._done = self.event.query()
+            # flush() may run in any thread: name the device (as wait() does below).
+            with torch.cuda.device(self.device):
+                self._done = self.event.query()
         return self._done
 
     def wait(self) -> None:

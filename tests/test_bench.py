@@ -13,6 +13,7 @@ import copy
 import importlib.util
 import itertools
 import json
+import mmap
 import multiprocessing
 import os
 import sys
@@ -324,8 +325,12 @@ def test_peak_rss_catches_a_peak_between_samples() -> None:
     if not common.reset_peak_rss():
         pytest.skip("/proc/self/clear_refs is not writable here")
     base = common.read_rss_bytes()
-    block = torch.ones(64 * MiB // 4)  # 64 MiB touched (its own mapping: freed on del)
-    del block
+    # 64 MiB of a mapping of its own (malloc could serve a tensor from free heap pages
+    # that are resident already), touched page by page and unmapped.
+    block = mmap.mmap(-1, 64 * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for i in range(0, 64 * MiB, 4096):
+        block[i] = 1
+    block.close()
     peak = common.peak_rss_bytes()
     assert peak is not None and peak - base >= 60 * MiB
     assert common.read_rss_bytes() - base < 32 * MiB  # it really was freed
@@ -497,6 +502,22 @@ def test_gpu_suite_fails_without_cuda(tmp_path: Path) -> None:
     assert "no CUDA device" in proc.stdout
     rc = (tmp_path / "out" / "rc.txt").read_text().split()
     assert rc == ["requirements", "0", "cuda_available", "3"]
+
+
+def test_gpu_suite_refuses_an_unknown_stage(tmp_path: Path) -> None:
+    import subprocess
+
+    env = dict(os.environ, PYTHON=sys.executable, SUITE_STAGES="preflight,test")
+    proc = subprocess.run(
+        ["bash", str(BENCH / "gpu_suite.sh"), str(tmp_path / "out")],
+        cwd=BENCH.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2 and "unknown stage 'test'" in proc.stdout, proc.stdout
 
 
 def test_gpu_suite_stops_where_the_engine_cannot_run(tmp_path: Path) -> None:
