@@ -302,7 +302,6 @@ class OffloadEngine:
             with self._lock:
                 self._plan.begin_forward()  # NOTE [learned order]
             self._enforce_budgets()  # NOTE [tiers]: what the write tail kept
-            self._heap.new_step()  # NOTE [heap trim]: the ceiling's window
             self._reader.recent.clear()  # NOTE [recently restored]
             # NOTE [read buffer pool]: unmapping takes a while; an IO thread does it.
             self._pool.submit(self._background(self._reader.read_pool.trim), READ)

@@ -96,44 +96,6 @@ def test_trims_when_the_slack_has_grown_by_the_threshold_and_never_queues_two() 
 
 
 @glibc_only
-def test_no_trim_well_below_the_peak_of_this_step_or_the_last() -> None:
-    """NOTE [heap trim]: the ceiling. Slack that builds up while the process is well
-    below its peak (this step's or the last one's) waits: a trim would not lower the
-    peak, and the pages it gives back would be faulted in again."""
-    jobs, slack, rss = _Jobs(), _Slack(), _Slack()
-    trimmer = HeapTrimmer(
-        10 * MiB, StatsCounter(), slack=slack, resident=rss, submit=jobs.submit, interval=0.0
-    )
-    trimmer.saved()
-    rss.value = 500 * MiB
-    trimmer.check()  # the floor, and the peak: 500 MiB
-    slack.value, rss.value = 50 * MiB, 489 * MiB  # 11 MiB below the peak: a trim waits
-    trimmer.check()
-    assert jobs.jobs == []
-    rss.value = 491 * MiB  # within the bound of the peak: due
-    trimmer.check()
-    assert len(jobs.jobs) == 1
-    slack.value, rss.value = 0, 440 * MiB
-    jobs.run_all()
-    trimmer.new_step()  # the last step's peak still counts
-    slack.value, rss.value = 40 * MiB, 470 * MiB
-    trimmer.check()
-    assert jobs.jobs == []
-    trimmer.new_step()  # two steps on, this step's peak (470) is the ceiling
-    trimmer.check()
-    assert len(jobs.jobs) == 1
-
-
-@glibc_only
-def test_the_default_measure_has_a_ceiling_a_callers_slack_has_none() -> None:
-    stats = StatsCounter()
-    assert HeapTrimmer(MiB, stats)._resident is not None
-    assert HeapTrimmer(MiB, stats, slack=_Slack())._resident is None
-    rss, level = HeapTrimmer(MiB, stats, own_bytes=lambda: 3 * MiB)._measure()
-    assert rss is not None and rss > 0 and level < rss
-
-
-@glibc_only
 def test_the_engines_own_buffers_are_not_slack() -> None:
     own = [0]
     trimmer, jobs, slack, _ = _trimmer(10 * MiB, own=lambda: own[0])
@@ -214,18 +176,18 @@ def test_no_measure_while_a_trim_is_queued_and_none_across_one() -> None:
 
     # A hook that measured before a trim and decides after it must drop its measure.
     slack.value = 5 * MiB
-    real_measure = trimmer._measure
+    real_level = trimmer.level
 
-    def measure_across_a_trim() -> tuple[int | None, int]:
-        measured = real_measure()  # 5 MiB over the floor: due...
+    def level_across_a_trim() -> int:
+        level = real_level()  # 5 MiB over the floor: due...
         with trimmer._lock:
             trimmer._generation += 1  # ...but a trim completes meanwhile
-        return measured
+        return level
 
-    trimmer._measure = measure_across_a_trim  # type: ignore[method-assign]
+    trimmer.level = level_across_a_trim  # type: ignore[method-assign]
     trimmer.check()
     assert jobs.jobs == []
-    trimmer._measure = real_measure  # type: ignore[method-assign]
+    trimmer.level = real_level  # type: ignore[method-assign]
     trimmer.check()  # measured afresh: due
     assert len(jobs.jobs) == 1
 
