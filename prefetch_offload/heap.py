@@ -60,9 +60,9 @@
 # point on the same curve as a larger bound; a ceiling at the peak RSS of this
 # step or the last one (a due trim waits further below it), each configuration
 # in its own process: disk unchanged (~134k faults, 1.69x), the budget ~142k
-# faults against ~155-167k and no faster (1.65x against 1.59-1.64x), disk's
-# peak ~9 MiB higher; and in a process that also runs other work, that work's
-# peak lifts the ceiling and the trims stop. Trims queued on the IO pool behind
+# faults against ~155-167k, time within the runs' spread (1.55-1.65x against
+# 1.59-1.64x), disk's peak ~9 MiB higher; and in a process that also runs other
+# work, that work's peak lifts the ceiling and the trims stop. Trims queued on the IO pool behind
 # reads ran only after backward (reads are queued all through it), hence a
 # thread of the trimmer's own. Other ideas measured: reading spans back into heap memory
 # instead of mapped blocks grew the heap further (~350 MiB without trims);
