@@ -364,6 +364,9 @@ def test_engine_trims_when_slack_builds_up(tmp_path: Path, threshold: int | None
         chunk_bytes=16384,  # small write batches: the tiny model's tensors reach the disk
         heap_trim_bytes=threshold,
     ) as engine:
+        # Measure at every hook: a slow measure (a heap that earlier tests fragmented)
+        # spaces the next one by ten times its cost, longer than this tiny step.
+        engine._heap._interval = 0.0
         trims = []
         for _ in range(3):
             model.zero_grad(set_to_none=True)
