@@ -16,6 +16,7 @@ import json
 import mmap
 import multiprocessing
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -482,22 +483,26 @@ def test_sweep_plot(tmp_path: Path, cwd: Path) -> None:
 # -- bench/gpu.py ------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this would run the whole suite")
-def test_gpu_suite_fails_without_cuda(tmp_path: Path) -> None:
-    """The prepared GPU run refuses a torch without CUDA (every gpu_only test would
-    skip and pass) and says so in its exit status and rc.txt."""
-    import subprocess
-
-    env = dict(os.environ, PYTHON=sys.executable)
-    proc = subprocess.run(
-        ["bash", str(BENCH / "gpu_suite.sh"), str(tmp_path / "out")],
+def _gpu_suite(
+    out: Path, python: str = sys.executable, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """bench/gpu_suite.sh run with ``python`` into ``out``: the finished process."""
+    return subprocess.run(
+        ["bash", str(BENCH / "gpu_suite.sh"), str(out)],
         cwd=BENCH.parent,
-        env=env,
+        env=dict(os.environ, PYTHON=python, **env),
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this would run the whole suite")
+def test_gpu_suite_fails_without_cuda(tmp_path: Path) -> None:
+    """The prepared GPU run refuses a torch without CUDA (every gpu_only test would
+    skip and pass) and says so in its exit status and rc.txt."""
+    proc = _gpu_suite(tmp_path / "out")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "no CUDA device" in proc.stdout
     rc = (tmp_path / "out" / "rc.txt").read_text().split()
@@ -505,26 +510,13 @@ def test_gpu_suite_fails_without_cuda(tmp_path: Path) -> None:
 
 
 def test_gpu_suite_refuses_an_unknown_stage(tmp_path: Path) -> None:
-    import subprocess
-
-    env = dict(os.environ, PYTHON=sys.executable, SUITE_STAGES="preflight,test")
-    proc = subprocess.run(
-        ["bash", str(BENCH / "gpu_suite.sh"), str(tmp_path / "out")],
-        cwd=BENCH.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = _gpu_suite(tmp_path / "out", SUITE_STAGES="preflight,test")
     assert proc.returncode == 2 and "unknown stage 'test'" in proc.stdout, proc.stdout
 
 
 def test_gpu_suite_stops_where_the_engine_cannot_run(tmp_path: Path) -> None:
     """A python whose torch is older than the engine needs (or lacks numpy or pytest)
     stops the suite before any stage spends the lease."""
-    import subprocess
-
     fake = tmp_path / "python"
     fake.write_text(
         "#!/usr/bin/env bash\n"
@@ -533,16 +525,7 @@ def test_gpu_suite_stops_where_the_engine_cannot_run(tmp_path: Path) -> None:
         f'exec {sys.executable} "$@"\n'
     )
     fake.chmod(0o755)
-    env = dict(os.environ, PYTHON=str(fake))
-    proc = subprocess.run(
-        ["bash", str(BENCH / "gpu_suite.sh"), str(tmp_path / "out")],
-        cwd=BENCH.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = _gpu_suite(tmp_path / "out", str(fake))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "too old" in proc.stdout and "nothing to run" in proc.stdout
     assert (tmp_path / "out" / "rc.txt").read_text().split() == ["requirements", "1"]
