@@ -219,8 +219,10 @@ class _Region(torch.autograd.Function):
         x, *outs = ctx.saved_tensors
         time.sleep(ctx.compute)
         g = sum((1.0 + i / 16) * torch.cos(x * (1.0 + i / 16)) for i in range(len(outs)))
-        for o in outs:  # use every saved tensor, so a wrong byte changes the gradient
-            g = g + 0.0 * o
+        # Not the exact derivative: a term in each saved output, so that a wrong byte in
+        # any of them changes the gradient (the reference runs this same backward).
+        for o in outs:
+            g = g + o / 64
         return grad * g, None, None
 
 
@@ -277,6 +279,10 @@ def test_two_losses_backwarded_out_of_pack_order_keep_their_hit_rate(
             h = _Slow.apply(h)
         return h.sum()
 
+    a, b = branch(1.0), branch(2.0)
+    a.backward()
+    b.backward()
+    expected = x.grad
     rates = []
     with engine_with_hooks(save_dir, prefetch_depth=2) as engine:
         slow_store(engine, monkeypatch, "read", 0.003)
@@ -288,6 +294,7 @@ def test_two_losses_backwarded_out_of_pack_order_keep_their_hit_rate(
             a.backward()
             b.backward()
             rates.append(_hit_rate(before, engine.stats()))
+            assert torch.equal(x.grad, expected)
     assert rates[1] > rates[0] and rates[2] > rates[0], rates
     assert min(rates[1:]) >= 0.8, rates
 
