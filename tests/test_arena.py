@@ -260,6 +260,33 @@ def test_dropped_pinned_arenas_leave_pytorchs_pinned_cache(
     assert unpins == [1] and twin.pinned_bytes == 0
 
 
+@pytest.mark.parametrize("offset", [0, 100])
+def test_pin_block_keeps_the_page_aligned_part(
+    monkeypatch: pytest.MonkeyPatch, offset: int
+) -> None:
+    """pin_block's own arithmetic, on the CPU: PyTorch's pinned allocator handed out a
+    block ``offset`` bytes past a page start; the block is its page-aligned part."""
+    real_empty = torch.empty
+    made: list[torch.Tensor] = []
+
+    def unaligned(shape: tuple[int], *, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
+        assert pin_memory and dtype == torch.uint8
+        raw = real_empty((shape[0] + 2 * 4096,), dtype=torch.uint8)
+        start = (-raw.data_ptr()) % 4096 + offset
+        made.append(raw[start : start + shape[0]])
+        return made[-1]
+
+    monkeypatch.setattr(torch, "empty", unaligned)
+    block = pin_block(MiB)
+    monkeypatch.undo()
+    t = torch.frombuffer(block.buffer, dtype=torch.uint8)
+    base = made[0].data_ptr()
+    assert t.data_ptr() % 4096 == 0 and t.numel() == block.size
+    assert block.size == (MiB if offset == 0 else MiB - 4096)
+    assert base <= t.data_ptr() and t.data_ptr() + block.size <= base + MiB
+    assert block.pinned and block.owner is made[0]
+
+
 def test_pin_block_pins_or_raises() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError):

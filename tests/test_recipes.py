@@ -76,7 +76,8 @@ def test_recipes_cite_files_and_tests_that_exist() -> None:
     for p in sorted(paths):
         assert (ROOT / p).is_file(), p
     cited = set(re.findall(r"`(test_\w+)`", text))
+    assert cited, "no test citations found: the citation format changed"
     defined = set()
     for path in (ROOT / "tests").glob("test_*.py"):
-        defined |= set(re.findall(r"^def (test_\w+)", path.read_text(), re.M))
+        defined |= set(re.findall(r"^(?:async )?def (test_\w+)", path.read_text(), re.M))
     assert cited <= defined, sorted(cited - defined)
