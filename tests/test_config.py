@@ -88,6 +88,51 @@ _any_value = st.one_of(
 )
 
 
+_MiB = 1 << 20
+# Values each field takes in real use (the fuzz above is mostly rejections).
+_usual_value: dict[str, Any] = {
+    "target": st.sampled_from(["disk", "cpu", None]),
+    "save_dir": st.sampled_from(["/tmp/x", "~/acts"]),
+    "prefetch_depth": st.integers(0, 64),
+    "io_workers": st.integers(1, 16),
+    "min_offload_bytes": st.integers(0, 1 << 30),
+    "max_pending_write_bytes": st.sampled_from([_MiB, 64 * _MiB, 1 << 30]),
+    "max_inflight_copy_bytes": st.sampled_from([64 * _MiB, 1 << 30]),
+    "chunk_bytes": st.sampled_from([4096, _MiB, 8 * _MiB]),
+    "slab_bytes": st.sampled_from([_MiB, 256 * _MiB]),
+    "io_method": st.sampled_from(["auto", "direct", "buffered", "mmap"]),
+    "stage_writes": st.sampled_from(["auto", "always", "never"]),
+    "disk_bytes_limit": st.one_of(st.none(), st.integers(_MiB, 1 << 40)),
+    "verify": st.booleans(),
+    "device_budget": st.one_of(st.integers(0, 1 << 40), st.sampled_from(["6GiB", "512MB"])),
+    "host_budget": st.one_of(st.none(), st.integers(0, 1 << 40), st.just("32GiB")),
+    "prefetch_bytes": st.one_of(st.none(), st.integers(1, 1 << 34), st.just("256MiB")),
+    "heap_trim_bytes": st.one_of(st.none(), st.integers(_MiB, 1 << 34), st.just("64MiB")),
+}
+
+
+def test_usual_values_cover_every_field() -> None:
+    assert set(_usual_value) == {f.name for f in dataclasses.fields(OffloadConfig)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.fixed_dictionaries({}, optional=_usual_value))
+def test_a_built_config_rebuilds_from_its_own_fields(kwargs: dict[str, Any]) -> None:
+    """What a config normalises (byte strings, "~", the target's defaults) stays as it is
+    when the config is built again from its fields: a saved config loads back equal."""
+    try:
+        cfg = OffloadConfig(**kwargs)
+    except (ValueError, TypeError) as exc:
+        assert "prefetch_offload" in str(exc) or "activation_offloading" in str(exc)
+        return
+    again = OffloadConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+    assert again == cfg
+    for name in ("device_budget", "host_budget", "prefetch_bytes", "heap_trim_bytes"):
+        value = getattr(cfg, name)
+        assert value is None or type(value) is int, (name, value)
+    assert cfg.save_dir is None or not cfg.save_dir.startswith("~")
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     st.fixed_dictionaries(
