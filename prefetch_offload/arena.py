@@ -49,7 +49,9 @@
 # arenas pinned by PyTorch are dropped, the layer empties that cache
 # (``torch.accelerator.empty_host_cache``): it unpins every cached block that
 # nothing uses, other components' too, which costs them a new pin at their
-# next request; it happens at ``close`` and when arenas become unused after it.
+# next request. It happens at ``close``, and for an arena still in use then, at
+# the first call to the arena after its last lease is gone (not from the lease's
+# finalizer, which may run where the arena's lock is held).
 """
 
 from __future__ import annotations
