@@ -270,9 +270,11 @@ class OffloadEngine:
 
     def _wait_offloads(self) -> None:
         self._wait_writes()
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        if self._copying and not capturing:
-            self._settle_copies(wait=True)  # (event queries would invalidate a capture)
+        # Copies exist only with a device layer; event queries would invalidate a capture.
+        if self._copying and not (
+            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        ):
+            self._settle_copies(wait=True)
 
     # -- pack -------------------------------------------------------------------------------
 

@@ -369,9 +369,9 @@ class CudaStreams(CopyStreams):
         side = self._d2h_stream
         if after is None:
             side.wait_stream(torch.cuda.current_stream(self.device))  # read at every call
-        elif not after.done():
-            assert isinstance(after, _CudaFence)
-            side.wait_event(after.event)  # the stream that made the tensor (NOTE [copy streams])
+        else:  # the stream that made the tensor (NOTE [copy streams]); no query: a wait
+            assert isinstance(after, _CudaFence)  # on a finished event costs the GPU nothing
+            side.wait_event(after.event)
         with torch.cuda.stream(side):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event(blocking=True)  # host waits sleep, not spin

@@ -20,6 +20,7 @@ import pytest
 import torch
 from engine_helpers import (
     Poisoned,
+    assert_same_grads,
     engine_with_hooks,
     grads_of,
     poison_freed_memory,
@@ -54,11 +55,10 @@ def _train(model: TinyTransformer, steps: int, flush: Callable[[], None] | None)
 
 
 def _same(a: list[Any], b: list[Any]) -> None:
+    """Every step's gradients bit-identical (assert_same_grads per step)."""
     assert len(a) == len(b) and a
     for ga, gb in zip(a, b, strict=True):
-        assert len(ga) == len(gb) and ga
-        for x, y in zip(ga, gb, strict=True):
-            assert torch.equal(x, y), (x - y).abs().max()
+        assert_same_grads(ga, gb)
 
 
 @pytest.mark.parametrize(
