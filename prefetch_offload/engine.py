@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import threading
 import warnings
@@ -212,7 +213,12 @@ class OffloadEngine:
         # NOTE [heap trim]: glibc's free heap pages go back when they have built up.
         read_pool = self._reader.read_pool
         self._heap = HeapTrimmer(
-            config.heap_trim_bytes, self._stats, own_bytes=lambda: read_pool.mapped_bytes
+            config.heap_trim_bytes,
+            self._stats,
+            own_bytes=lambda: read_pool.mapped_bytes,
+            # The budget's unfilled share may be slack (read without the lock: a stale
+            # value moves a trim by a hook; no reference back to the engine).
+            allowance=functools.partial(self._policy.headroom, DEVICE),
         )
 
     # -- public -----------------------------------------------------------------------------

@@ -75,6 +75,11 @@ class TierPolicy:
         self._leaving: dict[int, int] = {}
         self._leaving_bytes = [0, 0, 0]
 
+    def headroom(self, tier: int) -> int:
+        """Bytes of ``tier``'s budget that its records do not fill now (0 for no limit)."""
+        budget = self.budgets[tier]
+        return 0 if budget is None else max(0, budget - self.bytes[tier])
+
     def admit(self, rec: Tiered) -> None:
         """A newly packed record enters DEVICE, at the newest end (call :meth:`over` next)."""
         rec.tier = DEVICE

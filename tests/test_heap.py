@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from prefetch_offload import OffloadConfig, heap, offload_context
+from prefetch_offload import OffloadConfig, OffloadEngine, heap, offload_context
 from prefetch_offload.heap import HeapTrimmer, heap_trim_supported
 from prefetch_offload.stats import StatsCounter
 from prefetch_offload.testing import TinyTransformer, make_batch
@@ -50,11 +50,20 @@ class _Slack:
 
 
 def _trimmer(
-    threshold: int | None, *, own: Callable[[], int] = lambda: 0
+    threshold: int | None,
+    *,
+    own: Callable[[], int] = lambda: 0,
+    allowance: Callable[[], int] = lambda: 0,
 ) -> tuple[HeapTrimmer, _Jobs, _Slack, StatsCounter]:
     jobs, slack, stats = _Jobs(), _Slack(), StatsCounter()
     trimmer = HeapTrimmer(
-        threshold, stats, own_bytes=own, slack=slack, submit=jobs.submit, interval=0.0
+        threshold,
+        stats,
+        own_bytes=own,
+        slack=slack,
+        submit=jobs.submit,
+        interval=0.0,
+        allowance=allowance,
     )
     return trimmer, jobs, slack, stats
 
@@ -105,6 +114,30 @@ def test_the_engines_own_buffers_are_not_slack() -> None:
     trimmer.check()
     assert jobs.jobs == []
     slack.value = 40 * MiB
+    trimmer.check()
+    assert len(jobs.jobs) == 1
+
+
+@glibc_only
+def test_the_allowance_raises_the_bound_while_it_lasts() -> None:
+    """The device budget's unfilled share may be slack (NOTE [heap trim])."""
+    headroom = [30 * MiB]
+    trimmer, jobs, slack, _ = _trimmer(10 * MiB, allowance=lambda: headroom[0])
+    trimmer.saved()
+    trimmer.check()  # floor 0
+    slack.value = 39 * MiB
+    trimmer.check()  # 39 < 10 + 30: the budget's free share holds it
+    assert jobs.jobs == []
+    headroom[0] = 29 * MiB  # kept records fill the budget: the bound comes down...
+    trimmer.check()
+    assert len(jobs.jobs) == 1  # ...and the slack over it is given back
+    slack.value = 5 * MiB  # what the trim leaves is the new floor
+    jobs.run_all()
+    headroom[0] = 0  # the budget full: the plain bound again
+    slack.value = 14 * MiB
+    trimmer.check()
+    assert jobs.jobs == []
+    slack.value = 15 * MiB
     trimmer.check()
     assert len(jobs.jobs) == 1
 
@@ -437,3 +470,29 @@ def test_a_trimmer_dropped_without_close_stops_its_thread() -> None:
     gc.collect()
     thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("budget", [0, 640 << 10])
+def test_the_engine_lets_slack_use_the_unfilled_device_budget(tmp_path: Path, budget: int) -> None:
+    """The trim bound's allowance is what kept records leave of ``device_budget``."""
+    engine = OffloadEngine(
+        OffloadConfig(
+            target="disk", save_dir=str(tmp_path), min_offload_bytes=0, device_budget=budget
+        )
+    )
+    try:
+        assert engine._heap._allowance() == budget  # nothing kept yet
+        w = torch.ones(64 << 10, requires_grad=True)  # 256 KiB
+        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+            h = w
+            for _ in range(6):
+                h = torch.sin(h + 1)  # saves a fresh 256 KiB tensor
+            engine.flush()  # demotions landed: two newest kept under 640 KiB
+            assert engine._heap._allowance() == (budget - (512 << 10) if budget else 0)
+            h.sum().backward()
+        assert w.grad is not None
+        del h
+        engine.stats()  # drains the records backward freed
+        assert engine._heap._allowance() == budget
+    finally:
+        engine.close()

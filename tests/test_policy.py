@@ -35,6 +35,22 @@ class Rec:
 # -- the policy's accounting --------------------------------------------------------------
 
 
+def test_headroom_is_the_budget_its_records_do_not_fill() -> None:
+    policy = TierPolicy(25, None)
+    assert policy.headroom(DEVICE) == 25 and policy.headroom(HOST) == 0  # HOST: no limit
+    recs = [Rec(i) for i in range(3)]
+    for r in recs:
+        policy.admit(r)
+    assert policy.headroom(DEVICE) == 0  # 30 bytes kept: over, not negative
+    (oldest,) = policy.over(DEVICE)
+    assert policy.headroom(DEVICE) == 0  # being demoted still occupies its memory
+    policy.demote(oldest, DISK)
+    assert policy.headroom(DEVICE) == 5
+    policy.died(DEVICE, recs[2].nbytes)
+    assert policy.headroom(DEVICE) == 15
+    assert TierPolicy(0, None).headroom(DEVICE) == 0
+
+
 def test_the_oldest_records_over_the_budget_are_demoted() -> None:
     policy = TierPolicy(25, None)
     recs = [Rec(i) for i in range(4)]
