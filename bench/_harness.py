@@ -45,6 +45,7 @@ __all__ = [
     "LEARNING_RATE",
     "MODES",
     "REPLAY_MODES",
+    "SPREAD_MODES",
     "Flags",
     "Knobs",
     "ModeFailed",
@@ -70,6 +71,7 @@ MODES: tuple[str, ...] = (
     "budget",
     "ioreplay",
     "iospread",
+    "iobudget",
     "seed",
     "save_on_cpu",
 )
@@ -79,11 +81,15 @@ LABELS: dict[str, str] = {
     "budget": "disk, device_budget a share of saved",
     "ioreplay": "no hooks; disk's bytes by a bare thread",
     "iospread": "ioreplay, paced over forward and backward",
+    "iobudget": "iospread moving saved - budget bytes",
     "seed": "seed: torch.save per tensor",
     "save_on_cpu": "torch save_on_cpu (CPU: no copy)",
 }
-# Modes that train as none does while a side thread moves disk's bytes (IOReplay).
-REPLAY_MODES = frozenset({"ioreplay", "iospread"})
+# Modes that train as none does while a side thread moves bytes (IOReplay): disk's
+# (ioreplay, iospread) or budget's (iobudget); make_mode's caller says how many.
+REPLAY_MODES = frozenset({"ioreplay", "iospread", "iobudget"})
+# The replay modes whose requests are paced over forward and backward (else a burst).
+SPREAD_MODES = frozenset({"iospread", "iobudget"})
 # Modes that run the engine (target disk); "budget" with device_budget > 0.
 ENGINE_MODES = frozenset({"disk", "budget"})
 LEARNING_RATE = 1e-3
@@ -257,15 +263,19 @@ def _engine_run(config: OffloadConfig) -> Iterator[OffloadEngine]:
 
 
 def make_mode(mode: str, save_dir: Path, knobs: Knobs, *, replay_bytes: int = 0) -> ModeSetup:
-    """What turns ``mode`` on; ``disk``, ``budget``, ``ioreplay`` and ``seed`` write under
-    ``save_dir``. ``replay_bytes``: what ``ioreplay`` writes and reads per step. The
-    engine modes take ``knobs.device_budget`` as it is (``budget``'s is set by the
-    caller)."""
+    """What turns ``mode`` on; the engine, replay and seed modes write under ``save_dir``.
+    ``replay_bytes``: what a replay mode (``ioreplay``, ``iospread``, ``iobudget``)
+    writes and reads per step, set by the caller per mode (disk's bytes for the first
+    two, saved - budget for ``iobudget``). The engine modes take
+    ``knobs.device_budget`` as it is (``budget``'s is set by the caller)."""
     if mode == "none":
         return ModeSetup(contextlib.nullcontext())
     if mode in REPLAY_MODES:
         replay = IOReplay(
-            str(save_dir / mode), replay_bytes, chunk=knobs.chunk_bytes, spread=mode == "iospread"
+            str(save_dir / mode),
+            replay_bytes,
+            chunk=knobs.chunk_bytes,
+            spread=mode in SPREAD_MODES,
         )
         return ModeSetup(replay)
     if mode in ENGINE_MODES:
