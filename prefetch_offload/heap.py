@@ -50,19 +50,19 @@
 #
 # Measured on that transformer (docs/tuning.md section 4: time and page faults
 # side by side, each configuration in its own process; memory from the step
-# benchmark's probes): no trims 1.22x the step time of no offload, ~6k page
-# faults per step, activation memory cut 36%; a slack bound of 128 MiB 1.51x,
-# ~88k faults, 78%; 96 MiB 1.59x, ~112k, 88%; 64 MiB (the default) 1.65x,
-# ~136k, 102% (peak RSS 158 MiB above the RSS before training, against 411
-# without offload). Fixed schedules measured against it over ten steps (a 2 ms RSS
-# sampler), no better: one trim per step when forward begins, ~55k faults,
-# 1.34x, peak ~316 MiB above the RSS before training (the step re-touches the
-# whole heap before its peak in backward); one when backward begins, ~55k,
-# 1.37x, ~250 MiB (forward's wander sets the peak then); one before every
-# block's forward and backward, ~170k, 1.7x, ~145 MiB; the 64 MiB bound there:
-# ~135k, 1.6x, ~170 MiB; a ceiling instead (trim when the anonymous RSS
-# passes the most live memory seen plus the bound, so no trims while far below
-# it): ~105k, ~5% faster, ~15 MiB higher (with a device_budget of half the
+# benchmark's probes): no trims 1.18x the step time of no offload, ~15k page
+# faults per step (as many as no offload), activation memory cut 30%; a slack
+# bound of 128 MiB 1.51x, ~94k faults, 74%; 96 MiB 1.48x, ~102k, 83%; 64 MiB
+# (the default) 1.57x, ~133k, 93% (peak RSS 167 MiB above the RSS before
+# training, against 399 without offload). Fixed schedules measured against it
+# over ten steps (a 2 ms RSS sampler), no better: one trim per step when forward
+# begins, ~55k faults, 1.34x, peak ~316 MiB above the RSS before training (the
+# step re-touches the whole heap before its peak in backward); one when backward
+# begins, ~55k, 1.37x, ~250 MiB (forward's wander sets the peak then); one
+# before every block's forward and backward, ~170k, 1.7x, ~145 MiB; the 64 MiB
+# bound there: ~135k, 1.6x, ~170 MiB; a ceiling instead (trim when the anonymous
+# RSS passes the most live memory seen plus the bound, so no trims while far
+# below it): ~105k, ~5% faster, ~15 MiB higher (with a device_budget of half the
 # step, ~115k instead of ~155k, ~10% faster, ~10 MiB higher), about another
 # point on the same curve as a larger bound; a ceiling at the peak RSS of this
 # step or the last one (a due trim waits further below it), each configuration
@@ -70,21 +70,21 @@
 # faults against ~155-167k, time within the runs' spread (1.55-1.65x against
 # 1.59-1.64x), disk's peak ~9 MiB higher; and in a process that also runs other
 # work, that work's peak lifts the ceiling and the trims stop. The allowance,
-# measured the same way (a device_budget of half the step, each configuration
-# in its own process, ten rounds): ~110k faults per step against ~160k with the
-# plain bound, 1.44x against 1.67x the step time of no offload (1.26x without
-# trims); the budget's peak in the step benchmark 270 MiB against a limit of
-# 300. Trims queued on the IO pool behind reads ran only after backward (reads
-# are queued all through it), hence a thread of the trimmer's own. Other ideas
-# measured: reading spans back into heap memory
-# instead of mapped blocks grew the heap further (~350 MiB without trims);
-# MADV_HUGEPAGE on the heap cut a refault's cost by a quarter (zeroing
+# measured the same way (a device_budget of half the step, each configuration in
+# its own process, ten and twelve rounds): ~110k faults per step against ~160k
+# with the plain bound, 1.40-1.44x against 1.63-1.67x the step time of no
+# offload (1.13-1.26x without trims); the budget's peak in the step benchmark
+# 266-286 MiB against a limit of 299-314. Trims queued on the IO pool behind
+# reads ran only after backward (reads are queued all through it), hence a
+# thread of the trimmer's own. Other ideas measured: reading spans back into
+# heap memory instead of mapped blocks grew the heap further (~350 MiB without
+# trims); MADV_HUGEPAGE on the heap cut a refault's cost by a quarter (zeroing
 # dominates) at the risk of compaction stalls (one 0.19 s refault of 128 MiB);
 # giving back a written activation's own pages when the engine held the
-# storage's last reference reached only 30-60% of the bytes, since forward
-# still holds many tensors when their writes land; glibc's mmap threshold set by
-# the engine (every freed block leaves at once) cost ~250k faults per step,
-# 1.84x, and would change the whole process's allocator for good.
+# storage's last reference reached only 30-60% of the bytes, since forward still
+# holds many tensors when their writes land; glibc's mmap threshold set by the
+# engine (every freed block leaves at once) cost ~250k faults per step, 1.84x,
+# and would change the whole process's allocator for good.
 # Records of CUDA tensors do not count: their host memory is pinned or mapped,
 # not glibc's heap. Where glibc is absent (musl, macOS, Windows) this does nothing;
 # where only mallinfo2 is missing (glibc < 2.33), the slack is the anonymous RSS
