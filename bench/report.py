@@ -317,14 +317,12 @@ def _step_targets(doc: dict[str, Any]) -> str | None:
                 met(budget["peak_met"]),
             )
         )
-    # (what, needs, the ratio's key, its verdict's key). JSON written before iobudget
-    # existed judged the step time against iospread (every saved byte): shown as it was.
+    # (what, needs, the ratio's key, its verdict's key).
     limit = budget.get("iobudget_limit", 1.05)
     ratios = (
         ("budget: written per step / (saved - budget)", "0.90x-1.10x", "moved_ratio", "moved_met"),
         ("budget: step time / disk's", "< 1.00x", "time_vs_disk", "time_met"),
         ("budget: step time / iobudget's", f"<= {limit:.2f}x", "time_vs_iobudget", "iobudget_met"),
-        ("budget: step time / iospread's", "<= 1.05x", "time_vs_iospread", "iospread_met"),
     )
     for what, needs, key, verdict in ratios:
         if key in budget and verdict in budget:
