@@ -501,16 +501,21 @@ class OffloadEngine:
         )
 
     def _note_cpu_budget(self, t: torch.Tensor) -> None:
-        """Say once that target "cpu" has nothing to do for CPU tensors."""
-        if t.device.type != "cpu":
+        """Say once that target "cpu" leaves a CPU tensor large enough to move where it
+        is, if budgets were asked for: they apply to what the device layer moves (CUDA
+        tensors; CPU ones only on the CPU twin)."""
+        if t.device.type != "cpu" or self._device.accepts(t):
             return
+        if t.numel() * t.element_size() < self.config.min_offload_bytes:
+            return  # kept for its size: the same under any target
         self._warned_cpu_budget = True
         cfg = self.config
         if cfg.device_budget or cfg.host_budget is not None:
             logger.warning(
                 "prefetch_offload: target 'cpu' leaves CPU tensors where they are (they are "
                 "host memory already), so device_budget=%s and host_budget=%s have nothing to "
-                "do here; use target 'disk' to move saved CPU tensors out of RAM.",
+                "do for them (they apply to CUDA tensors); use target 'disk' to move saved CPU "
+                "tensors out of RAM.",
                 cfg.device_budget,
                 cfg.host_budget,
             )

@@ -189,6 +189,9 @@ def test_target_cpu_on_cpu_tensors_says_budgets_have_nothing_to_do(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="prefetch_offload")
+    with offload_context("cpu", device_budget="1MiB"):  # too small to move anyway
+        (torch.randn(4, requires_grad=True).exp() * 2).sum().backward()
+    assert caplog.records == []
     x = torch.randn(N, requires_grad=True)
     with offload_context("cpu", device_budget="1MiB") as engine:
         _chain(x).backward()
@@ -199,6 +202,23 @@ def test_target_cpu_on_cpu_tensors_says_budgets_have_nothing_to_do(
     caplog.clear()
     with offload_context("cpu") as engine:  # no budget asked for: nothing to say
         _chain(x).backward()
+    assert caplog.records == []
+
+
+def test_a_twin_keeping_a_small_cpu_tensor_does_not_say_budgets_do_nothing(
+    save_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The CPU twin moves CPU tensors: one kept for its size is no reason to warn."""
+    caplog.set_level(logging.WARNING, logger="prefetch_offload")
+    x = torch.randn(N, requires_grad=True)
+    with twin_with_hooks("cpu", save_dir, device_budget=SIZE, min_offload_bytes=SIZE) as (
+        engine,
+        _,
+    ):
+        (torch.randn(4, requires_grad=True).exp() * 2).sum().backward()  # kept: small
+        _chain(x).backward()
+        stats = engine.stats()
+    assert stats.tensors_kept > 0 and stats.bytes_demoted_to_host > 0
     assert caplog.records == []
 
 
