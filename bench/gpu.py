@@ -7,6 +7,17 @@ that clock and thermal drift hit all alike:
 
 - ``none``: no offload.
 - ``cpu``: this library, target "cpu" (pinned host RAM).
+- ``budget``: ``cpu`` with ``device_budget`` set to ``--budget-fraction`` (default
+  0.5) of the bytes one forward saves for backward (parameters excluded, measured
+  once before the modes are built, as bench/step.py does): the newest saved
+  tensors up to the budget stay in GPU memory, the oldest are copied to pinned
+  host RAM (NOTE [tiers] in prefetch_offload/policy.py).
+- ``copybudget``: the reference for ``budget``'s step time: ``none``'s training,
+  no hooks, while a side CUDA stream (a side thread on the twin) copies
+  ``saved - budget`` bytes from a device buffer to a pinned host buffer in
+  ``--chunk-bytes`` pieces, starting when forward starts, and back when backward
+  starts; the step's end waits for both (its time includes copies that outlast
+  backward). Its buffers are made once for the run.
 - ``disk``: this library, target "disk" (GPU -> pinned staging -> slab files).
 - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``.
 - ``ondemand``: the approach of the common fine-tuning libraries, reimplemented
@@ -36,7 +47,11 @@ After the table come issue 14's targets for the GPU run, each PASS, FAIL or n/a:
 exact gradients; target "cpu" within 1.03x of ``none`` with its forward peak cut by
 80% or more, ahead of ``save_on_cpu`` on both; no pinned arena made (no
 ``cudaHostAlloc``) and no pageable fallback during the timed steps (NOTE [pinned
-arena]); reserved memory the same at the start of every timed step. Only inexact
+arena]); reserved memory the same at the start of every timed step. Then issue 13's
+budget targets, judged as bench/step.py judges them on the CPU: ``budget``'s step
+peak at most ``device_budget + (none's step peak - saved) + 10% of saved``;
+its bytes moved per step within 10% of ``saved - budget``; its step time below
+``cpu``'s (offload everything) and at most 1.05x ``copybudget``'s. Only inexact
 gradients make the exit status non-zero.
 
 ``--twin`` runs the same script on the CPU through the CUDA path's CPU twin
@@ -54,9 +69,11 @@ import dataclasses
 import functools
 import json
 import os
+import queue
 import shlex
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -72,6 +89,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import RssSampler, read_rss_bytes, round_order, scratch_folder
 from _plot import memory_over_step
 from _text import log
+from step import (
+    BUDGET_FRACTION,
+    BUDGET_SLACK,
+    IOBUDGET_LIMIT,
+    MOVE_TOLERANCE,
+    _saved_activation_bytes,
+)
 
 from prefetch_offload import OffloadConfig, OffloadEngine
 from prefetch_offload.device import (
@@ -83,7 +107,9 @@ from prefetch_offload.device import (
 from prefetch_offload.probe import raw_bandwidth
 from prefetch_offload.testing import TinyTransformer, make_batch
 
-MODES = ("none", "cpu", "disk", "save_on_cpu", "ondemand")
+MODES = ("none", "cpu", "budget", "copybudget", "disk", "save_on_cpu", "ondemand")
+# The library modes and the target each engine runs with.
+ENGINE_TARGETS = {"cpu": "cpu", "budget": "cpu", "disk": "disk"}
 
 
 class OnDemandHooks:
@@ -100,6 +126,97 @@ class OnDemandHooks:
             return packed
         device, host = packed
         return host.to(device, non_blocking=True)
+
+
+class CopyReplay:
+    """copybudget: ``nbytes`` per step moved by a bare side stream, no hooks, no engine.
+
+    Device -> pinned host during forward, host -> device during backward, in
+    ``chunk``-byte copies, between two buffers made once here. On a GPU the copies
+    are queued on a side CUDA stream; on the twin a side thread copies between two
+    CPU buffers. The step calls :meth:`forward_started`, :meth:`backward_started`
+    and, when backward has returned, :meth:`wait`; ``bytes_d2h`` and ``bytes_h2d``
+    count what was moved (exactly ``nbytes`` each per step, by construction).
+    """
+
+    def __init__(self, nbytes: int, *, chunk: int, cuda: bool) -> None:
+        if nbytes < 0 or chunk < 1:
+            raise ValueError("CopyReplay needs nbytes >= 0 and chunk >= 1")
+        self.nbytes, self.chunk, self.cuda = nbytes, chunk, cuda
+        self.bytes_d2h = 0
+        self.bytes_h2d = 0
+        device = torch.device("cuda" if cuda else "cpu")
+        self._device_buf = torch.ones(nbytes, dtype=torch.uint8, device=device)
+        self._host_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+        self._stream: Any = None
+        self._thread: threading.Thread | None = None
+        self._cmds: queue.Queue[str | None] = queue.Queue()
+        self._done: queue.Queue[BaseException | None] = queue.Queue()
+        if cuda:
+            self._stream = torch.cuda.Stream()
+            torch.cuda.synchronize()  # the buffers are made before any copy reads them
+        else:
+            self._thread = threading.Thread(target=self._main, name="bench-copybudget", daemon=True)
+            self._thread.start()
+
+    def _copy(self, op: str) -> None:
+        """Every chunk of one direction; the counters add what each copy moves."""
+        d2h = op == "d2h"
+        src, dst = (self._device_buf, self._host_buf) if d2h else (self._host_buf, self._device_buf)
+        for off in range(0, self.nbytes, self.chunk):
+            piece = src[off : off + self.chunk]
+            dst[off : off + self.chunk].copy_(piece, non_blocking=self.cuda)
+            if d2h:
+                self.bytes_d2h += piece.numel()
+            else:
+                self.bytes_h2d += piece.numel()
+
+    def _start(self, op: str) -> None:
+        if self.cuda:
+            with torch.cuda.stream(self._stream):  # queued in order on the side stream
+                self._copy(op)
+        else:
+            self._cmds.put(op)
+
+    def forward_started(self) -> None:
+        """Start this step's device -> host copies."""
+        self._start("d2h")
+
+    def backward_started(self) -> None:
+        """Start this step's host -> device copies (after the device -> host ones)."""
+        self._start("h2d")
+
+    def wait(self) -> None:
+        """The step's end waits for both directions; re-raise the twin thread's error.
+
+        On a GPU the compute stream waits for an event recorded on the side stream
+        (the step's closing synchronize then covers the copies); on the twin this
+        blocks until the side thread has done both."""
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record(self._stream)
+            torch.cuda.current_stream().wait_event(done)
+            return
+        errors = [err for err in (self._done.get(), self._done.get()) if err is not None]
+        if errors:
+            raise errors[0]
+
+    def _main(self) -> None:
+        while (op := self._cmds.get()) is not None:
+            try:
+                self._copy(op)
+                self._done.put(None)
+            except BaseException as exc:
+                self._done.put(exc)
+
+    def close(self) -> None:
+        """Stop the twin's thread; the buffers go with the object."""
+        if self._thread is not None:
+            self._cmds.put(None)
+            self._thread.join()
+            self._thread = None
+        elif self._stream is not None:
+            self._stream.synchronize()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +242,10 @@ class GpuRow:
     # NOTE [pinned arena]) and host buffers that fell back to pageable memory.
     pin_calls_timed: int | None = None
     pageable_fallbacks: int | None = None
+    # Library modes (NOTE [tiers]): bytes demoted from the device tier to host memory
+    # per timed step, and the most the device tier ever kept once a pack returned.
+    bytes_demoted_to_host_per_step: float | None = None
+    peak_device_tier_bytes: int | None = None
 
     @property
     def median_step_s(self) -> float:
@@ -196,9 +317,10 @@ def _math_attention(cuda: bool) -> AbstractContextManager[Any]:
 
 def run(
     args: argparse.Namespace,
-) -> tuple[list[GpuRow], dict[str, float], dict[str, dict[str, Any]]]:
-    """The rows, the measured link and disk bandwidths, and with ``--plot`` one traced
-    step's memory timeline per mode."""
+) -> tuple[list[GpuRow], dict[str, float], dict[str, dict[str, Any]], dict[str, int]]:
+    """The rows, the measured link and disk bandwidths, with ``--plot`` one traced
+    step's memory timeline per mode, and the sizes the budget modes use: the bytes one
+    forward saves (``saved_activation_bytes``) and ``device_budget``."""
     gpu = _Gpu(not args.twin)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -215,6 +337,15 @@ def run(
     modes = [m.strip() for m in args.modes.split(",")]
     if modes[0] != "none":
         raise SystemExit("--modes must start with none (the reference)")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or len(set(modes)) != len(modes):
+        raise SystemExit(f"--modes: unknown or repeated modes in {args.modes!r}; known: {MODES}")
+    # NOTE [tiers]: the budget modes' sizes, from one forward of the model as it will train
+    # (the attention backend of the timed steps: fused kernels save other tensors).
+    saved = _saved_activation_bytes(base, (tokens, targets))
+    device_budget = round(saved * args.budget_fraction)
+    sizes = {"saved_activation_bytes": saved, "device_budget": device_budget}
+    gpu.sync()
 
     env: dict[str, float] = {}
     if gpu.cuda:
@@ -227,18 +358,19 @@ def run(
         engines: dict[str, OffloadEngine] = {}
         layers: dict[str, DeviceLayer] = {}
         ctx: dict[str, Callable[[], AbstractContextManager[Any]]] = {"none": nullcontext}
-        for mode in ("cpu", "disk"):
+        for mode, target in ENGINE_TARGETS.items():
             if mode in modes:
                 cfg = OffloadConfig(
-                    target=mode,
-                    save_dir=folder if mode == "disk" else None,
+                    target=target,
+                    save_dir=folder if target == "disk" else None,
                     prefetch_depth=args.depth_prefetch,
                     max_pending_write_bytes=args.max_pending_mb << 20,
                     min_offload_bytes=args.min_offload_bytes,
                     chunk_bytes=args.chunk_bytes,
+                    device_budget=device_budget if mode == "budget" else 0,
                 )
                 layer = layers[mode] = (
-                    default_device_layer(mode, max_inflight_bytes=cfg.max_inflight_copy_bytes)
+                    default_device_layer(target, max_inflight_bytes=cfg.max_inflight_copy_bytes)
                     if gpu.cuda
                     else RoutingDevice([SpanCopyDevice("cpu")])
                 )
@@ -249,6 +381,12 @@ def run(
         if "ondemand" in modes:
             od = OnDemandHooks()
             ctx["ondemand"] = functools.partial(saved_tensors_hooks, od.pack, od.unpack)
+        replays: dict[str, CopyReplay] = {}
+        if "copybudget" in modes:
+            ctx["copybudget"] = nullcontext  # none's training, beside the copies
+            replays["copybudget"] = CopyReplay(
+                max(saved - device_budget, 0), chunk=args.chunk_bytes, cuda=gpu.cuda
+            )
 
         models = {m: copy.deepcopy(base) for m in modes}
         opts = {m: torch.optim.SGD(models[m].parameters(), lr=1e-4) for m in modes}
@@ -265,13 +403,20 @@ def run(
             start_mem = gpu.allocated()
             start_reserved = gpu.reserved()
             reserved_start[mode].append(start_reserved)
+            replay = replays.get(mode)
             t0 = time.perf_counter()
             with ctx[mode]():
+                if replay is not None:
+                    replay.forward_started()
                 loss = model(tokens, targets)
                 fwd_peak = gpu.peak() - start_mem  # allocations are counted when issued
                 tb = time.perf_counter()
+                if replay is not None:
+                    replay.backward_started()
                 loss.backward()
             del loss
+            if replay is not None:
+                replay.wait()  # copies that outlast backward count in the step
             grads = [p.grad.detach().clone() for p in model.parameters()] if not update else []
             if update:
                 opts[mode].step()
@@ -320,10 +465,12 @@ def run(
         samples: dict[str, list[tuple[float, int, int]]] = {m: [] for m in modes}
         before = {m: e.stats() for m, e in engines.items()}
         pins_before = {m: _pin_counts(layer) for m, layer in layers.items()}
+        copied_before = {m: rp.bytes_d2h for m, rp in replays.items()}
         for r in range(args.warmup + args.steps):
             if r == args.warmup:
                 before = {m: e.stats() for m, e in engines.items()}
                 pins_before = {m: _pin_counts(layer) for m, layer in layers.items()}
+                copied_before = {m: rp.bytes_d2h for m, rp in replays.items()}
             order = round_order(modes, r)
             times = []
             for mode in order:
@@ -353,7 +500,15 @@ def run(
                     pack_wait_seconds_per_step=(b.pack_wait_seconds - a.pack_wait_seconds) / n,
                     pin_calls_timed=pins - pins_before[mode][0],
                     pageable_fallbacks=fallbacks,
+                    bytes_demoted_to_host_per_step=(
+                        b.bytes_demoted_to_host - a.bytes_demoted_to_host
+                    )
+                    / n,
+                    peak_device_tier_bytes=b.peak_device_tier_bytes,
                 )
+            elif mode in replays:
+                copied = replays[mode].bytes_d2h - copied_before[mode]
+                extra = dict(bytes_offloaded_per_step=copied / args.steps)
             rows.append(
                 GpuRow(
                     mode,
@@ -369,7 +524,9 @@ def run(
         timelines = {m: traced_step(m) for m in modes} if args.plot else {}
         for e in engines.values():
             e.close()
-    return rows, env, timelines
+        for rp in replays.values():
+            rp.close()
+    return rows, env, timelines, sizes
 
 
 def _pin_counts(layer: DeviceLayer) -> tuple[int, int]:
@@ -383,8 +540,21 @@ def _verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("PASS" if ok else "FAIL")
 
 
-def targets(rows: list[GpuRow]) -> list[dict[str, str]]:
-    """Issue 14's targets for the GPU run, each judged PASS, FAIL or n/a from the rows."""
+def _size(nbytes: float) -> str:
+    """A byte count in GB, MB or kB (decimal), whichever reads best: the GPU's sizes
+    and the twin's toy ones alike."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes / 1e3:.1f} kB"
+
+
+def targets(
+    rows: list[GpuRow], *, saved_bytes: int | None = None, device_budget: int | None = None
+) -> list[dict[str, str]]:
+    """Issue 14's targets for the GPU run, then issue 13's budget targets where the
+    ``budget`` mode ran (they need the bytes one forward saves and its ``device_budget``),
+    each judged PASS, FAIL or n/a from the rows."""
     by = {r.mode: r for r in rows}
     ref = by["none"]
     out = []
@@ -435,10 +605,80 @@ def targets(rows: list[GpuRow]) -> list[dict[str, str]]:
             grew == 0,
             f"{grew / 1e6:.0f} MB between the timed steps' starts",
         )
+    budget = by.get("budget")
+    if budget is not None and saved_bytes is not None and device_budget is not None:
+        out += _budget_targets(by, saved_bytes, device_budget)
     return out
 
 
-def table(rows: list[GpuRow], env: dict[str, float], args: argparse.Namespace) -> str:
+def _budget_targets(by: dict[str, GpuRow], saved: int, held: int) -> list[dict[str, str]]:
+    """Issue 13's targets for ``budget`` (device_budget ``held`` of ``saved`` bytes), as
+    bench/step.py judges them on the CPU, with the GPU's allocated memory for RSS and
+    ``copybudget`` (a bare side stream moving saved - budget) for ``iobudget``."""
+    ref, budget = by["none"], by["budget"]
+    out: list[dict[str, str]] = []
+
+    def add(target: str, ok: bool | None, value: str) -> None:
+        out.append({"target": target, "verdict": _verdict(ok), "value": value})
+
+    peak = (
+        f"budget: step peak at most budget + (none's step peak - saved) + "
+        f"{BUDGET_SLACK:.0%} of saved"
+    )
+    if ref.step_peak or budget.step_peak:
+        most = held + (ref.step_peak - saved) + BUDGET_SLACK * saved
+        add(
+            peak,
+            budget.step_peak <= most,
+            f"{_size(budget.step_peak)} vs {_size(held)} + ({_size(ref.step_peak)} - "
+            f"{_size(saved)}) + {_size(BUDGET_SLACK * saved)} = {_size(most)}",
+        )
+    else:  # the twin reads no device memory
+        add(peak, None, "not measured (CPU twin)")
+    move = saved - held
+    moved = budget.bytes_offloaded_per_step
+    ok: bool | None
+    if moved is None:
+        ok, ratio = None, "not measured"
+    elif move > 0:
+        ok = abs(moved - move) <= MOVE_TOLERANCE * move  # a ratio would round at the edge
+        ratio = f"{moved / move:.3f}x"
+    else:  # the budget holds everything: nothing should move
+        ok, ratio = moved == 0, "nothing to move"
+    add(
+        f"budget: bytes moved per step within {MOVE_TOLERANCE:.0%} of saved - budget",
+        ok,
+        f"{_size(moved or 0)}/step vs {_size(saved)} - {_size(held)} = {_size(move)}: {ratio}",
+    )
+    for other, target, limit, strict in (
+        ("cpu", "budget: step time below cpu's (offload everything)", 1.0, True),
+        (
+            "copybudget",
+            f"budget: step time at most {IOBUDGET_LIMIT:.2f}x copybudget's (a bare stream "
+            "moving saved - budget)",
+            IOBUDGET_LIMIT,
+            False,
+        ),
+    ):
+        row = by.get(other)
+        if row is None:
+            add(target, None, f"{other} did not run")
+            continue
+        vs = budget.median_step_s / row.median_step_s
+        add(
+            target,
+            vs < limit if strict else vs <= limit,
+            f"{budget.median_step_s * 1e3:.1f} vs {row.median_step_s * 1e3:.1f} ms: {vs:.3f}x",
+        )
+    return out
+
+
+def table(
+    rows: list[GpuRow],
+    env: dict[str, float],
+    args: argparse.Namespace,
+    sizes: dict[str, int] | None = None,
+) -> str:
     ref = rows[0]
     name = "CPU (twin)" if args.twin else torch.cuda.get_device_name()
     lines = [
@@ -482,6 +722,24 @@ def table(rows: list[GpuRow], env: dict[str, float], args: argparse.Namespace) -
     )
     if growth:
         lines.append(f"reserved memory growth per step, median MB (caching allocator): {growth}")
+    by = {r.mode: r for r in rows}
+    if sizes is not None and ("budget" in by or "copybudget" in by):
+        saved, held = sizes["saved_activation_bytes"], sizes["device_budget"]
+        line = (
+            f"budget: one forward saves {_size(saved)}; device_budget {_size(held)} "
+            f"({args.budget_fraction:g} x saved); saved - budget {_size(saved - held)}"
+        )
+        b = by.get("budget")
+        if b is not None and b.bytes_offloaded_per_step is not None:
+            line += (
+                f"; budget moved {_size(b.bytes_offloaded_per_step)}/step (demoted to host "
+                f"{_size(b.bytes_demoted_to_host_per_step or 0)}/step), device tier peak "
+                f"{_size(b.peak_device_tier_bytes or 0)}"
+            )
+        c = by.get("copybudget")
+        if c is not None and c.bytes_offloaded_per_step is not None:
+            line += f"; copybudget moved {_size(c.bytes_offloaded_per_step)}/step each way"
+        lines.append(line)
     cpu = next((r for r in rows if r.bytes_offloaded_per_step), None)
     if cpu is not None and "d2h_gbps" in env:
         vol = cpu.bytes_offloaded_per_step
@@ -512,6 +770,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument(
+        "--budget-fraction",
+        type=_budget_fraction,
+        default=BUDGET_FRACTION,
+        metavar="F",
+        help="the budget mode's device_budget as a share of the bytes one forward saves, "
+        f"in (0, 1] (default {BUDGET_FRACTION}); copybudget moves the rest",
+    )
     p.add_argument("--depth-prefetch", type=int, default=4, help="prefetch_depth of the engine")
     p.add_argument("--max-pending-mb", type=int, default=64, help="max_pending_write_bytes in MiB")
     p.add_argument("--min-offload-bytes", type=int, default=1 << 16, help="min_offload_bytes")
@@ -544,9 +810,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.twin and not torch.cuda.is_available():
         print("bench/gpu.py needs a CUDA device", file=sys.stderr)
         return 2
-    rows, env, timelines = run(args)
-    print(table(rows, env, args), flush=True)
-    verdicts = targets(rows)
+    rows, env, timelines, sizes = run(args)
+    print(table(rows, env, args, sizes), flush=True)
+    verdicts = targets(
+        rows, saved_bytes=sizes["saved_activation_bytes"], device_budget=sizes["device_budget"]
+    )
     for t in verdicts:
         print(f"target {t['verdict']:>4}: {t['target']} ({t['value']})", flush=True)
     if args.json:
@@ -559,6 +827,7 @@ def main(argv: list[str] | None = None) -> int:
                     "env": env,
                     "device": "CPU (twin)" if args.twin else torch.cuda.get_device_name(),
                     "torch": torch.__version__,
+                    **sizes,
                     "rows": [
                         dataclasses.asdict(r) | {"median_step_s": r.median_step_s} for r in rows
                     ],
@@ -571,6 +840,20 @@ def main(argv: list[str] | None = None) -> int:
     if timelines:
         plot_timelines({"args": vars(args), "timelines": timelines}, args.plot)
     return 1 if any(r.exact == "NO" for r in rows) else 0
+
+
+def _budget_fraction(text: str) -> float:
+    """``--budget-fraction``: a share in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(
+            "the budget fraction is the share of the saved bytes the budget keeps on the "
+            f"device, in (0, 1]; got {text!r}"
+        )
+    return value
 
 
 def plot_timelines(doc: dict[str, Any], path: str) -> bool:

@@ -9,7 +9,8 @@ it, the machine it ran on, and one markdown table per part of the result:
   what disk's IO costs moved by a bare thread (ioreplay, iospread; iobudget
   moves budget's bytes); the write cap's memory; the targets as met / not met;
 - ``compiled.py``: prefetch hit rate, IO and unpack order per compile mode;
-- ``gpu.py``: step time and memory per mode, and its targets as PASS / FAIL;
+- ``gpu.py``: step time and memory per mode; the budget mode against its budget
+  and copybudget (a bare stream moving the same bytes); its targets as PASS / FAIL;
 - ``ab.py``: engine settings side by side (step time, CPU, steal, page faults);
 - ``hostcost.py``: GB/s, guest CPU and hypervisor steal per GB of disk IO.
 
@@ -483,12 +484,62 @@ def _render_gpu(doc: dict[str, Any]) -> list[str]:
         "exact",
     )
     out += ["*Step time and allocated memory*", "", markdown_table(header, body), ""]
+    budget = _gpu_budget(doc)
+    if budget is not None:
+        out += ["*Device budget*", "", budget, ""]
     targets = doc.get("targets") or []
     if targets:
         t_body = [(t["target"], t["verdict"], t["value"]) for t in targets]
         table = markdown_table(("target", "verdict", "measured"), t_body, left=3)
         out += ["*Targets*", "", table, ""]
     return out
+
+
+def _gpu_budget(doc: dict[str, Any]) -> str | None:
+    """The budget and copybudget rows against ``saved - device_budget``, or None if
+    neither ran (or the JSON predates them). Sizes are KiB where one forward saves
+    less than a MiB (the CPU twin's toy model), else MiB."""
+    saved, held = doc.get("saved_activation_bytes"), doc.get("device_budget")
+    by = {r["mode"]: r for r in doc["rows"]}
+    modes = [m for m in ("budget", "copybudget") if m in by]
+    if saved is None or held is None or not modes:
+        return None
+    unit, scale = ("KiB", 1 / 1024) if saved < MiB else ("MiB", 1 / MiB)
+    move = saved - held
+    body = []
+    for mode in modes:
+        r = by[mode]
+        moved = r.get("bytes_offloaded_per_step")
+        step = statistics.median(r["step_peak_bytes"]) if r["step_peak_bytes"] else None
+        body.append(
+            (
+                mode,
+                fmt(held, ".1f", scale),
+                fmt(move, ".1f", scale),
+                fmt(moved, ".1f", scale),
+                fmt(moved / move if moved is not None and move > 0 else None, ".3f", suffix="x"),
+                fmt(r.get("bytes_demoted_to_host_per_step"), ".1f", scale),
+                fmt(r.get("peak_device_tier_bytes"), ".1f", scale),
+                fmt(step, ".1f", scale),
+                fmt(r["median_step_s"], ".1f", 1e3),
+            )
+        )
+    header = (
+        "mode",
+        f"device_budget {unit}",
+        f"saved - budget {unit}",
+        f"moved {unit}/step",
+        "vs saved - budget",
+        f"demoted to host {unit}/step",
+        f"device tier peak {unit}",
+        f"step peak {unit}",
+        "step ms",
+    )
+    return (
+        f"One forward saves {saved * scale:.1f} {unit}; device_budget {held * scale:.1f} "
+        f"{unit} ({fmt(doc.get('args', {}).get('budget_fraction'), 'g')} x saved).\n\n"
+        + markdown_table(header, body)
+    )
 
 
 # -- bench/ab.py -------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import copy
 import importlib.util
 import itertools
 import json
+import math
 import mmap
 import multiprocessing
 import os
@@ -23,6 +24,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -556,9 +558,117 @@ def test_gpu_suite_stops_where_the_engine_cannot_run(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "rc.txt").read_text().split() == ["requirements", "1"]
 
 
-def test_gpu_main_on_the_cpu_twin(tmp_path: Path, cwd: Path) -> None:
-    """bench/gpu.py end to end on the CPU twin: every mode runs and is exact."""
+def _saved_storages(argv: list[str]) -> list[int]:
+    """Bytes of each distinct storage one forward of bench/gpu.py's model (as ``argv``
+    sizes it) saves for backward, parameters excluded, measured here independently."""
+    from prefetch_offload.testing import TinyTransformer, make_batch
+
+    def a(flag: str) -> str:  # the value of the flag's last occurrence
+        return argv[len(argv) - argv[::-1].index(flag)]
+
+    torch.manual_seed(0)
+    model = TinyTransformer(
+        vocab=int(a("--vocab")),
+        width=int(a("--width")),
+        depth=int(a("--depth")),
+        heads=int(a("--heads")),
+        attention=a("--attention"),
+    ).to({"fp32": torch.float32, "bf16": torch.bfloat16}[a("--dtype")])
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(*make_batch(int(a("--batch")), int(a("--seq")), vocab=int(a("--vocab"))))
+    del loss
+    return list(storages.values())
+
+
+def _target(res: dict[str, Any], start: str) -> dict[str, str]:
+    """The one target of a bench/gpu.py JSON whose name starts with ``start``."""
+    found = [t for t in res["targets"] if t["target"].startswith(start)]
+    assert len(found) == 1, (start, res["targets"])
+    return found[0]
+
+
+def _check_budget_modes(res: dict[str, Any], storages: list[int]) -> float:
+    """What the budget and copybudget rows and targets of a twin run must show, given
+    the saved storages measured independently; the budget's bytes per step."""
+    rows = {r["mode"]: r for r in res["rows"]}
+    saved, held = res["saved_activation_bytes"], res["device_budget"]
+    assert saved == sum(storages)
+    assert held == round(saved * res["args"]["budget_fraction"])
+    move = saved - held
+    budget, bare = rows["budget"], rows["copybudget"]
+    assert budget["exact"] == bare["exact"] == "yes"
+    moved = budget["bytes_offloaded_per_step"]
+    # Target "cpu": what the engine offloads is what it demoted from the device tier.
+    assert moved == budget["bytes_demoted_to_host_per_step"]
+    # NOTE [tiers]: the oldest records are demoted until the newest ones fit the budget,
+    # so the device tier never keeps more than the budget, and the bytes moved exceed
+    # saved - budget by less than one record (every storage here is offloaded whole).
+    assert budget["peak_device_tier_bytes"] <= held
+    assert move <= moved < move + max(storages)
+    # copybudget moves saved - budget each step, by construction.
+    assert bare["bytes_offloaded_per_step"] == move
+    # The targets, judged on the rows' own numbers; the peak is not measured on the twin.
+    peak = _target(res, "budget: step peak")
+    assert peak["verdict"] == "n/a" and peak["value"] == "not measured (CPU twin)"
+    judged = _target(res, "budget: bytes moved per step")
+    if move:
+        assert judged["verdict"] == ("PASS" if abs(moved - move) <= 0.10 * move else "FAIL")
+        assert f": {moved / move:.3f}x" in judged["value"]
+    for other, ok in (("cpu", lambda v: v < 1.0), ("copybudget", lambda v: v <= 1.05)):
+        judged = _target(res, f"budget: step time {'below' if other == 'cpu' else 'at most'}")
+        vs = budget["median_step_s"] / rows[other]["median_step_s"]
+        assert judged["verdict"] == ("PASS" if ok(vs) else "FAIL"), judged
+        assert judged["value"].endswith(f"ms: {vs:.3f}x")
+        assert f"{budget['median_step_s'] * 1e3:.1f} vs " in judged["value"]
+    return float(moved)
+
+
+def _check_gpu_report(md: str, doc: dict[str, Any]) -> None:
+    """bench/report.py's markdown of a twin run of bench/gpu.py shows the budget modes
+    against saved - budget (KiB: the twin saves less than a MiB) and every target."""
+    rows = {r["mode"]: r for r in doc["rows"]}
+    saved, held = doc["saved_activation_bytes"], doc["device_budget"]
+    move = saved - held
+    assert saved < MiB
+    assert (
+        "| mode | device_budget KiB | saved - budget KiB | moved KiB/step | vs saved - budget |"
+        in md
+    )
+    for mode in ("budget", "copybudget"):
+        moved = rows[mode]["bytes_offloaded_per_step"]
+        assert (
+            f"| {mode} | {held / 1024:.1f} | {move / 1024:.1f} | {moved / 1024:.1f} | "
+            f"{moved / move:.3f}x |" in md
+        ), mode
+    for t in doc["targets"]:
+        assert f"| {t['target']} | {t['verdict']} | {t['value']} |" in md, t
+
+
+def test_gpu_main_on_the_cpu_twin(
+    tmp_path: Path, cwd: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/gpu.py end to end on the CPU twin: every mode runs and is exact; the budget
+    modes move what they should and their targets are judged on the rows' numbers."""
     gpu = _load("gpu")
+    engines: list[Any] = []
+
+    class Recorded(gpu.OffloadEngine):  # type: ignore[name-defined,misc]
+        """The engines bench/gpu.py makes, kept to read their counters afterwards."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(gpu, "OffloadEngine", Recorded)
     out = tmp_path / "gpu.json"
     argv = [*TINY, *SMALL_BATCHES, "--twin", "--attention", "explicit", "--dtype", "fp32"]
     argv += ["--vocab", "64"]
@@ -567,7 +677,18 @@ def test_gpu_main_on_the_cpu_twin(tmp_path: Path, cwd: Path) -> None:
     assert gpu.main(argv) == 0
     res = json.loads(out.read_text())
     rows = {r["mode"]: r for r in res["rows"]}
-    assert list(rows) == ["none", "cpu", "disk", "save_on_cpu", "ondemand"]
+    assert list(rows) == list(gpu.MODES)
+    assert list(rows) == ["none", "cpu", "budget", "copybudget", "disk", "save_on_cpu", "ondemand"]
+    # The exactness step, the timed steps (no warm-up here) and the --plot step.
+    steps_run = 1 + 2 + 1
+    moved = _check_budget_modes(res, _saved_storages(argv))
+    # The row's figure is the budget engine's own count, the same every step.
+    (engine,) = [e for e in engines if e.config.device_budget]
+    assert engine.config.device_budget == res["device_budget"]
+    assert engine.stats().bytes_offloaded == moved * steps_run
+    # At this size the newest records fill the budget to within 10% of the rest.
+    assert _target(res, "budget: bytes moved per step")["verdict"] == "PASS"
+    _check_gpu_report(_load("report").render(res), res)
     # --plot: one traced step per mode, RSS on the twin (memory_allocated on a GPU).
     for line in res["timelines"].values():
         assert line["counter"] == "RSS" and len(line["t_s"]) == len(line["rss_bytes"]) > 0
@@ -589,6 +710,116 @@ def test_gpu_main_on_the_cpu_twin(tmp_path: Path, cwd: Path) -> None:
     # One reserved-memory sample per timed step (0 on the twin: no caching allocator).
     assert all(r["reserved_growth_bytes"] == [0, 0] for r in rows.values())
     assert _empty(tmp_path / "s")
+
+
+def test_gpu_budget_modes_with_the_whole_budget(tmp_path: Path, cwd: Path) -> None:
+    """--budget-fraction 1: the budget keeps every saved byte on the device, so neither
+    budget nor copybudget moves anything, and 'nothing to move' passes."""
+    gpu = _load("gpu")
+    out = tmp_path / "gpu.json"
+    argv = [*TINY, "--twin", "--attention", "explicit", "--dtype", "fp32", "--vocab", "64"]
+    argv += ["--modes", "none,budget,copybudget", "--budget-fraction", "1", "--json", str(out)]
+    argv += ["--save-dir", str(tmp_path / "s")]
+    assert gpu.main(argv) == 0
+    res = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in res["rows"]}
+    assert res["device_budget"] == res["saved_activation_bytes"] == sum(_saved_storages(argv))
+    assert rows["budget"]["bytes_offloaded_per_step"] == 0
+    assert rows["copybudget"]["bytes_offloaded_per_step"] == 0
+    judged = _target(res, "budget: bytes moved per step")
+    assert judged["verdict"] == "PASS" and "nothing to move" in judged["value"]
+    # cpu did not run: that target is n/a, and says why.
+    judged = _target(res, "budget: step time below cpu's")
+    assert (judged["verdict"], judged["value"]) == ("n/a", "cpu did not run")
+    assert all(r["exact"] in ("ref", "yes") for r in rows.values())
+
+
+@pytest.mark.parametrize("value", ["0", "-0.5", "1.01", "nan", "half"])
+def test_gpu_budget_fraction_outside_0_1_is_refused(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _load("gpu").main(["--twin", "--budget-fraction", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--budget-fraction" in err and repr(value) in err, err
+    if value != "half":
+        assert "in (0, 1]" in err, err
+
+
+def test_gpu_budget_targets_judge_each_boundary() -> None:
+    """targets() on hand-made rows: each of issue 13's budget targets passes at its
+    boundary and fails just past it, on non-zero memory figures."""
+    gpu = _load("gpu")
+    saved, held = 10**9, 4 * 10**8  # saved - budget = 600 MB
+    keys = {
+        "budget: step peak": "peak",
+        "budget: bytes moved": "moved",
+        "budget: step time below": "vs cpu",
+        "budget: step time at most": "vs copybudget",
+    }
+
+    def judge(
+        *,
+        peak: int = 10**9,
+        none_peak: int = 15 * 10**8,
+        moved: float = 6e8,
+        budget_s: float = 0.9,
+        cpu_s: float | None = 1.0,
+        bare_s: float | None = 1.0,
+        held: int = held,
+    ) -> dict[str, str]:
+        """The budget targets' verdicts, by ``keys``' names."""
+
+        def row(mode: str, step_s: float, step_peak: int, moved: float | None = None) -> object:
+            return gpu.GpuRow(
+                mode, (step_s,), (1,), (step_peak,), "yes", bytes_offloaded_per_step=moved
+            )
+
+        rows = [row("none", 0.5, none_peak)]
+        if cpu_s is not None:
+            rows.append(row("cpu", cpu_s, none_peak // 4, 1e9))
+        rows.append(row("budget", budget_s, peak, moved))
+        if bare_s is not None:
+            rows.append(row("copybudget", bare_s, none_peak, 6e8))
+        out = {}
+        for t in gpu.targets(rows, saved_bytes=saved, device_budget=held):
+            key = [k for name, k in keys.items() if t["target"].startswith(name)]
+            if key:
+                out[key[0]] = t["verdict"]
+        return out
+
+    assert judge() == dict.fromkeys(keys.values(), "PASS")
+    # (a) step peak <= budget + (none's step peak - saved) + 10% of saved = 1 GB.
+    assert judge(peak=10**9 + 1)["peak"] == "FAIL"
+    assert judge(none_peak=15 * 10**8 - 1)["peak"] == "FAIL"  # none's peak counts
+    assert judge(peak=10**9 + 1, held=held + 1)["peak"] == "PASS"  # so does the budget
+    # (b) bytes moved within 10% of saved - budget: 540 to 660 MB.
+    for moved, verdict in (
+        (6.6e8, "PASS"),
+        (6.6e8 + 1, "FAIL"),
+        (5.4e8, "PASS"),
+        (5.4e8 - 1, "FAIL"),
+    ):
+        assert judge(moved=moved)["moved"] == verdict, moved
+    # (c) below cpu's step time: equal fails.
+    assert judge(budget_s=1.0, cpu_s=1.0)["vs cpu"] == "FAIL"
+    assert judge(budget_s=0.999, cpu_s=1.0)["vs cpu"] == "PASS"
+    # (d) at most 1.05x copybudget's step time.
+    assert judge(budget_s=1.05, cpu_s=2.0, bare_s=1.0)["vs copybudget"] == "PASS"
+    assert judge(budget_s=math.nextafter(1.05, 2), cpu_s=2.0)["vs copybudget"] == "FAIL"
+    # A reference that did not run: n/a.
+    alone = judge(cpu_s=None, bare_s=None)
+    assert (alone["vs cpu"], alone["vs copybudget"]) == ("n/a", "n/a")
+    # Memory that reads 0 (the CPU twin): the peak is n/a, not PASS or FAIL.
+    assert judge(peak=0, none_peak=0)["peak"] == "n/a"
+    # Without the sizes, or without a budget row: no budget targets at all.
+    rows = [gpu.GpuRow("none", (0.5,), (1,), (1,), "ref")]
+    assert not any(
+        t["target"].startswith("budget:") for t in gpu.targets(rows, saved_bytes=1, device_budget=0)
+    )
+    rows.append(gpu.GpuRow("budget", (0.6,), (1,), (1,), "yes", bytes_offloaded_per_step=1.0))
+    assert not any(t["target"].startswith("budget:") for t in gpu.targets(rows))
 
 
 # -- bench/ab.py -------------------------------------------------------------------------
@@ -879,6 +1110,7 @@ def test_report_tables_from_every_benchmark_json(
     for row in json.loads(compiled_json.read_text())["rows"]:
         assert f"| {row['mode']} | {row['label']} | {row['ref_median_step_s']:.3f} |" in md
     assert "| gradients bit-identical to none | PASS |" in md
+    _check_gpu_report(md, json.loads(gpu_json.read_text()))
     small = json.loads(ab_json.read_text())["rows"][1]
     assert f"| small | {json.dumps(small['knobs'])} | {small['step_s']:.3f} |" in md
     loaded = json.loads(host_json.read_text())["rows"][-1]
