@@ -104,7 +104,7 @@ from _plot import memory_over_step
 from _probe import ALLOCATORS, MMAP_THRESHOLD, PROBE_STEPS, ProbeError, probe_many, run_probe
 from _text import end_progress, fmt, format_table, json_args, json_header, log, progress
 
-__all__ = ["BUDGET_FRACTION", "dumps", "headline", "main"]
+__all__ = ["BUDGET_FRACTION", "dumps", "headline", "main", "saved_storage_bytes"]
 
 # The budget mode's device_budget as a share of the saved bytes, by default.
 BUDGET_FRACTION = 0.5
@@ -391,6 +391,11 @@ def _replay_bytes(saved_bytes: int, device_budget: int) -> dict[str, int]:
 
 def _saved_activation_bytes(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> int:
     """Bytes of the distinct storages one forward saves for backward, parameters excluded."""
+    return sum(saved_storage_bytes(model, batch))
+
+
+def saved_storage_bytes(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> list[int]:
+    """Bytes of each distinct storage one forward saves for backward, parameters excluded."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
 
@@ -403,7 +408,7 @@ def _saved_activation_bytes(model: torch.nn.Module, batch: tuple[torch.Tensor, .
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(*batch)
     del loss
-    return sum(storages.values())
+    return list(storages.values())
 
 
 def _probe_modes(

@@ -560,7 +560,7 @@ def test_gpu_suite_stops_where_the_engine_cannot_run(tmp_path: Path) -> None:
 
 def _saved_storages(argv: list[str]) -> list[int]:
     """Bytes of each distinct storage one forward of bench/gpu.py's model (as ``argv``
-    sizes it) saves for backward, parameters excluded, measured here independently."""
+    sizes it) saves for backward, parameters excluded (bench/step.py's measure)."""
     from prefetch_offload.testing import TinyTransformer, make_batch
 
     def a(flag: str) -> str:  # the value of the flag's last occurrence
@@ -574,19 +574,8 @@ def _saved_storages(argv: list[str]) -> list[int]:
         heads=int(a("--heads")),
         attention=a("--attention"),
     ).to({"fp32": torch.float32, "bf16": torch.bfloat16}[a("--dtype")])
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(*make_batch(int(a("--batch")), int(a("--seq")), vocab=int(a("--vocab"))))
-    del loss
-    return list(storages.values())
+    batch = make_batch(int(a("--batch")), int(a("--seq")), vocab=int(a("--vocab")))
+    return _load("step").saved_storage_bytes(model, batch)
 
 
 def _target(res: dict[str, Any], start: str) -> dict[str, str]:
@@ -598,7 +587,7 @@ def _target(res: dict[str, Any], start: str) -> dict[str, str]:
 
 def _check_budget_modes(res: dict[str, Any], storages: list[int]) -> float:
     """What the budget and copybudget rows and targets of a twin run must show, given
-    the saved storages measured independently; the budget's bytes per step."""
+    the saved storages of a fresh model of the same shape; the budget's bytes per step."""
     rows = {r["mode"]: r for r in res["rows"]}
     saved, held = res["saved_activation_bytes"], res["device_budget"]
     assert saved == sum(storages)
