@@ -19,34 +19,33 @@
 # MiB above its RSS before training, against ~405 without offload.
 #
 # ``malloc_trim(0)`` returns the whole free pages inside those holes (every
-# arena, not only the top). Each page used again later costs a page fault and
-# a page of zeroing (about 1 us per 4 KiB page there), and glibc holds the
-# arena's lock while it gives pages back (~7 ms for ~100 MiB), so a trim is
-# worth its cost only where memory has built up. The engine trims on that
-# measure: the slack, the process's anonymous resident memory minus the bytes
-# malloc has handed out and not had back (``mallinfo2``) minus the engine's own
-# mapped read buffers, is what a trim could give back. The hooks read it (a few
-# microseconds on a tidy heap; mallinfo2 walks every free chunk under the arena
-# locks, so up to a millisecond on a heap of tens of thousands of them: at most
-# once per _CHECK_INTERVAL_S and at most a tenth of the time, and not while a
-# trim runs, which holds those locks). When it has grown by ``heap_trim_bytes``
-# plus the allowance over its level after the last trim (or its lowest since),
-# and the engine has saved CPU activations, the trimmer's own thread trims (the
-# hooks never wait for it; at most one trim is queued or running, and a measure
-# taken across a trim is dropped). The allowance is the share of
-# ``device_budget`` that kept records do not fill now: the user gave the budget
-# to activations, and where they do not hold it (the start of forward, and
-# backward once it has used the kept records) free heap may, so the engine's
-# memory stays within the budget plus ``heap_trim_bytes`` at every moment and
-# backward's frees of kept records do not each cost a trim and its refaults.
-# So the process's memory stays within about ``heap_trim_bytes`` (plus the
-# budget's unfilled share) of what is live, wherever in the step the slack
-# builds up, and a run that saves no CPU activations (CUDA training) never
-# trims. A read
-# buffer counts as the engine's from its lease, a few milliseconds before its
-# read makes it resident; the level dips by that much meanwhile. Trimming is
-# an optimisation: whatever stops it (no readable /proc/self/statm, no thread,
-# a failed trim, a fork) turns it off with one warning, and training goes on.
+# arena, not only the top). Each page used again later costs a page fault and a
+# page of zeroing (about 1 us per 4 KiB page there), and glibc holds the arena's
+# lock while it gives pages back (~7 ms for ~100 MiB), so a trim is worth its
+# cost only where memory has built up. The engine trims on that measure: the
+# slack, the process's anonymous resident memory minus the bytes malloc has
+# handed out and not had back (``mallinfo2``) minus the engine's own mapped read
+# buffers, is what a trim could give back. The hooks read it (a few microseconds
+# on a tidy heap; mallinfo2 walks every free chunk under the arena locks, so up
+# to a millisecond on a heap of tens of thousands of them: at most once per
+# _CHECK_INTERVAL_S and at most a tenth of the time, and not while a trim runs,
+# which holds those locks). When it has grown by ``heap_trim_bytes`` plus the
+# allowance over its level after the last trim (or its lowest since), and the
+# engine has saved CPU activations, the trimmer's own thread trims (the hooks
+# never wait for it; at most one trim is queued or running, and a measure taken
+# across a trim is dropped). The allowance is the share of ``device_budget``
+# that kept records do not fill now: the user gave the budget to activations,
+# and where they do not hold it (the start of forward, and backward once it has
+# used the kept records) free heap may, so the engine's memory stays within the
+# budget plus ``heap_trim_bytes`` at every moment and backward's frees of kept
+# records do not each cost a trim and its refaults. So the process's memory
+# stays within about ``heap_trim_bytes`` (plus the budget's unfilled share) of
+# what is live, wherever in the step the slack builds up, and a run that saves
+# no CPU activations (CUDA training) never trims. A read buffer counts as the
+# engine's from its lease, a few milliseconds before its read makes it resident;
+# the level dips by that much meanwhile. Trimming is an optimisation: whatever
+# stops it (no readable /proc/self/statm, no thread, a failed trim, a fork)
+# turns it off with one warning, and training goes on.
 #
 # Measured on that transformer (docs/tuning.md section 4: time and page faults
 # side by side, each configuration in its own process; memory from the step
