@@ -62,6 +62,7 @@ from _harness import LEARNING_RATE, Shape, add_args, build
 from _text import json_header
 
 from prefetch_offload import OffloadConfig, OffloadEngine, OffloadStats
+from prefetch_offload.testing import warm_up_unary_ops
 
 
 def _config(spec: str) -> tuple[str, dict[str, Any]]:
@@ -145,6 +146,7 @@ def _serve(
     calls until "close". Every answer is ``(True, value)``, or ``(False, traceback)``
     when the call raised (the process then ends)."""
     torch.set_num_threads(TORCH_THREADS)  # as the parent's: spawned children start anew
+    warm_up_unary_ops()  # NOTE [first unary call]: modes are compared bit for bit
     lane = None
     try:
         lane = Lane(knobs, shape, folder, name)
@@ -274,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(words)
     torch.set_num_threads(TORCH_THREADS)  # as bench/step.py: the figures are comparable
+    warm_up_unary_ops()  # NOTE [first unary call]: modes are compared bit for bit
     configs: dict[str, dict[str, Any] | None] = {"none": None}
     for name, knobs in args.config or [("disk", {})]:
         configs[name] = knobs

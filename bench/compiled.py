@@ -83,6 +83,7 @@ from _harness import (
 from _text import fmt, format_table, json_args, json_header, log
 
 from prefetch_offload import OffloadConfig, OffloadContext, OffloadEngine
+from prefetch_offload.testing import warm_up_unary_ops
 
 __all__ = [
     "LABELS",
@@ -510,6 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     args = _parse_args(words)
     torch.set_num_threads(TORCH_THREADS)
+    warm_up_unary_ops()  # NOTE [first unary call]: modes are compared bit for bit
     shape, knobs = Shape.from_args(args), Knobs.from_args(args)
     knobs.config(".")  # bad knobs fail here, before any training
     steps = args.warmup + args.steps

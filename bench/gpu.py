@@ -105,7 +105,7 @@ from prefetch_offload.device import (
     default_device_layer,
 )
 from prefetch_offload.probe import raw_bandwidth
-from prefetch_offload.testing import TinyTransformer, make_batch
+from prefetch_offload.testing import TinyTransformer, make_batch, warm_up_unary_ops
 
 MODES = ("none", "cpu", "budget", "copybudget", "disk", "save_on_cpu", "ondemand")
 # The library modes and the target each engine runs with.
@@ -322,6 +322,8 @@ def run(
     step's memory timeline per mode, and the sizes the budget modes use: the bytes one
     forward saves (``saved_activation_bytes``) and ``device_budget``."""
     gpu = _Gpu(not args.twin)
+    if not gpu.cuda:
+        warm_up_unary_ops()  # NOTE [first unary call]: the twin's modes are compared bit for bit
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)

@@ -5,6 +5,9 @@ the same model. Attention is written out (matmul, softmax, matmul) by default, s
 activations are those of a plain PyTorch model; ``attention="sdpa"`` uses
 ``F.scaled_dot_product_attention`` instead (fused kernels on a GPU, the shape
 of activations in current LLM training).
+
+``warm_up_unary_ops`` works around a PyTorch bug that breaks bit-exact
+comparisons on the CPU: NOTE [first unary call].
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["TinyTransformer", "make_batch"]
+__all__ = ["TinyTransformer", "make_batch", "warm_up_unary_ops"]
 
 
 class _Block(nn.Module):
@@ -86,3 +89,37 @@ def make_batch(
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, vocab, (batch, seq + 1), generator=g)
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+# NOTE [first unary call]
+# pytorch/pytorch#188792: ATen sends contiguous float unary ops (sin, exp, sqrt,
+# erf, ...) to MKL VML, one call per intra-op thread on its chunk, and the oneMKL
+# bundled with the CPU wheels (2024.2) picks each VML function's kernel on its
+# first call. When that first call runs on several threads at once, one thread
+# can run a low-accuracy kernel over its whole chunk (measured here: half of a
+# 16384-element sin ~700-1300 ulps off; 3 of 40 fresh processes under a CPU
+# hog, none after a warm-up). Later calls are right. A comparison of offload
+# against no offload whose first such call lands in one of the two runs then
+# differs for that reason alone, so tests and benchmarks call these ops once on
+# one thread before they compare anything.
+_UNARY_OPS = (
+    "acos", "asin", "atan", "atanh", "cos", "cosh", "erf", "erfc", "erfinv", "exp",
+    "expm1", "lgamma", "log", "log10", "log1p", "log2", "reciprocal", "rsqrt",
+    "sigmoid", "sin", "sinh", "sqrt", "tan", "tanh",
+)  # fmt: skip
+
+
+def warm_up_unary_ops() -> None:
+    """Call each float unary op that may go to MKL VML once, on one intra-op thread,
+    in float32 and float64 (NOTE [first unary call])."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.rand(4096) * 0.8 + 0.1  # in every op's domain
+        for dtype in (torch.float32, torch.float64):
+            y = x.to(dtype)
+            for name in _UNARY_OPS:
+                getattr(torch, name)(y)
+            torch.nn.functional.gelu(y)
+    finally:
+        torch.set_num_threads(threads)

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from prefetch_offload.testing import warm_up_unary_ops
+
 torch.set_num_threads(2)
+warm_up_unary_ops()  # NOTE [first unary call]: before any test compares gradients
 
 
 @pytest.fixture

@@ -103,9 +103,8 @@ def _chain(x: torch.Tensor, engine: OffloadEngine | None = None, budget: int = -
     """LINKS saved tensors of SIZE bytes; checks the device tier after every pack."""
     h = x
     for i in range(LINKS):
-        # One SIZE tensor saved per link (pow saves a). Only multiplications and
-        # subtractions, which give the same bits in every call: torch's threaded sin
-        # can return one thread's half of a call ~1000 ulps apart from another call's.
+        # One SIZE tensor saved per link (pow saves a). Multiplications and
+        # subtractions only: no MKL VML kernel (NOTE [first unary call]).
         a = h * ((1.0 + i / 64) / 2)
         h = a - a.pow(3) / 6
         if engine is not None and budget >= 0:
