@@ -504,21 +504,23 @@ class OffloadEngine:
         """Say once that target "cpu" leaves a CPU tensor large enough to move where it
         is, if budgets were asked for: they apply to what the device layer moves (CUDA
         tensors; CPU ones only on the CPU twin)."""
+        cfg = self.config
+        if not cfg.device_budget and cfg.host_budget is None:
+            self._warned_cpu_budget = True  # no budget asked for: never anything to say
+            return
         if t.device.type != "cpu" or self._device.accepts(t):
             return
-        if t.numel() * t.element_size() < self.config.min_offload_bytes:
+        if t.numel() * t.element_size() < cfg.min_offload_bytes:
             return  # kept for its size: the same under any target
         self._warned_cpu_budget = True
-        cfg = self.config
-        if cfg.device_budget or cfg.host_budget is not None:
-            logger.warning(
-                "prefetch_offload: target 'cpu' leaves CPU tensors where they are (they are "
-                "host memory already), so device_budget=%s and host_budget=%s have nothing to "
-                "do for them (they apply to CUDA tensors); use target 'disk' to move saved CPU "
-                "tensors out of RAM.",
-                cfg.device_budget,
-                cfg.host_budget,
-            )
+        logger.warning(
+            "prefetch_offload: target 'cpu' leaves CPU tensors where they are (they are "
+            "host memory already), so device_budget=%s and host_budget=%s have nothing to "
+            "do for them (they apply to CUDA tensors); use target 'disk' to move saved CPU "
+            "tensors out of RAM.",
+            cfg.device_budget,
+            cfg.host_budget,
+        )
 
     def _settle_copies(self, *, wait: bool = False) -> None:
         """Finish the version check of records whose device-to-host copy has ended.
