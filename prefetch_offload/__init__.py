@@ -3,7 +3,8 @@
 Public API (everything else is internal and may change):
 
 - entry points: :func:`offload_context`, :func:`offload_context_from_config`,
-  :class:`OffloadContext`, :func:`validate_offload_config` (the seed's check);
+  :class:`OffloadContext`, :func:`validate_offload_config` (a non-raising check of
+  a trainer's setting);
 - configuration and the engine: :class:`OffloadConfig`, :class:`OffloadEngine`;
 - statistics: :class:`OffloadStats`;
 - errors: :class:`OffloadError` (base), :class:`OffloadIOError`,

@@ -8,7 +8,7 @@
 # with ``torch.frombuffer`` (zero-copy; the tensor's storage holds the block),
 # and a finalizer on that storage returns the block when the storage dies: that
 # is, when no tensor autograd or the user holds still uses the memory (NOTE
-# [memory handed to autograd] in engine.py), and no copy still reads or
+# [memory handed to autograd] in reader.py), and no copy still reads or
 # writes it (NOTE [copies keep their buffers] in streams.py). Returned blocks
 # go through a deque (append is safe from any thread, including the garbage
 # collector) and are re-filed at the next lease. ``trim`` unmaps idle blocks:
@@ -25,10 +25,12 @@
 # never gets transparent huge pages (nor counts as anonymous memory, which the
 # heap trimmer measures: NOTE [heap trim]), so every block is a private
 # anonymous mapping where the platform has one. O_DIRECT pins every 4 KiB page
-# of its buffer for each request: measured here, reading into 4 KiB pages costs
-# the kernel 40-50 ms of CPU per GB, and 5-8 ms per GB into private mappings
-# that ``madvise(MADV_HUGEPAGE)`` gave huge pages (writes: 31-39 against 6-10),
-# at twice the bandwidth. So blocks of 2 MiB or more are also aligned to 2 MiB
+# of its buffer for each request: measured here (bench/hostcost.py, docs/
+# results/hostcost.json), reading into 4 KiB pages ran at 1.9 GB/s for 19-23 ms
+# of kernel CPU per GB, and into private mappings that
+# ``madvise(MADV_HUGEPAGE)`` gave huge pages at 2.8-3.0 GB/s for 5-22 (writes:
+# 2.2-2.4 GB/s and 16-18 ms/GB against 3.7-3.8 and 5). So blocks of 2 MiB or
+# more are also aligned to 2 MiB
 # and ask for huge pages (the kernel may still refuse: then they behave as
 # before).
 #

@@ -147,7 +147,7 @@ class OffloadConfig:
     # simple reference path), or "auto" (direct where the filesystem allows it).
     io_method: IOMethod = "auto"
     # Whether O_DIRECT writes first copy the bytes into a reused huge-page buffer
-    # (NOTE [write staging] in engine.py): "auto" does it while forward is waiting on
+    # (NOTE [write staging] in writer.py): "auto" does it while forward is waiting on
     # the write cap (the writes are the bottleneck), "always", or "never".
     stage_writes: StageWrites = "auto"
     # Cap on slab bytes on disk; past it tensors stay in memory (None: no cap).

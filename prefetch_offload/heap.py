@@ -44,8 +44,9 @@
 # no CPU activations (CUDA training) never trims. A read buffer counts as the
 # engine's from its lease, a few milliseconds before its read makes it resident;
 # the level dips by that much meanwhile. Trimming is an optimisation: whatever
-# stops it (no readable /proc/self/statm, no thread, a failed trim, a fork)
-# turns it off with one warning, and training goes on.
+# stops it (no readable /proc/self/statm, no thread, a failed trim) turns it off
+# with one warning, and training goes on; in the child of a fork (a DataLoader
+# worker) it stops without a word.
 #
 # Measured on that transformer (docs/tuning.md section 4: time and page faults
 # side by side, each configuration in its own process; memory from the step
@@ -278,8 +279,9 @@ class HeapTrimmer:
     (NOTE [heap trim]).
 
     Trimming is an optimisation: whatever keeps it from working (no readable
-    ``/proc/self/statm``, no thread to run it, a failed trim, a fork) turns it off
-    with one warning on the ``prefetch_offload`` logger, and training goes on.
+    ``/proc/self/statm``, no thread to run it, a failed trim) turns it off with one
+    warning on the ``prefetch_offload`` logger, and training goes on. In the child of
+    a fork it stops without a warning (DataLoader workers fork, each epoch).
 
     Args:
         threshold: bytes of slack growth that trigger a trim; None turns trimming off.

@@ -8,7 +8,7 @@
 # costs its real (not logical) size. What is offloaded is the span (a record);
 # each saved view keeps its own ViewMeta (dtype, shape, stride, byte offset into
 # the span), so several views of one storage share one record (NOTE [dedup] in
-# engine.py). Restoring builds a view with the same shape and strides over a
+# records.py). Restoring builds a view with the same shape and strides over a
 # buffer holding the span: values, shape, strides, dtype and device are equal;
 # the storage offset may differ.
 #

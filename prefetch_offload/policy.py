@@ -16,7 +16,7 @@
 # and ``max_inflight_copy_bytes`` bound. With budget 0 every eligible record is
 # demoted as it is packed.
 #
-# The write tail (NOTE [write tail] in engine.py) is the one exception: when
+# The write tail (NOTE [write tail] in writer.py) is the one exception: when
 # backward starts, demotions that have not started are cancelled and their
 # records return to the front (oldest end) of their memory tier, over budget,
 # because backward is about to consume them. When forward resumes, the budgets

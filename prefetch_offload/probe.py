@@ -299,9 +299,8 @@ def recommend(results: Sequence[ProbeResult]) -> dict[str, int]:
        (each size scored by its best cell over worker counts), i.e. the shortest
        time to write a byte and read it back; but the largest size within 5% of
        that best wins. Raw syscalls favour no size much, while the engine pays a
-       per-request cost in Python that larger requests spread thinner (in
-       docs/benchmarks.md the engine reached 0.66-0.82 of raw writes with 1 MiB
-       requests and about 1.0 with 8 MiB).
+       per-request cost in Python that larger requests spread thinner
+       (``bench/io.py`` compares the engine with raw writes per request size).
     2. ``io_workers``: among that request size's cells, the smallest worker count
        whose combined throughput is within 5% of the best one (more threads cost
        CPU and buy nothing the disk cannot deliver).

@@ -402,7 +402,7 @@ class SlabStore:
 
         A sequence of buffers is written back to back with one vectored write; it
         may run on past ``extent`` into the extents that follow it in the slab
-        (the caller knows they are adjacent, NOTE [write batches] in engine.py).
+        (the caller knows they are adjacent, NOTE [write batches] in writer.py).
         """
         slab = self._slabs[extent.slab]
         pos = extent.offset + offset

@@ -58,7 +58,7 @@ class OffloadStats:
     fallbacks: int = 0
     # Queued writes dropped because backward needed the tensor first (it stayed in memory).
     writes_skipped: int = 0
-    # Bytes written through a huge-page staging buffer (NOTE [write staging] in engine.py).
+    # Bytes written through a huge-page staging buffer (NOTE [write staging] in writer.py).
     bytes_staged: int = 0
     # Largest number of bytes that were queued for writing at once.
     peak_pending_write_bytes: int = 0

@@ -27,11 +27,11 @@
 # when forward resumes are demoted again as the budgets require.
 #
 # NOTE [write staging]
-# O_DIRECT pins and maps every 4 KiB page of the memory it writes from, and on a
-# VM the host handles each page as a separate piece of the request. Activations
-# live in ordinary 4 KiB pages; measured on the project's 2-core VM (bench/
-# hostcost.py), writes from them ran at 0.9-1.1 GB/s with 54-69 ms of guest
-# kernel CPU per GB, against 3.0-4.0 GB/s and 6-7 ms/GB from huge pages. A copy
+# O_DIRECT pins and maps every 4 KiB page of the memory it writes from, and each
+# page is a separate piece of the request. Activations live in ordinary 4 KiB
+# pages; measured on the project's 2-core VM (bench/hostcost.py, docs/results/
+# hostcost.json), writes from them ran at 2.2-2.4 GB/s with 16-18 ms of guest
+# kernel CPU per GB, against 3.7-3.8 GB/s and 5 ms/GB from huge pages. A copy
 # into a huge-page buffer first costs a memcpy per byte: CPU time, which pays
 # where the writes are the bottleneck and is wasted where compute is (always
 # staging measured 1.31x of no offload against 1.29x unstaged on the
@@ -60,14 +60,6 @@
 # once for the write, could differ, and a good tensor would fail its read. Such
 # a record (``exposed``) is written staged (NOTE [write staging]) and checksummed
 # from the staging copy, which is exactly what reaches the disk.
-#
-# NOTE [errors from workers]
-# A write that fails leaves the record's source tensor in memory, so nothing is
-# lost. A full disk (ENOSPC/EDQUOT, or ``disk_bytes_limit``) is expected
-# operation: one warning, a fallback count, training goes on. Any other write
-# error is stored and raised as OffloadIOError at the next pack or unpack call,
-# or at context exit. A failed read raises OffloadIOError at the unpack that
-# needed it, naming the tensor and chaining the OSError.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def test_odd_tensors_are_kept_and_returned_unchanged(save_dir: Path, name: str) 
         out = engine.unpack(packed)
     finally:
         engine.close()
-    # Kept as a detached alias of t (NOTE [no cycles] in engine.py): same everything.
+    # Kept as a detached alias of t (NOTE [no cycles] in records.py): same everything.
     assert type(out) is type(t)
     assert (out.dtype, out.device, out.layout) == (t.dtype, t.device, t.layout)
     if not t.is_nested:
