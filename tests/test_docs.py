@@ -49,3 +49,39 @@ def test_every_test_the_guarantees_cite_exists() -> None:
         defined |= set(re.findall(r"^(?:async )?def (test_\w+)", path.read_text(), re.M))
     assert cited, "no test names found: the citation format changed"
     assert cited <= defined, sorted(cited - defined)
+
+
+def _note_definitions(root: Path) -> dict[str, set[str]]:
+    """NOTE name -> the files (by name) that hold its ``# NOTE [name]`` block."""
+    defined: dict[str, set[str]] = {}
+    for path in [*root.glob("prefetch_offload/*.py"), *root.glob("bench/*.py")]:
+        for name in re.findall(r"^# NOTE \[([^\]]+)\]\s*$", path.read_text(), re.M):
+            defined.setdefault(name, set()).add(path.name)
+    return defined
+
+
+def test_every_note_reference_names_a_note_where_it_says() -> None:
+    """Each NOTE is defined once, and every ``NOTE [name]`` in the code, tests and docs
+    names a NOTE that exists, in the file the reference names (when it names one)."""
+    root = Path(__file__).resolve().parent.parent
+    defined = _note_definitions(root)
+    assert len(defined) > 20, "no NOTE blocks found: the definition format changed"
+    assert not {n: f for n, f in defined.items() if len(f) > 1}, "a NOTE defined twice"
+    files = [
+        *root.glob("prefetch_offload/*.py"),
+        *root.glob("bench/*.py"),
+        *root.glob("tests/*.py"),
+        *root.glob("docs/*.md"),
+        root / "README.md",
+    ]
+    wrong = []
+    for path in files:
+        # References wrap across comment lines: join them first.
+        text = re.sub(r"\s*\n\s*(?:#\s*)?", " ", path.read_text())
+        for m in re.finditer(r"NOTE\s+\[([^\]]+)\](?:\s+in\s+`?([\w/]+\.py))?", text):
+            name, where = m.group(1), m.group(2)
+            if name in ("name", "{name}"):  # the format, in design.md and here
+                continue
+            if name not in defined or (where and Path(where).name not in defined[name]):
+                wrong.append(f"{path.name}: NOTE [{name}]" + (f" in {where}" if where else ""))
+    assert not wrong, wrong
