@@ -187,8 +187,8 @@ class OffloadEngine:
         self._pass_no = 0  # NOTE [backward passes]
         self._closed = False
         self._in_backward = False
-        # NOTE [recently restored]: the graph task whose end a final callback awaits.
-        self._end_task: int | None = None
+        # NOTE [recently restored]: the graph tasks whose ends final callbacks await.
+        self._end_tasks: set[int] = set()
         # ``pool`` lets tests run the inline reference pool instead of threads.
         if pool is None:
             pool = ThreadIOPool(config.io_workers) if self._store is not None else InlineIOPool()
@@ -306,9 +306,13 @@ class OffloadEngine:
             )
         if self._in_backward:  # forward again
             self._in_backward = False
-            self._end_task = None  # in case that backward raised (no final callback)
+            # NOTE [learned order]: packs from inside a backward (reentrant checkpointing,
+            # double backward) do not start a step.
+            nested = _graph_task_id() >= 0
             with self._lock:
-                self._plan.begin_forward()  # NOTE [learned order]
+                if not nested:
+                    self._end_tasks.clear()  # in case a backward raised (no final callback)
+                self._plan.begin_forward(nested=nested)
             self._enforce_budgets()  # NOTE [tiers]: what the write tail kept
             self._reader.recent.clear()  # NOTE [recently restored]
             # NOTE [read buffer pool]: unmapping takes a while; an IO thread does it.
@@ -379,7 +383,7 @@ class OffloadEngine:
             rec.align = (key + start) % 512
             # NOTE [checksums]: bytes no saved view holds, read from the tensor's memory.
             rec.exposed = rec.host_only and not (dense and (start, nbytes) == (vstart, vbytes))
-            self._plan.register(rec, (t.dtype, shape, nbytes))
+            self._plan.register(rec, (t.dtype, len(shape)))  # NOTE [learned order]
             entry = DedupEntry(storage, owner, version, start, start + nbytes, rec)
             if dense:
                 entry.cover(vstart, vstart + vbytes)
@@ -600,16 +604,16 @@ class OffloadEngine:
         # NOTE [unpack threads]
         with self._lock:
             starting, self._in_backward = not self._in_backward, True
-            task = _graph_task_id()
-            new_task = task != self._end_task
+            task = _graph_task_id()  # -1: outside backward (grad_fn._saved_self)
+            new_task = task != -1 and task not in self._end_tasks
             if new_task:
-                self._end_task = task
+                self._end_tasks.add(task)
         if starting:
             if self._writer is not None:
                 self._writer.skip_tail()
             self._reader.begin_backward()
         if new_task:
-            self._queue_end_of_backward()
+            self._queue_end_of_backward(task)
         if self._dead:
             self._drain_dead()
         if self._copying:
@@ -632,17 +636,27 @@ class OffloadEngine:
             return built  # NOTE [views built by the reader]
         return make_view(storage, base, packed.view)
 
-    def _queue_end_of_backward(self) -> None:
+    def _queue_end_of_backward(self, task: int) -> None:
         """Let the recently restored spans go when this backward pass ends.
 
-        Keyed by graph task (``_unpack`` notes the task): autograd runs no final
-        callbacks for a backward that raised, so the next backward queues its own.
+        Keyed by graph task (``_unpack`` notes each one): the cleanup runs when the
+        last backward running ends, not when one of several concurrent ones does.
+        Autograd runs no final callbacks for a backward that raised; the next forward
+        forgets its task.
         """
-        with contextlib.suppress(RuntimeError):  # outside backward (grad_fn._saved_self)
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(self._end_of_backward, task)
+            )
+        except RuntimeError:  # not in a backward after all: nothing will end
+            with self._lock:
+                self._end_tasks.discard(task)
 
-    def _end_of_backward(self) -> None:
-        self._end_task = None
+    def _end_of_backward(self, task: int) -> None:
+        with self._lock:
+            self._end_tasks.discard(task)
+            if self._end_tasks:
+                return  # another backward is still running
         self._reader.end_backward()
         if self._writer is not None:
             self._writer.end_backward()

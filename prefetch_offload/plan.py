@@ -18,23 +18,38 @@
 #
 # Backward order is only roughly predictable, so prefetches may outlive their
 # window. While more prefetches are outstanding than twice the records the last
-# window spanned (at least ``2 * depth``), the one farthest from the record
-# being unpacked (the most speculative, or one backward passed over) is dropped:
-# cancelled if not started, its buffer freed when the read finishes. Prefetch
-# memory is thus bounded by about two windows, whatever order backward takes.
+# window spanned (at least ``2 * depth``), or their bytes pass twice the larger
+# of ``window_bytes`` and the last window's bytes, the one farthest from the
+# record being unpacked (the most speculative, or one backward passed over) is
+# dropped: cancelled if not started, its buffer freed when the read finishes.
+# Prefetch memory is thus bounded by about two windows, whatever order backward
+# takes.
 #
 # NOTE [learned order]
 # A step is what forward packs from the first pack after a backward until the
-# next backward starts. The plan records each step's signature (the dtype, shape
-# and byte size of every record, in pack order) and, during its backward, the
-# order in which records were first unpacked. When the next step's backward
-# starts with the same signature, that order is the prediction; a different
-# signature (another sequence length, a changed model) falls back to reverse
-# pack order for that step, and its own backward is recorded for the next one.
-# Step 1 therefore runs on reverse order, and every repeated step from step 2
-# on runs on the order its predecessor really took: regional compilation
-# (forward order within a block, blocks in reverse), several losses, branches
-# visited out of order.
+# next backward starts. The plan records, per step, the order in which backward
+# first unpacked its records, and learns it when the next forward starts, keyed
+# by the step's signature: the signature the engine gives each record (its dtype
+# and number of dimensions), in pack order, over the records still alive when
+# the step's backward first unpacks one of them. When a later step's backward
+# starts with a signature it has learned, that order is the prediction; an
+# unknown signature (a changed model, another branch taken) falls back to
+# reverse pack order for that step, and its own backward is learned for the
+# next time. Step 1 therefore runs on reverse order, and every repeated step
+# from step 2 on runs on the order a step of its structure really took:
+# regional compilation (forward order within a block, blocks in reverse),
+# several losses, branches visited out of order.
+# - Sizes are not in the signature: another sequence length (dynamic padding,
+#   bucketed batches) leaves the graph, and so the order, as it was.
+# - The last _LEARNED_KEPT signatures are kept, so structures that alternate
+#   (two tasks, a second backward for a gradient penalty) each keep theirs.
+# - Records dead before their step's backward (a forward whose graph was
+#   dropped, merged into the next step) are not in it.
+# - Several steps are tracked at once (_STEPS_KEPT), so a step's backward may
+#   come after later forwards (pipeline schedules: F1, B0, F2, B1, ...).
+# - Records packed during a backward (reentrant checkpointing recomputes a
+#   segment there; double backward saves for the next derivative) belong to no
+#   step and take reverse order: the engine says so with ``nested``.
 #
 # NOTE [unpack groups]
 # Consecutive unpacks by one autograd node form a group: the node needs all of
@@ -50,6 +65,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import weakref
 from typing import Protocol
@@ -63,6 +79,9 @@ logger = logging.getLogger("prefetch_offload")
 # A step longer than this stops being tracked for prediction (bounds the plan's
 # memory when forward runs again and again without a backward).
 _MAX_STEP_RECORDS = 1 << 16
+# NOTE [learned order]: steps tracked at once, and learned signatures kept.
+_STEPS_KEPT = 8
+_LEARNED_KEPT = 8
 # NOTE [unpack groups]: a group this large, holding this share of a step's
 # unpacked records, is a whole-model compile.
 _WHOLE_GRAPH_RECORDS = 16
@@ -100,14 +119,59 @@ class Schedulable(Protocol):
 
 
 class _Learned:
-    """A step's signature and the order its backward unpacked its records in."""
+    """The order a step's backward unpacked its live records in."""
 
-    __slots__ = ("groups", "order", "signature")
+    __slots__ = ("groups", "order")
 
-    def __init__(self, signature: tuple[Signature, ...], order: list[int], groups: list[int]):
-        self.signature = signature
-        self.order = order  # positions within the step, first unpack first
+    def __init__(self, order: list[int], groups: list[int]) -> None:
+        self.order = order  # indices into the step's live records, first unpack first
         self.groups = groups  # the group of each entry of order
+
+
+class _Step:
+    """One step's records and its backward as recorded so far (NOTE [learned order])."""
+
+    __slots__ = (
+        "group_sizes",
+        "groups",
+        "key",
+        "last_key",
+        "learned_len",
+        "live",
+        "no",
+        "ppos",
+        "pred",
+        "pred_groups",
+        "refs",
+        "seen",
+        "sigs",
+        "tracking",
+        "unpacked",
+    )
+
+    def __init__(self, no: int) -> None:
+        self.no = no
+        self.refs: list[weakref.ref[Schedulable]] = []
+        self.sigs: list[Signature] = []
+        self.tracking = True
+        # Set at the step's first unpack: its live records (positions in the step)
+        # and their signature.
+        self.live: list[int] | None = None
+        self.key: tuple[Signature, ...] = ()
+        self.seen = bytearray()
+        self.unpacked: list[int] = []  # positions in the step, first unpack first
+        self.groups: list[int] = []
+        self.group_sizes: list[int] = []
+        self.last_key = 0
+        self.learned_len = 0  # unpacks already learned
+        # The prediction: positions in the step in predicted order, their groups, and
+        # each position's index in that order (-1: not predicted).
+        self.pred: list[int] | None = None
+        self.pred_groups: list[int] = []
+        self.ppos: list[int] = []
+
+    def alive(self) -> bool:
+        return any(ref() is not None for ref in self.refs)
 
 
 class PrefetchPlan:
@@ -126,38 +190,54 @@ class PrefetchPlan:
         # Every live record in pack order, for reverse-order windows.
         self._order: list[weakref.ref[Schedulable]] = []
         self._deaths = 0  # deaths since the last compaction (may over-count a little)
-        self._outstanding: dict[int, weakref.ref[Schedulable]] = {}
+        # Prefetches issued and not consumed: id -> (record, its bytes), and their total.
+        self._outstanding: dict[int, tuple[weakref.ref[Schedulable], int]] = {}
+        self._out_bytes = 0
         self._last_span = 0  # records the last window spanned
-        # The current step (NOTE [learned order]).
+        self._last_bytes = 0  # and their bytes
+        # NOTE [learned order]: the steps tracked, oldest first; packs go to the last.
         self._step_no = 0
-        self._step: list[weakref.ref[Schedulable]] = []
-        self._sigs: list[Signature] = []
-        self._tracking = True
-        # Its backward, as recorded so far.
-        self._seen: bytearray = bytearray()
-        self._unpacked: list[int] = []
-        self._groups: list[int] = []
-        self._group_sizes: list[int] = []
-        self._last_key = 0
-        # The order learned from the previous step, and the prediction built from it.
-        self._learned: _Learned | None = None
-        self._pred: list[int] | None = None
-        self._pred_groups: list[int] = []
-        self._ppos: list[int] = []
+        self._steps: collections.OrderedDict[int, _Step] = collections.OrderedDict()
+        self._steps[0] = _Step(0)
+        self._nested = False  # packs now come from inside a backward
+        self._learned: collections.OrderedDict[tuple[Signature, ...], _Learned] = (
+            collections.OrderedDict()
+        )
         self.predicted_steps = 0  # steps whose backward followed a learned order
         self._warned_whole_graph = False
 
     # -- forward --------------------------------------------------------------------------
 
-    def begin_forward(self) -> None:
-        """A forward starts after a backward: learn from the step that just ended."""
-        if self._tracking and self._unpacked:
-            self._check_whole_graph()
-            self._learned = _Learned(tuple(self._sigs), self._unpacked, self._groups)
+    def begin_forward(self, *, nested: bool = False) -> None:
+        """Packs start after unpacks: a new step, or (``nested``: the packs come from
+        inside a backward) records that belong to no step (NOTE [learned order])."""
+        if nested:
+            self._nested = True
+            return
+        self._nested = False
+        for no, st in list(self._steps.items()):
+            self._learn(st)
+            if not st.alive():
+                del self._steps[no]
         self._step_no += 1
-        self._step, self._sigs, self._tracking = [], [], True
-        self._reset_backward()
-        self._pred = None
+        self._steps[self._step_no] = _Step(self._step_no)
+        while len(self._steps) > _STEPS_KEPT:
+            self._steps.popitem(last=False)
+
+    def _learn(self, st: _Step) -> None:
+        """Keep what ``st``'s backward unpacked since it was last learned."""
+        if not st.tracking or st.live is None or len(st.unpacked) == st.learned_len:
+            return
+        st.learned_len = len(st.unpacked)
+        self._check_whole_graph(st)
+        index = [-1] * len(st.refs)
+        for k, spos in enumerate(st.live):
+            index[spos] = k
+        order = [index[spos] for spos in st.unpacked]
+        self._learned[st.key] = _Learned(order, list(st.groups))
+        self._learned.move_to_end(st.key)
+        while len(self._learned) > _LEARNED_KEPT:
+            self._learned.popitem(last=False)
 
     def register(self, rec: Schedulable, signature: Signature) -> None:
         """Append a newly packed record; sets ``rec.pos``, ``rec.step``, ``rec.spos``."""
@@ -168,14 +248,16 @@ class PrefetchPlan:
         self._order.append(ref)
         rec.step = self._step_no
         rec.spos = -1
-        if self._tracking:
-            if len(self._step) >= _MAX_STEP_RECORDS:
-                self._tracking = False
-                self._step, self._sigs = [], []
-                return
-            rec.spos = len(self._step)
-            self._step.append(ref)
-            self._sigs.append(signature)
+        st = self._steps.get(self._step_no)
+        if self._nested or st is None or not st.tracking or st.live is not None:
+            return  # NOTE [learned order]: in no step's signature
+        if len(st.refs) >= _MAX_STEP_RECORDS:
+            st.tracking = False
+            st.refs, st.sigs = [], []
+            return
+        rec.spos = len(st.refs)
+        st.refs.append(ref)
+        st.sigs.append(signature)
 
     def forget(self) -> None:
         """Note that a registered record died."""
@@ -193,48 +275,58 @@ class PrefetchPlan:
     # -- backward -------------------------------------------------------------------------
 
     def begin_backward(self) -> None:
-        """Backward starts after a forward: predict its order if the step repeats one."""
-        self._reset_backward()
-        self._pred = None
-        learned = self._learned
-        if not self._tracking or learned is None or learned.signature != tuple(self._sigs):
-            return
-        ppos = [-1] * len(self._step)
-        for i, spos in enumerate(learned.order):
-            ppos[spos] = i
-        self._pred, self._pred_groups, self._ppos = learned.order, learned.groups, ppos
-        self.predicted_steps += 1
+        """Unpacks start after packs. After packs from inside a backward (``nested``),
+        the backward they came from goes on; otherwise each step's prediction is made at
+        its first unpack (NOTE [learned order])."""
+        self._nested = False
 
-    def _reset_backward(self) -> None:
-        self._seen = bytearray(len(self._step))
-        self._unpacked, self._groups, self._group_sizes = [], [], []
-        self._last_key = 0
+    def _start(self, st: _Step) -> None:
+        """``st``'s first unpack: its live records, signature and prediction."""
+        refs = st.refs
+        st.live = live = [i for i, ref in enumerate(refs) if ref() is not None]
+        st.key = tuple(st.sigs[i] for i in live)
+        st.sigs = []
+        st.seen = bytearray(len(refs))
+        learned = self._learned.get(st.key)
+        if learned is None:
+            return
+        self._learned.move_to_end(st.key)
+        st.pred = [live[k] for k in learned.order]
+        st.pred_groups = learned.groups
+        st.ppos = [-1] * len(refs)
+        for i, spos in enumerate(st.pred):
+            st.ppos[spos] = i
+        self.predicted_steps += 1
 
     def unpacked(self, rec: Schedulable, group_key: int) -> None:
         """Record that backward unpacked ``rec`` inside the node ``group_key`` names."""
         spos = rec.spos
-        if rec.step != self._step_no or spos < 0 or not self._tracking:
+        st = self._steps.get(rec.step)
+        if st is None or spos < 0 or not st.tracking:
             return
-        seen = self._seen
-        if spos >= len(seen):  # packed during this backward (double backward)
-            seen.extend(bytes(spos + 1 - len(seen)))
-        if seen[spos]:
+        if st.live is None:
+            self._start(st)
+        seen = st.seen
+        if spos >= len(seen) or seen[spos]:
             return
         seen[spos] = 1
-        if group_key == 0 or group_key != self._last_key or not self._group_sizes:
-            self._group_sizes.append(0)
-        self._last_key = group_key
-        self._group_sizes[-1] += 1
-        self._unpacked.append(spos)
-        self._groups.append(len(self._group_sizes) - 1)
+        if group_key == 0 or group_key != st.last_key or not st.group_sizes:
+            st.group_sizes.append(0)
+        st.last_key = group_key
+        st.group_sizes[-1] += 1
+        st.unpacked.append(spos)
+        st.groups.append(len(st.group_sizes) - 1)
 
-    def _check_whole_graph(self) -> None:
+    def _check_whole_graph(self, st: _Step) -> None:
         """NOTE [unpack groups]: say once if one node unpacked most of a step."""
-        if self._warned_whole_graph or not self._group_sizes:
+        if self._warned_whole_graph or not st.group_sizes:
             return
-        biggest = max(self._group_sizes)
-        if biggest < _WHOLE_GRAPH_RECORDS or biggest < _WHOLE_GRAPH_SHARE * len(self._unpacked):
+        sizes = sorted(st.group_sizes, reverse=True)
+        biggest, total = sizes[0], len(st.unpacked)
+        if biggest < _WHOLE_GRAPH_RECORDS or biggest < _WHOLE_GRAPH_SHARE * total:
             return
+        if len(sizes) > 1 and sizes[1] >= _WHOLE_GRAPH_RECORDS:
+            return  # two large regions: compiled per block already
         self._warned_whole_graph = True
         logger.warning(
             "prefetch_offload: one autograd node unpacked %d of the %d saved tensors of a step "
@@ -243,24 +335,28 @@ class PrefetchPlan:
             "one graph does. Compile each block instead (for block in model.layers: "
             "block.compile()), so that each block's reads overlap the next block's backward.",
             biggest,
-            len(self._unpacked),
+            total,
         )
+
+    def _predicted(self, rec: Schedulable) -> tuple[_Step, int] | None:
+        """``rec``'s step and its index in that step's prediction, if it has one."""
+        st = self._steps.get(rec.step)
+        if st is None or st.pred is None or not 0 <= rec.spos < len(st.ppos):
+            return None
+        at = st.ppos[rec.spos]
+        return (st, at) if at >= 0 else None
 
     def window(self, rec: Schedulable) -> list[Schedulable]:
         """Records to prefetch after ``rec`` is unpacked (NOTE [lookahead])."""
         if self.depth == 0:
             return []
-        if (
-            self._pred is not None
-            and rec.step == self._step_no
-            and 0 <= rec.spos < len(self._ppos)
-            and self._ppos[rec.spos] >= 0
-        ):
-            return self._predicted_window(self._ppos[rec.spos])
+        found = self._predicted(rec)
+        if found is not None:
+            return self._predicted_window(*found)
         return self._reverse_window(rec)
 
-    def _predicted_window(self, at: int) -> list[Schedulable]:
-        pred, groups, step = self._pred, self._pred_groups, self._step
+    def _predicted_window(self, st: _Step, at: int) -> list[Schedulable]:
+        pred, groups, refs = st.pred, st.pred_groups, st.refs
         assert pred is not None
         picked: list[Schedulable] = []
         seen = nbytes = 0
@@ -268,7 +364,7 @@ class PrefetchPlan:
         for i in range(at + 1, len(pred)):
             if seen >= self.depth and groups[i] != group:
                 break
-            cand = step[pred[i]]()
+            cand = refs[pred[i]]()
             if cand is None:
                 continue
             size = cand.nbytes
@@ -277,7 +373,7 @@ class PrefetchPlan:
             seen, nbytes, group = seen + 1, nbytes + size, groups[i]
             if cand.needs_read():
                 picked.append(cand)
-        self._last_span = seen
+        self._last_span, self._last_bytes = seen, nbytes
         return picked
 
     def _reverse_window(self, rec: Schedulable) -> list[Schedulable]:
@@ -301,53 +397,61 @@ class PrefetchPlan:
             seen, nbytes = seen + 1, nbytes + size
             if cand.needs_read():
                 picked.append(cand)
-        self._last_span = seen
+        self._last_span, self._last_bytes = seen, nbytes
         return picked
 
     def _distance(self, a: Schedulable, b: Schedulable) -> int:
-        ppos = self._ppos
-        if (
-            self._pred is not None
-            and a.step == b.step == self._step_no
-            and 0 <= a.spos < len(ppos)
-            and 0 <= b.spos < len(ppos)
-            and ppos[a.spos] >= 0
-            and ppos[b.spos] >= 0
-        ):
-            return abs(ppos[a.spos] - ppos[b.spos])
+        if a.step == b.step:
+            fa, fb = self._predicted(a), self._predicted(b)
+            if fa is not None and fb is not None:
+                return abs(fa[1] - fb[1])
         return abs(a.pos - b.pos)
 
     def issued(self, rec: Schedulable, anchor: Schedulable) -> None:
         """Record that ``rec`` got a prefetch while ``anchor`` was being unpacked.
 
-        Drops the outstanding prefetches farthest from ``anchor`` while the cap
-        is exceeded (NOTE [lookahead]).
+        Drops the outstanding prefetches farthest from ``anchor`` while the caps
+        on records and bytes are exceeded (NOTE [lookahead]).
         """
         out = self._outstanding
-        out[id(rec)] = weakref.ref(rec)
+        key = id(rec)
+        if key in out:
+            self._out_bytes -= out[key][1]
+        out[key] = (weakref.ref(rec), rec.nbytes)
+        self._out_bytes += rec.nbytes
         cap = 2 * max(self.depth, self._last_span)
-        if len(out) <= cap:
+        cap_bytes = 2 * max(self.window_bytes, self._last_bytes)
+        if len(out) <= cap and self._out_bytes <= cap_bytes:
             return
         live: list[tuple[int, int, Schedulable]] = []
-        for key, ref in list(out.items()):
+        for k, (ref, size) in list(out.items()):
             r = ref()
             if r is None:
-                del out[key]
+                del out[k]
+                self._out_bytes -= size
             else:
-                live.append((self._distance(r, anchor), key, r))
+                live.append((self._distance(r, anchor), k, r))
         live.sort(key=lambda item: item[0])
-        for _, key, r in live[cap:]:
-            del out[key]
-            r.drop_prefetch()
+        kept = nbytes = 0
+        for _, k, r in live:
+            size = out[k][1]
+            if kept and (kept >= cap or nbytes + size > cap_bytes):
+                del out[k]
+                self._out_bytes -= size
+                r.drop_prefetch()
+            else:
+                kept, nbytes = kept + 1, nbytes + size
 
     def consumed(self, rec: Schedulable) -> None:
         """Record that ``rec``'s prefetch was taken by an unpack."""
-        self._outstanding.pop(id(rec), None)
+        entry = self._outstanding.pop(id(rec), None)
+        if entry is not None:
+            self._out_bytes -= entry[1]
 
     def clear(self) -> None:
         """Drop every outstanding prefetch."""
-        out, self._outstanding = self._outstanding, {}
-        for ref in out.values():
+        out, self._outstanding, self._out_bytes = self._outstanding, {}, 0
+        for ref, _ in out.values():
             r = ref()
             if r is not None:
                 r.drop_prefetch()

@@ -952,7 +952,20 @@ def test_a_backward_that_raises_does_not_stop_end_of_backward_cleanup(save_dir: 
         w = (x * 4).sin()
         engine.flush()
         w.sum().backward()
-        assert engine._end_task is None and not engine._reader.recent
+        assert not engine._end_tasks and not engine._reader.recent
+
+
+def test_an_unpack_outside_backward_does_not_stop_end_of_backward_cleanup(
+    save_dir: Path,
+) -> None:
+    """``grad_fn._saved_self`` unpacks outside any backward: no graph task will end."""
+    x = torch.randn(1 << 14, requires_grad=True)
+    with engine_with_hooks(save_dir) as engine:
+        y = (x * 2).sin()
+        engine.flush()
+        assert torch.equal(y.grad_fn._saved_self, x * 2)  # type: ignore[union-attr]
+        y.sum().backward()
+        assert not engine._end_tasks and not engine._reader.recent
 
 
 # -- NOTE [write staging] ----------------------------------------------------------------

@@ -149,11 +149,10 @@ def test_a_changed_structure_falls_back_to_reverse_order() -> None:
 def test_a_step_without_unpacks_teaches_nothing() -> None:
     plan = PrefetchPlan(2)
     _step(plan, 4, [1, 0, 3, 2])
-    plan.begin_forward()
-    _recs(4, plan)
-    plan.begin_backward()  # predicted from step 1
-    recs = _step(plan, 4, [])  # step 2 had no unpacks: step 1's order still stands
-    assert plan.predicted_steps == 2
+    keep = _step(plan, 4, [])  # step 2 has no unpacks: nothing to predict or learn
+    assert plan.predicted_steps == 0
+    recs = _step(plan, 4, [1])  # step 1's order still stands
+    assert plan.predicted_steps == 1 and keep
     assert _names(plan.window(recs[1])) == [0, 3]
 
 
@@ -162,6 +161,107 @@ def test_records_of_an_older_step_use_reverse_order() -> None:
     old = _step(plan, 4, [0, 1, 2, 3])
     _step(plan, 4, [0])  # a new step; the old graph is still alive
     assert _names(plan.window(old[3])) == [2, 1]
+
+
+def test_outstanding_prefetches_are_capped_in_bytes() -> None:
+    """A byte cap smaller than a record makes one-record windows: at most about two
+    windows' bytes stay outstanding, not 2 * depth records."""
+    plan = PrefetchPlan(4, window_bytes=50)
+    recs = _recs(12, plan)  # 100 bytes each
+    anchor = recs[11]
+    assert _names(plan.window(anchor)) == [10]  # one record always goes
+    for r in recs[10:4:-1]:
+        r.pending = True
+        plan.issued(r, anchor)
+    assert [r.name for r in recs if r.pending] == [9, 10]  # 2 * 100 bytes, the nearest
+
+
+def test_a_step_is_learned_over_the_records_alive_at_its_backward() -> None:
+    """A forward whose graph was dropped packs into the next step; its dead records are
+    not in that step's signature, so the learned order still applies."""
+    plan = PrefetchPlan(2)
+    _step(plan, 6, [3, 4, 5, 0, 1, 2])
+    plan.begin_forward()
+    dropped = [Rec(100 + i, shape=(7,)) for i in range(3)]
+    for r in dropped:
+        plan.register(r, (r.shape, r.nbytes))
+    del dropped, r
+    gc.collect()
+    recs = _recs(6, plan)
+    plan.begin_backward()
+    plan.unpacked(recs[3], 0)
+    assert plan.predicted_steps == 1
+    assert _names(plan.window(recs[3])) == [4, 5]
+    for i in (4, 5, 0, 1, 2):
+        plan.unpacked(recs[i], 0)
+    later = _step(plan, 6, [3])  # and what it teaches is the same order
+    assert plan.predicted_steps == 2
+    assert _names(plan.window(later[5])) == [0, 1]
+
+
+def test_alternating_structures_each_keep_their_order() -> None:
+    plan = PrefetchPlan(2)
+
+    def step_b(order: list[int]) -> list[Rec]:
+        plan.begin_forward()
+        recs = [Rec(i, shape=(9,)) for i in range(4)]
+        for r in recs:
+            plan.register(r, (r.shape, r.nbytes))
+        plan.begin_backward()
+        for i in order:
+            plan.unpacked(recs[i], 0)
+        return recs
+
+    _step(plan, 6, [3, 4, 5, 0, 1, 2])
+    step_b([0, 1, 2, 3])
+    a = _step(plan, 6, [3])
+    assert _names(plan.window(a[3])) == [4, 5]
+    b = step_b([0])
+    assert _names(plan.window(b[0])) == [1, 2]
+    assert plan.predicted_steps == 2
+
+
+def test_a_step_backwarded_after_later_forwards_follows_its_order() -> None:
+    """Pipeline schedules run the next forward before the previous backward."""
+    plan = PrefetchPlan(2)
+    _step(plan, 6, [3, 4, 5, 0, 1, 2])
+    plan.begin_forward()
+    first = _recs(6, plan)
+    plan.begin_backward()  # the backward of an older step (none here)
+    plan.begin_forward()
+    second = _recs(6, plan)
+    plan.begin_backward()  # backward of ``first``, after ``second``'s forward
+    plan.unpacked(first[3], 0)
+    assert plan.predicted_steps == 1
+    assert _names(plan.window(first[3])) == [4, 5]
+    for i in (4, 5, 0, 1, 2):
+        plan.unpacked(first[i], 0)
+    plan.begin_forward()
+    plan.begin_backward()
+    plan.unpacked(second[3], 0)
+    assert plan.predicted_steps == 2
+    assert _names(plan.window(second[5])) == [0, 1]
+
+
+def test_packs_inside_a_backward_belong_to_no_step() -> None:
+    """Reentrant checkpointing recomputes inside backward: those packs neither start a
+    step nor join one, and the step's backward goes on following its prediction."""
+    plan = PrefetchPlan(2)
+    _step(plan, 6, [3, 4, 5, 0, 1, 2])
+    recs = _step(plan, 6, [3, 4])
+    plan.begin_forward(nested=True)
+    inner = _recs(3, plan)
+    assert [r.spos for r in inner] == [-1, -1, -1]
+    plan.begin_backward()
+    for r in reversed(inner):
+        plan.unpacked(r, 0)
+    assert _names(plan.window(inner[2])) == [1, 0]  # reverse pack order
+    for i in (5, 0, 1, 2):
+        plan.unpacked(recs[i], 0)
+    assert _names(plan.window(recs[5])) == [0, 1]
+    later = _step(plan, 6, [3])
+    assert plan.predicted_steps == 2
+    assert _names(plan.window(later[3])) == [4, 5]
 
 
 # -- unpack groups (NOTE [unpack groups]) --------------------------------------------------
@@ -173,7 +273,7 @@ def test_a_window_extends_to_the_end_of_a_group() -> None:
     order = [8, 9, 10, 11, 4, 5, 6, 7, 0, 1, 2, 3]
     groups = [1] * 4 + [2] * 4 + [3] * 4
     _step(plan, 12, order, groups)
-    recs = _step(plan, 12, [])
+    recs = _step(plan, 12, [11], [1])
     assert _names(plan.window(recs[11])) == [4, 5, 6, 7]  # the whole next region
     plan.window_bytes = 300  # the bytes cap still holds
     assert _names(plan.window(recs[11])) == [4, 5, 6]
@@ -196,6 +296,18 @@ def test_eager_sized_groups_are_not_reported(caplog: pytest.LogCaptureFixture) -
     caplog.set_level(logging.WARNING, logger="prefetch_offload")
     for _ in range(3):
         _step(plan, 40, list(range(40)), [i // 2 + 1 for i in range(40)])
+    plan.begin_forward()
+    assert caplog.records == []
+
+
+def test_two_large_groups_are_not_a_whole_model_compile(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two blocks compiled one by one: each is a large group, neither is the model."""
+    plan = PrefetchPlan(2)
+    caplog.set_level(logging.WARNING, logger="prefetch_offload")
+    for _ in range(3):
+        _step(plan, 41, list(range(41)), [1] * 21 + [2] * 20)
     plan.begin_forward()
     assert caplog.records == []
 
@@ -310,3 +422,94 @@ class _Slow(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         time.sleep(0.01)
         return grad
+
+
+def test_regions_of_another_size_keep_the_learned_order(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another sequence length changes every shape but not the graph: the order learned
+    at one size serves the next size (NOTE [learned order])."""
+    sizes = [1 << 14, 3 << 12, 1 << 13, 5 << 11]
+    xs = [torch.randn(n, requires_grad=True) for n in sizes]
+    expected = []
+    for x in xs:
+        _regions(x, compute=0.0).backward()
+        expected.append(x.grad)
+        x.grad = None
+    rates = []
+    with engine_with_hooks(save_dir) as engine:
+        slow_store(engine, monkeypatch, "read", 0.003)
+        for x, want in zip(xs, expected, strict=True):
+            loss = _regions(x)
+            engine.flush()
+            before = engine.stats()
+            loss.backward()
+            rates.append(_hit_rate(before, engine.stats()))
+            assert torch.equal(x.grad, want)
+        assert engine.stats().predicted_steps == len(sizes) - 1
+    assert rates[0] < 0.65 and min(rates[1:]) >= 0.85, rates
+
+
+def test_reentrant_checkpointing_keeps_the_learned_order(save_dir: Path) -> None:
+    """Recomputation packs inside backward; the step's own records still follow the
+    order learned from the step before, and the gradients stay exact."""
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.randn(1 << 12, requires_grad=True)
+
+    def segment(h: torch.Tensor) -> torch.Tensor:
+        for i in range(3):
+            h = (h * (1.0 + i / 8)).sin()
+        return h
+
+    def step() -> torch.Tensor:
+        h = x
+        for _ in range(4):
+            h = checkpoint(segment, h.sin(), use_reentrant=True)
+        return h.sum()
+
+    step().backward()
+    expected, x.grad = x.grad, None
+    with engine_with_hooks(save_dir, min_offload_bytes=1) as engine:
+        for _ in range(3):
+            loss = step()
+            engine.flush()
+            loss.backward()
+            assert torch.equal(x.grad, expected)
+            x.grad = None
+        assert engine.stats().predicted_steps == 2
+
+
+def test_concurrent_backwards_clean_up_once_the_last_one_ends(save_dir: Path) -> None:
+    """Two backward calls on two threads: the end-of-backward cleanup (recent spans,
+    idle read buffers) waits for both instead of running at every thread switch."""
+    import threading
+
+    xs = [torch.randn(1 << 13, requires_grad=True) for _ in range(2)]
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for i in range(100):
+            h = (h * (1.0 + i / 512)).sin()
+        return h.sum()
+
+    with engine_with_hooks(save_dir, prefetch_depth=2) as engine:
+        calls = []
+        real = engine._reader.end_backward
+        engine._reader.end_backward = lambda: (calls.append(1), real())[1]  # type: ignore[method-assign]
+        losses = [chain(x) for x in xs]
+        engine.flush()
+        barrier = threading.Barrier(2)
+
+        def run(loss: torch.Tensor) -> None:
+            barrier.wait()
+            loss.backward()
+
+        threads = [threading.Thread(target=run, args=(loss,)) for loss in losses]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(x.grad is not None for x in xs)
+        assert 1 <= len(calls) <= 2, len(calls)
+        assert not engine._end_tasks
