@@ -146,6 +146,10 @@ class DeviceLayer:
         O_DIRECT at all."""
         return direct_io_supported(directory)
 
+    def poll(self) -> None:
+        """Release the tensors and host buffers of copies that have ended (it waits for
+        none); the engine calls it when it has waited for its copies."""
+
     def close(self) -> None:
         """Wait for every copy in flight and release idle host buffers.
 
@@ -296,6 +300,10 @@ class SpanCopyDevice(DeviceLayer):
         self._direct[directory] = ok
         return ok
 
+    def poll(self) -> None:
+        for streams in list(self._streams.values()):
+            streams.poll()
+
     def close(self) -> None:
         for streams in list(self._streams.values()):
             streams.close()
@@ -352,6 +360,10 @@ class RoutingDevice(DeviceLayer):
 
     def direct_io_ok(self, directory: str) -> bool:
         return all(layer.direct_io_ok(directory) for layer in self.layers)
+
+    def poll(self) -> None:
+        for layer in self.layers:
+            layer.poll()
 
     def close(self) -> None:
         for layer in self.layers:

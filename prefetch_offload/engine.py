@@ -179,7 +179,9 @@ class OffloadEngine:
         # Storage address -> spans of live records in it (NOTE [dedup]).
         self._dedup: dict[int, list[DedupEntry]] = {}
         # Dead records' extents, dedup keys, tiers and bytes (NOTE [record lifetime]).
-        self._dead: collections.deque[tuple[Extent | None, int, int, int]] = collections.deque()
+        self._dead: collections.deque[tuple[Extent | None, int, int, int, int]] = (
+            collections.deque()
+        )
         self._errors = ErrorSlot()  # NOTE [errors from workers]
         self._warned_host = False  # NOTE [tiers]: host budget exhausted with no disk
         self._warned_cpu_budget = False
@@ -277,10 +279,11 @@ class OffloadEngine:
     def _wait_offloads(self) -> None:
         self._wait_writes()
         # Copies exist only with a device layer; event queries would invalidate a capture.
-        if self._copying and not (
-            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        ):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
+        if self._copying:
             self._settle_copies(wait=True)
+        self._device.poll()  # finished copies' tensors go now, not at the next copy
 
     # -- pack -------------------------------------------------------------------------------
 
@@ -400,14 +403,22 @@ class OffloadEngine:
 
     def _enforce_budgets(self) -> None:
         """Demote the oldest records of each tier over its budget (NOTE [tiers])."""
-        with self._lock:
-            recs = self._policy.over(DEVICE)
-        for rec in recs:
-            self._demote_from_device(rec)
-        with self._lock:
-            recs = self._policy.over(HOST)
-        for rec in recs:
-            self._demote_to_disk(rec, HOST)
+        for tier in (DEVICE, HOST):
+            with self._lock:
+                recs = self._policy.over(tier)
+            done = 0
+            try:
+                for rec in recs:
+                    if tier == DEVICE:
+                        self._demote_from_device(rec)
+                    else:
+                        self._demote_to_disk(rec, HOST)
+                    done += 1
+            finally:
+                if done < len(recs):  # a demotion raised: the rest stay, to be tried again
+                    with self._lock:
+                        for rec in recs[done:]:
+                            self._policy.release(rec)
 
     def _unskip(self, rec: Record) -> None:
         """A write the write tail dropped is queued again (NOTE [write tail])."""
@@ -672,9 +683,9 @@ class OffloadEngine:
         with self._lock:
             keys = set()
             while dead:
-                extent, key, tier, nbytes = dead.popleft()
+                extent, key, tier, nbytes, seq = dead.popleft()
                 self._plan.forget()
-                self._policy.died(tier, nbytes)
+                self._policy.died(tier, nbytes, seq)
                 keys.add(key)
                 if extent is not None and store is not None:
                     store.free(extent)

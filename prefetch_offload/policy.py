@@ -24,7 +24,9 @@
 #
 # A record that cannot be demoted (no space on disk, no host budget left and no
 # disk) stays where it is, outside the tier's queue: it is never tried again,
-# and the engine warns once and counts it as a fallback.
+# and the engine warns once and counts it as a fallback. A demotion that raises
+# (a slab file that cannot be created) returns its record, and those handed out
+# after it, to the oldest end of the queue, to be tried at the next pack.
 #
 # The policy has no lock of its own; the engine calls it under its lock.
 """
@@ -71,7 +73,8 @@ class TierPolicy:
         self.bytes = [0, 0, 0]  # per tier, right now (records being demoted included)
         self.peak = [0, 0, 0]  # per tier, the most ever kept there once a pack returned
         self.demoted = [0, 0, 0]  # bytes demoted into each tier
-        # Records over() handed out and not yet moved, by id: their bytes, and per tier.
+        # Records over() handed out and not yet moved, by seq (unique, unlike an id
+        # that a dead record's successor may reuse): their bytes, and per tier.
         self._leaving: dict[int, int] = {}
         self._leaving_bytes = [0, 0, 0]
 
@@ -97,7 +100,7 @@ class TierPolicy:
 
     def _leave(self, rec: Tiered) -> None:
         """``rec`` moves out of its tier: first from the records over() handed out."""
-        nbytes = self._leaving.pop(id(rec), None)
+        nbytes = self._leaving.pop(rec.seq, None)
         if nbytes is not None:
             self._leaving_bytes[rec.tier] -= nbytes
         self.bytes[rec.tier] -= rec.nbytes
@@ -116,10 +119,10 @@ class TierPolicy:
             excess = self.bytes[tier] - self._leaving_bytes[tier] - budget
             while excess > 0 and queue:
                 rec = queue.popleft()()
-                if rec is None or rec.tier != tier or id(rec) in self._leaving:
+                if rec is None or rec.tier != tier or rec.seq in self._leaving:
                     continue  # died (drained soon) or moved already
                 picked.append(rec)
-                self._leaving[id(rec)] = rec.nbytes
+                self._leaving[rec.seq] = rec.nbytes
                 self._leaving_bytes[tier] += rec.nbytes
                 excess -= rec.nbytes
         self._note_peak(tier)
@@ -129,7 +132,9 @@ class TierPolicy:
         """Move ``rec`` to the slower ``tier``; HOST records may be demoted again later."""
         self._leave(rec)
         rec.tier = tier
-        self._add(rec, tier)
+        self.bytes[tier] += rec.nbytes
+        if tier == DISK:  # a memory tier's peak is noted once over() has made room
+            self._note_peak(tier)
         self.demoted[tier] += rec.nbytes
         if tier == HOST:
             self._queues[HOST].append(weakref.ref(rec))
@@ -149,6 +154,18 @@ class TierPolicy:
             self._add(rec, tier)
             self._queues[tier].appendleft(weakref.ref(rec))
 
-    def died(self, tier: int, nbytes: int) -> None:
-        """A record of ``tier`` died."""
+    def release(self, rec: Tiered) -> None:
+        """A record over() handed out that was neither moved nor kept (its demotion
+        failed): back to the oldest end of its tier, to be picked again."""
+        nbytes = self._leaving.pop(rec.seq, None)
+        if nbytes is not None:
+            self._leaving_bytes[rec.tier] -= nbytes
+            self._queues[rec.tier].appendleft(weakref.ref(rec))
+
+    def died(self, tier: int, nbytes: int, seq: int) -> None:
+        """The record ``seq`` of ``tier`` died (if over() had handed it out, it is not
+        leaving any more)."""
         self.bytes[tier] -= nbytes
+        leaving = self._leaving.pop(seq, None)
+        if leaving is not None:
+            self._leaving_bytes[tier] -= leaving

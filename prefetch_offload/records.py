@@ -34,8 +34,9 @@
 # So once a CPU record's write has begun reading the tensor's memory (``frozen``),
 # a pack shares the record only if its span lies inside a dense view saved there
 # (``covered``), whose bytes autograd forbids changing; before that, the write
-# reads what every later save sees. (A device record's bytes are copied at its
-# first pack; they are not checked this way.)
+# reads what every later save sees. (A device record's bytes are copied when it
+# leaves the device, at its pack or when a budget demotes it; they are not
+# checked this way.)
 #
 # NOTE [whole storage]
 # Views that overlap without one containing the other defeat containment
@@ -346,7 +347,7 @@ class Record:
     def __del__(self) -> None:
         # NOTE [record lifetime]: never take a lock here.
         try:
-            self.engine._dead.append((self.extent, self.key, self.tier, self.span.nbytes))
+            self.engine._dead.append((self.extent, self.key, self.tier, self.span.nbytes, self.seq))
         except Exception:  # interpreter shutdown
             pass
 

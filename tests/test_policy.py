@@ -46,7 +46,7 @@ def test_headroom_is_the_budget_its_records_do_not_fill() -> None:
     assert policy.headroom(DEVICE) == 0  # being demoted still occupies its memory
     policy.demote(oldest, DISK)
     assert policy.headroom(DEVICE) == 5
-    policy.died(DEVICE, recs[2].nbytes)
+    policy.died(DEVICE, recs[2].nbytes, recs[2].seq)
     assert policy.headroom(DEVICE) == 15
     assert TierPolicy(0, None).headroom(DEVICE) == 0
 
@@ -92,8 +92,46 @@ def test_no_limit_demotes_nothing_and_deaths_are_subtracted() -> None:
     policy.admit(r)
     policy.demote(r, HOST)
     assert policy.over(HOST) == []
-    policy.died(HOST, r.nbytes)
+    policy.died(HOST, r.nbytes, r.seq)
     assert policy.bytes == [0, 0, 0] and policy.peak[HOST] == 10
+
+
+def test_a_failed_demotion_is_released_and_picked_again() -> None:
+    policy = TierPolicy(0, None)
+    a, b = Rec(0), Rec(1)
+    policy.admit(a)
+    policy.admit(b)
+    assert policy.over(DEVICE) == [a, b]
+    policy.demote(a, DISK)
+    policy.release(b)  # its demotion raised
+    policy.release(a)  # moved already: nothing to release
+    assert policy.over(DEVICE) == [b]  # the excess is seen again
+    policy.demote(b, DISK)
+    assert policy.bytes == [0, 0, 20]
+
+
+def test_a_record_that_dies_while_leaving_frees_its_excess() -> None:
+    policy = TierPolicy(0, None)
+    a = Rec(0)
+    policy.admit(a)
+    assert policy.over(DEVICE) == [a]
+    policy.died(DEVICE, a.nbytes, a.seq)  # before its demotion ran
+    b = Rec(1)
+    policy.admit(b)
+    assert policy.over(DEVICE) == [b]  # not hidden behind a's stale excess
+
+
+def test_a_memory_tiers_peak_is_what_it_keeps_once_room_is_made() -> None:
+    """A demotion into HOST may pass its budget until over(HOST) hands the oldest out:
+    the peak is taken after that, as a pack leaves the tier."""
+    policy = TierPolicy(0, 10)
+    for r in (Rec(0), Rec(1)):
+        policy.admit(r)
+        for p in policy.over(DEVICE):
+            policy.demote(p, HOST)
+        for p in policy.over(HOST):
+            policy.demote(p, DISK)
+    assert policy.peak == [0, 10, 10] and policy.bytes == [0, 10, 10]
 
 
 # -- the engine, CPU tensors to disk -------------------------------------------------------
@@ -266,9 +304,59 @@ def test_twin_host_budget_spills_the_oldest_copies_to_disk(save_dir: Path) -> No
         assert stats.disk_tier_bytes == (LINKS - 3) * SIZE
         assert stats.bytes_demoted_to_host == (LINKS - 1) * SIZE
         assert stats.bytes_demoted_to_disk == (LINKS - 3) * SIZE
+        # Never more than its budget once a pack returned (NOTE [tiers]).
+        assert stats.peak_host_tier_bytes == 2 * SIZE
         loss.backward()
         assert engine.stats().bytes_read == (LINKS - 3) * SIZE
     assert x.grad is not None and torch.equal(x.grad, _reference(x))
+
+
+def test_budget_holds_after_a_demotion_raised(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A demotion that fails (no slab could be made) raises at its pack; the record it
+    was for goes back to its tier's queue, so later packs still keep the budget."""
+    from prefetch_offload import OffloadIOError
+
+    x = torch.randn(N, requires_grad=True)
+    with engine_with_hooks(save_dir, chunk_bytes=4096) as engine:  # device_budget 0
+        ys = [(x * (i + 2)).sin() for i in range(4)]
+        torch.autograd.grad(ys[0].sum(), x, retain_graph=True)  # write tail: readmitted
+
+        def denied(nbytes: int) -> None:
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(engine._store, "allocate", denied)
+        with pytest.raises(OffloadIOError):
+            (x * 7).sin()  # forward resumes: demoting the readmitted records raises
+        monkeypatch.undo()
+        h = x
+        for _ in range(4):  # the next packs demote what is over the budget, old and new
+            h = (h * 1.01).sin()
+            assert engine.stats().device_tier_bytes == 0
+        (h.sum() + sum(y.sum() for y in ys)).backward()
+        del ys
+        gc.collect()
+        engine.flush()
+        assert engine._policy._leaving == {} and engine._policy._leaving_bytes == [0, 0, 0]
+
+
+def test_twin_flush_lets_the_device_memory_of_finished_copies_go(save_dir: Path) -> None:
+    """After flush() every copy off the device is done: the device tensors it copied
+    are no longer held for it (on a GPU: no device memory held after flush)."""
+    import weakref
+
+    x = torch.randn(1 << 16, requires_grad=True)
+    with twin_with_hooks("cpu", save_dir, device_budget=0) as (engine, _):
+        y = x * 2
+        ref = weakref.ref(y.untyped_storage())
+        z = y.sin()  # saves y; budget 0: copied to the host tier at once
+        del y
+        engine.flush()
+        gc.collect()
+        assert engine.stats().device_tier_bytes == 0
+        assert ref() is None
+        z.sum().backward()
 
 
 def test_twin_device_budget_serves_resident_tensors_without_copies(save_dir: Path) -> None:
