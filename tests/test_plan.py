@@ -291,23 +291,21 @@ def test_one_node_unpacking_most_of_a_step_is_reported_once(
     assert len(msgs) == 1 and "block.compile()" in msgs[0] and "40 of the 40" in msgs[0]
 
 
-def test_eager_sized_groups_are_not_reported(caplog: pytest.LogCaptureFixture) -> None:
-    plan = PrefetchPlan(2)
-    caplog.set_level(logging.WARNING, logger="prefetch_offload")
-    for _ in range(3):
-        _step(plan, 40, list(range(40)), [i // 2 + 1 for i in range(40)])
-    plan.begin_forward()
-    assert caplog.records == []
-
-
-def test_two_large_groups_are_not_a_whole_model_compile(
-    caplog: pytest.LogCaptureFixture,
+@pytest.mark.parametrize(
+    ("n", "groups"),
+    [
+        (40, [i // 2 + 1 for i in range(40)]),  # eager: a node unpacks one or two
+        (41, [1] * 21 + [2] * 20),  # two blocks compiled one by one: neither is the model
+    ],
+    ids=["eager", "two-regions"],
+)
+def test_groups_of_a_step_compiled_per_block_are_not_reported(
+    caplog: pytest.LogCaptureFixture, n: int, groups: list[int]
 ) -> None:
-    """Two blocks compiled one by one: each is a large group, neither is the model."""
     plan = PrefetchPlan(2)
     caplog.set_level(logging.WARNING, logger="prefetch_offload")
     for _ in range(3):
-        _step(plan, 41, list(range(41)), [1] * 21 + [2] * 20)
+        _step(plan, n, list(range(n)), groups)
     plan.begin_forward()
     assert caplog.records == []
 
