@@ -189,8 +189,10 @@ class OffloadEngine:
         self._pass_no = 0  # NOTE [backward passes]
         self._closed = False
         self._in_backward = False
-        # NOTE [recently restored]: the graph tasks whose ends final callbacks await.
-        self._end_tasks: set[int] = set()
+        # NOTE [recently restored]: the graph tasks whose ends final callbacks await,
+        # and the thread each one unpacked on first.
+        self._end_tasks: dict[int, int] = {}
+        self._nested_packs = False  # the packs since the last unpack came from a backward
         # ``pool`` lets tests run the inline reference pool instead of threads.
         if pool is None:
             pool = ThreadIOPool(config.io_workers) if self._store is not None else InlineIOPool()
@@ -307,11 +309,13 @@ class OffloadEngine:
                 "prefetch_offload: pack hook called after its offload_context exited; "
                 "create a new context for new forward passes."
             )
-        if self._in_backward:  # forward again
+        # Forward again: after unpacks, or after packs made inside a backward (the
+        # last ones of a create_graph backward) once packs come from outside one.
+        if self._in_backward or (self._nested_packs and _graph_task_id() < 0):
             self._in_backward = False
             # NOTE [learned order]: packs from inside a backward (reentrant checkpointing,
             # double backward) do not start a step.
-            nested = _graph_task_id() >= 0
+            nested = self._nested_packs = _graph_task_id() >= 0
             with self._lock:
                 if not nested:
                     self._end_tasks.clear()  # in case a backward raised (no final callback)
@@ -417,8 +421,7 @@ class OffloadEngine:
             finally:
                 if done < len(recs):  # a demotion raised: the rest stay, to be tried again
                     with self._lock:
-                        for rec in recs[done:]:
-                            self._policy.release(rec)
+                        self._policy.release(recs[done:])
 
     def _unskip(self, rec: Record) -> None:
         """A write the write tail dropped is queued again (NOTE [write tail])."""
@@ -454,7 +457,13 @@ class OffloadEngine:
                 with self._lock:
                     self._policy.keep(rec, DEVICE)
                 return
-        host, base, fence = self._device.to_host(held[0], held[1], nbytes, held[2])
+        try:
+            host, base, fence = self._device.to_host(held[0], held[1], nbytes, held[2])
+        except BaseException:
+            if extent is not None:  # the record may be tried again: no space held meanwhile
+                assert store is not None
+                store.free(extent)
+            raise
         pad = (host.data_ptr() + base) % 4096
         if pad != rec.span.pad:  # a host block that is not page-aligned
             rec.span = Span(nbytes, pad)
@@ -615,10 +624,19 @@ class OffloadEngine:
         # NOTE [unpack threads]
         with self._lock:
             starting, self._in_backward = not self._in_backward, True
+            if starting:
+                self._nested_packs = False
             task = _graph_task_id()  # -1: outside backward (grad_fn._saved_self)
             new_task = task != -1 and task not in self._end_tasks
             if new_task:
-                self._end_tasks.add(task)
+                me = threading.get_ident()
+                if not starting:
+                    # A backward that starts with no packs before it, on a thread that
+                    # ran another: that one ended, and if no callback ended it, it
+                    # raised. (A reentrant checkpoint's inner backward follows packs.)
+                    for old in [t for t, th in self._end_tasks.items() if th == me]:
+                        del self._end_tasks[old]
+                self._end_tasks[task] = me
         if starting:
             if self._writer is not None:
                 self._writer.skip_tail()
@@ -661,11 +679,11 @@ class OffloadEngine:
             )
         except RuntimeError:  # not in a backward after all: nothing will end
             with self._lock:
-                self._end_tasks.discard(task)
+                self._end_tasks.pop(task, None)
 
     def _end_of_backward(self, task: int) -> None:
         with self._lock:
-            self._end_tasks.discard(task)
+            self._end_tasks.pop(task, None)
             if self._end_tasks:
                 return  # another backward is still running
         self._reader.end_backward()

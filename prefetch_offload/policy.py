@@ -154,13 +154,15 @@ class TierPolicy:
             self._add(rec, tier)
             self._queues[tier].appendleft(weakref.ref(rec))
 
-    def release(self, rec: Tiered) -> None:
-        """A record over() handed out that was neither moved nor kept (its demotion
-        failed): back to the oldest end of its tier, to be picked again."""
-        nbytes = self._leaving.pop(rec.seq, None)
-        if nbytes is not None:
-            self._leaving_bytes[rec.tier] -= nbytes
-            self._queues[rec.tier].appendleft(weakref.ref(rec))
+    def release(self, recs: list[Tiered]) -> None:
+        """Records over() handed out that were neither moved nor kept (a demotion
+        failed): back to the oldest end of their tier, oldest first, to be picked
+        again. Those moved already are left alone."""
+        for rec in sorted(recs, key=lambda r: r.seq, reverse=True):
+            nbytes = self._leaving.pop(rec.seq, None)
+            if nbytes is not None:
+                self._leaving_bytes[rec.tier] -= nbytes
+                self._queues[rec.tier].appendleft(weakref.ref(rec))
 
     def died(self, tier: int, nbytes: int, seq: int) -> None:
         """The record ``seq`` of ``tier`` died (if over() had handed it out, it is not

@@ -955,6 +955,31 @@ def test_a_backward_that_raises_does_not_stop_end_of_backward_cleanup(save_dir: 
         assert not engine._end_tasks and not engine._reader.recent
 
 
+def test_a_backward_a_user_hook_broke_does_not_stop_the_next_ones_cleanup(
+    save_dir: Path,
+) -> None:
+    """A backward that raised outside the engine (a tensor hook) runs no final callback;
+    the next backward on that thread, with no forward in between, still cleans up."""
+
+    class Boom(Exception):
+        pass
+
+    def boom(grad: torch.Tensor) -> torch.Tensor:
+        raise Boom
+
+    x = torch.randn(1 << 14, requires_grad=True)
+    with engine_with_hooks(save_dir) as engine:
+        a = (x * 2).sin()
+        broken = a.cos().exp()
+        a.register_hook(boom)  # raises midway through the first backward
+        other = (x * 3).sin().cos()  # a second graph of the same forward
+        engine.flush()
+        with pytest.raises(Boom):
+            broken.sum().backward()
+        other.sum().backward()
+        assert not engine._end_tasks and not engine._reader.recent
+
+
 def test_an_unpack_outside_backward_does_not_stop_end_of_backward_cleanup(
     save_dir: Path,
 ) -> None:

@@ -478,6 +478,26 @@ def test_reentrant_checkpointing_keeps_the_learned_order(save_dir: Path) -> None
         assert engine.stats().predicted_steps == 2
 
 
+def test_a_forward_after_a_create_graph_backward_is_a_step(save_dir: Path) -> None:
+    """A create_graph backward's last packs come from inside it; the next ordinary
+    forward is still a step of its own, learned and predicted."""
+    x = torch.randn(1 << 12, requires_grad=True)
+
+    def chain() -> torch.Tensor:
+        h = x
+        for i in range(6):
+            h = (h * (1.0 + i / 8)).sin()
+        return h.sum()
+
+    with engine_with_hooks(save_dir, min_offload_bytes=1) as engine:
+        for _ in range(4):
+            loss = chain()
+            engine.flush()
+            loss.backward(create_graph=True)
+            x.grad = None
+        assert engine.stats().predicted_steps == 3
+
+
 def test_concurrent_backwards_clean_up_once_the_last_one_ends(save_dir: Path) -> None:
     """Two backward calls on two threads: the end-of-backward cleanup (recent spans,
     idle read buffers) waits for both instead of running at every thread switch."""

@@ -103,8 +103,7 @@ def test_a_failed_demotion_is_released_and_picked_again() -> None:
     policy.admit(b)
     assert policy.over(DEVICE) == [a, b]
     policy.demote(a, DISK)
-    policy.release(b)  # its demotion raised
-    policy.release(a)  # moved already: nothing to release
+    policy.release([b, a])  # b's demotion raised; a moved already: left alone
     assert policy.over(DEVICE) == [b]  # the excess is seen again
     policy.demote(b, DISK)
     assert policy.bytes == [0, 0, 20]
@@ -319,7 +318,7 @@ def test_budget_holds_after_a_demotion_raised(
     from prefetch_offload import OffloadIOError
 
     x = torch.randn(N, requires_grad=True)
-    with engine_with_hooks(save_dir, chunk_bytes=4096) as engine:  # device_budget 0
+    with engine_with_hooks(save_dir) as engine:  # device_budget 0; batches stay open
         ys = [(x * (i + 2)).sin() for i in range(4)]
         torch.autograd.grad(ys[0].sum(), x, retain_graph=True)  # write tail: readmitted
 
@@ -330,6 +329,8 @@ def test_budget_holds_after_a_demotion_raised(
         with pytest.raises(OffloadIOError):
             (x * 7).sin()  # forward resumes: demoting the readmitted records raises
         monkeypatch.undo()
+        queue = [r.seq for r in (ref() for ref in engine._policy._queues[DEVICE]) if r]
+        assert queue == sorted(queue) and len(queue) == 4  # oldest first, as before
         h = x
         for _ in range(4):  # the next packs demote what is over the budget, old and new
             h = (h * 1.01).sin()
@@ -339,6 +340,38 @@ def test_budget_holds_after_a_demotion_raised(
         gc.collect()
         engine.flush()
         assert engine._policy._leaving == {} and engine._policy._leaving_bytes == [0, 0, 0]
+
+
+def test_twin_slab_space_comes_back_after_a_copy_off_the_device_raised(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Straight to disk, the extent is reserved before the copy: a copy that raises
+    gives it back, and the record, released, is demoted at the next pack in age order."""
+    x = torch.randn(N, requires_grad=True)
+    with twin_with_hooks("disk", save_dir, device_budget=0, host_budget=0) as (engine, _):
+        real = engine._device.to_host
+        calls = []
+
+        def flaky(*args: Any, **kw: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("pinned allocation failed")
+            return real(*args, **kw)
+
+        monkeypatch.setattr(engine._device, "to_host", flaky)
+        y = x * 2
+        with pytest.raises(RuntimeError, match="pinned allocation failed"):
+            y.sin()
+        assert engine._store.used_bytes == 0
+        z = (x * 3).sin()  # demotes y's released record first, then its own
+        assert engine.stats().device_tier_bytes == 0
+        engine.flush()
+        z.sum().backward()
+        del y, z
+        gc.collect()
+        engine.flush()
+        engine.stats()  # drains dead records
+        assert engine._store.used_bytes == 0
 
 
 def test_twin_flush_lets_the_device_memory_of_finished_copies_go(save_dir: Path) -> None:
