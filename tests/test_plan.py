@@ -478,6 +478,7 @@ def test_reentrant_checkpointing_keeps_the_learned_order(save_dir: Path) -> None
         assert engine.stats().predicted_steps == 2
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_a_forward_after_a_create_graph_backward_is_a_step(save_dir: Path) -> None:
     """A create_graph backward's last packs come from inside it; the next ordinary
     forward is still a step of its own, learned and predicted."""
