@@ -34,6 +34,12 @@ packing); the table shows, for the last step, the fraction of consecutive unpack
 that go backwards in pack order (``rev``: 1.0 is the order the lookahead assumes)
 and the unpack order as runs of consecutive records (``a..b``).
 
+``--seq-lengths 256,192,224`` gives the steps those sequence lengths in turn
+(dynamic padding): every saved shape changes from one step to the next while the
+graph stays the same (NOTE [learned order]: the prefetch order is kept). A
+compiled block compiles again for the first length it has not seen, with dynamic
+shapes, and may save other tensors then; later lengths reuse that compile.
+
 ``--prefetch-bytes`` is passed to the engine only where the installed
 ``OffloadConfig`` has that field.
 
@@ -83,7 +89,7 @@ from _harness import (
 from _text import fmt, format_table, json_args, json_header, log
 
 from prefetch_offload import OffloadConfig, OffloadContext, OffloadEngine
-from prefetch_offload.testing import warm_up_unary_ops
+from prefetch_offload.testing import make_batch, warm_up_unary_ops
 
 __all__ = [
     "LABELS",
@@ -465,6 +471,17 @@ def _check(results: Sequence[ModeResult]) -> list[str]:
 # -- arguments and main ------------------------------------------------------------------
 
 
+def _lengths(text: str) -> list[int]:
+    """``--seq-lengths``: a comma list of positive ints."""
+    try:
+        lengths = [int(part) for part in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 256,192; got {text!r}")
+    return lengths
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="bench/compiled.py",
@@ -494,6 +511,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="folder to create the run's scratch folder in (default ./.scratch); removed after",
     )
+    p.add_argument(
+        "--seq-lengths",
+        type=_lengths,
+        default=None,
+        metavar="L1,L2,...",
+        help="sequence length of each step in turn (overrides --seq for the batches)",
+    )
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write JSON here")
     args = p.parse_args(argv)
     if args.tiny:
@@ -516,6 +540,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     knobs.config(".")  # bad knobs fail here, before any training
     steps = args.warmup + args.steps
     base, batches = build(shape, steps)
+    seqs = [shape.seq] * steps
+    if args.seq_lengths:
+        seqs = [args.seq_lengths[r % len(args.seq_lengths)] for r in range(steps)]
+        batches = [make_batch(shape.batch, seq, seed=r) for r, seq in enumerate(seqs)]
     results: list[ModeResult] = []
     with scratch_folder(args.save_dir, prefix="compiled-") as folder:
         fstype = filesystem_type(folder)
@@ -541,6 +569,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = json_header("compiled.py", words, machine_info())
     print(header["machine_line"])
     print(f"shape: {shape}; {args.warmup} warm-up + {args.steps} steps; scratch on {fstype}")
+    if args.seq_lengths:
+        print(f"sequence length per step: {', '.join(map(str, seqs))}")
     print(f"knobs: {knobs} (prefetch_bytes knob {'present' if HAS_PREFETCH_BYTES else 'absent'})")
     legend = (
         "ref s / disk s: median step time without / with offload (same compile mode, run one "
@@ -569,6 +599,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "has_prefetch_bytes": HAS_PREFETCH_BYTES,
             "args": json_args(args),
             "scratch_fs": fstype,
+            "seq_lengths": seqs,
             "rows": [r.to_json() for r in results],
             "check": {"ok": not problems, "problems": problems},
         }

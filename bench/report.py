@@ -385,9 +385,16 @@ def _render_compiled(doc: dict[str, Any]) -> list[str]:
     shape = doc["shape"]
     out = _header(doc, "bench/compiled.py")
     args = doc.get("args", {})
+    seqs = doc.get("seq_lengths") or [shape["seq"]]
+    tokens = (
+        f"{shape['batch']} x {seqs[0]} tokens"
+        if len(set(seqs)) == 1
+        else f"{shape['batch']} sequences of {', '.join(map(str, seqs))} tokens in turn, "
+        "one length per step"
+    )
     out.append(
         f"Model: TinyTransformer, {shape['depth']} blocks, width {shape['width']}, batch "
-        f"{shape['batch']} x {shape['seq']} tokens; {args.get('warmup', '?')} warm-up + "
+        f"{tokens}; {args.get('warmup', '?')} warm-up + "
         f"{args.get('steps', '?')} timed steps per mode; each mode against the same "
         "compile mode without offload, run one after the other."
     )

@@ -991,6 +991,27 @@ def test_compiled_main_tiny(tmp_path: Path, cwd: Path, capsys: pytest.CaptureFix
     assert compiled.order_runs([5, 4, 3, 3, 7, 8, 10]) == [(5, 3), (7, 8), (10, 10)]
 
 
+def test_compiled_seq_lengths_change_every_step_and_keep_the_order(
+    tmp_path: Path, cwd: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--seq-lengths: each step its own length (eager here, which compiles nothing); the
+    order learned at one length serves the next (predicted from the second step)."""
+    compiled, report = _load("compiled"), _load("report")
+    out = tmp_path / "compiled.json"
+    argv = ["--tiny", "--modes", "eager", "--warmup", "1", "--steps", "3"]
+    argv += ["--seq-lengths", "16,12,20", "--save-dir", str(tmp_path / "s"), "--json", str(out)]
+    assert compiled.main(argv) == 0
+    assert "sequence length per step: 16, 12, 20, 16" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["seq_lengths"] == [16, 12, 20, 16] and doc["check"]["ok"]
+    (row,) = doc["rows"]
+    predicted = [st["counters"]["predicted_steps"] for st in row["steps"]]
+    assert predicted == [0, 1, 1, 1]
+    assert "2 sequences of 16, 12, 20, 16 tokens in turn" in "\n".join(report._render_compiled(doc))
+    with pytest.raises(SystemExit):
+        compiled._parse_args(["--seq-lengths", "16,0"])
+
+
 # -- bench/report.py ---------------------------------------------------------------------
 
 
