@@ -107,14 +107,18 @@ _GAUGES = frozenset(
 _CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
 
 
+CHECKPOINT_MODES = ("off", "reentrant", "non-reentrant")
+
+
 # -- what is measured: shape and knobs, and their flags ----------------------------------
 
 
 class Flags:
-    """A frozen dataclass of integers (or None), each set by the flag of its name
-    (``--io-workers``)."""
+    """A frozen dataclass of integers (or None) and strings (one of ``CHOICES``), each
+    set by the flag of its name (``--io-workers``)."""
 
     HELP: ClassVar[dict[str, str]] = {}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     @classmethod
     def from_args(cls: type[_F], args: argparse.Namespace) -> _F:
@@ -124,7 +128,7 @@ class Flags:
         """The command-line flags that select these values."""
         return [x for name, value in self._items() for x in (_flag(name), str(value))]
 
-    def _items(self) -> list[tuple[str, int]]:
+    def _items(self) -> list[tuple[str, int | str]]:
         return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
 
     def __str__(self) -> str:
@@ -140,13 +144,21 @@ def _flag(name: str) -> str:
 
 @dataclass(frozen=True)
 class Shape(Flags):
-    """The TinyTransformer and batch size trained."""
+    """The TinyTransformer and batch size trained, and whether its blocks are
+    checkpointed (``torch.utils.checkpoint``: recomputed in backward)."""
+
+    HELP: ClassVar[dict[str, str]] = {
+        "checkpoint": "run every block under torch.utils.checkpoint, reentrant (the Hugging "
+        "Face Trainer's default) or not (default off)",
+    }
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"checkpoint": CHECKPOINT_MODES}
 
     depth: int = 6
     width: int = 256
     heads: int = 4
     batch: int = 8
     seq: int = 256
+    checkpoint: str = "off"
 
 
 @dataclass(frozen=True)
@@ -178,7 +190,13 @@ def add_args(p: argparse.ArgumentParser, defaults: Flags) -> None:
     """A flag per field of ``defaults`` (``--depth``, ``--prefetch-depth``, ...), whose
     value is the flag's default."""
     for name, value in defaults._items():
-        p.add_argument(_flag(name), type=int, default=value, help=defaults.HELP.get(name))
+        if isinstance(value, str):
+            choices = defaults.CHOICES[name]
+            p.add_argument(
+                _flag(name), choices=choices, default=value, help=defaults.HELP.get(name)
+            )
+        else:
+            p.add_argument(_flag(name), type=int, default=value, help=defaults.HELP.get(name))
 
 
 def parse_modes(text: str, choices: Sequence[str]) -> list[str]:
@@ -217,7 +235,34 @@ def build(
     batches = [make_batch(shape.batch, shape.seq, seed=r) for r in range(rounds)]
     torch.manual_seed(0)
     model = TinyTransformer(width=shape.width, depth=shape.depth, heads=shape.heads)
+    checkpoint_blocks(model, shape.checkpoint)
     return model, batches
+
+
+class _Checkpointed(torch.nn.Module):
+    """A block run under ``torch.utils.checkpoint``: recomputed during backward."""
+
+    def __init__(self, block: torch.nn.Module, *, reentrant: bool) -> None:
+        super().__init__()
+        self.block = block
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+def checkpoint_blocks(model: torch.nn.Module, mode: str) -> None:
+    """Checkpoint every block of ``model`` (a TinyTransformer) as ``mode`` says
+    (one of CHECKPOINT_MODES; "off" changes nothing)."""
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint mode must be one of {CHECKPOINT_MODES}, got {mode!r}")
+    if mode != "off":
+        blocks = model.blocks  # type: ignore[union-attr]
+        model.blocks = torch.nn.ModuleList(  # type: ignore[union-attr]
+            _Checkpointed(b, reentrant=mode == "reentrant") for b in blocks
+        )
 
 
 # -- what turns a mode on ----------------------------------------------------------------

@@ -327,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
                     total = hits + b.prefetch_misses - a.prefetch_misses
                     row |= {
                         "mb_per_step": (b.bytes_offloaded - a.bytes_offloaded) / 1e6 / args.rounds,
+                        "read_mb_per_step": (b.bytes_read - a.bytes_read) / 1e6 / args.rounds,
+                        "kept_in_backward_per_step": (b.kept_in_backward - a.kept_in_backward)
+                        / args.rounds,
                         "skipped_per_step": (b.writes_skipped - a.writes_skipped) / args.rounds,
                         "staged_mb_per_step": (b.bytes_staged - a.bytes_staged) / 1e6 / args.rounds,
                         "hit_rate": hits / total if total else 0.0,

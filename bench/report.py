@@ -87,6 +87,12 @@ def _per_step(total: float | None, steps: int) -> float | None:
     return None if total is None or not steps else total / steps
 
 
+def _checkpointed(shape: dict[str, Any]) -> str:
+    """ ", every block checkpointed (reentrant)" where the run checkpointed its blocks."""
+    mode = shape.get("checkpoint", "off")
+    return "" if mode == "off" else f", every block checkpointed ({mode})"
+
+
 # -- bench/step.py -----------------------------------------------------------------------
 
 
@@ -292,6 +298,8 @@ def _step_sweep(doc: dict[str, Any], knob: str) -> str | None:
 
 
 def _step_targets(doc: dict[str, Any]) -> str | None:
+    if doc.get("shape", {}).get("checkpoint", "off") != "off":
+        return None  # the targets are set on the benchmark without checkpointing
     target = doc.get("target") or {}
     body = []
 
@@ -340,7 +348,8 @@ def _render_step(doc: dict[str, Any]) -> list[str]:
     out = _header(doc, "bench/step.py")
     out.append(
         f"Model: TinyTransformer, {shape['depth']} blocks, width {shape['width']}, "
-        f"{shape['heads']} heads, batch {shape['batch']} x {shape['seq']} tokens; "
+        f"{shape['heads']} heads, batch {shape['batch']} x {shape['seq']} tokens"
+        f"{_checkpointed(shape)}; "
         f"{saved / MiB:.1f} MiB saved for backward per step; {steps} timed steps per mode, "
         f"interleaved; scratch on {doc.get('scratch_fs')}"
         + (f", disk io_method {doc['disk_io_method']}" if doc.get("disk_io_method") else "")
@@ -394,7 +403,7 @@ def _render_compiled(doc: dict[str, Any]) -> list[str]:
     )
     out.append(
         f"Model: TinyTransformer, {shape['depth']} blocks, width {shape['width']}, batch "
-        f"{tokens}; {args.get('warmup', '?')} warm-up + "
+        f"{tokens}{_checkpointed(shape)}; {args.get('warmup', '?')} warm-up + "
         f"{args.get('steps', '?')} timed steps per mode; each mode against the same "
         "compile mode without offload, run one after the other."
     )
@@ -557,7 +566,9 @@ def _render_ab(doc: dict[str, Any]) -> list[str]:
     out = _header(doc, "bench/ab.py")
     out.append(
         f"Model: TinyTransformer, {shape['depth']} blocks, width {shape['width']}, batch "
-        f"{shape['batch']} x {shape['seq']} tokens; "
+        f"{shape['batch']} x {shape['seq']} tokens"
+        + _checkpointed(shape)
+        + "; "
         + ("a process per configuration" if doc.get("isolate") else "one process")
         + f", one step of each configuration per round, {doc['rounds']} timed rounds after "
         f"{doc['warmup']}."

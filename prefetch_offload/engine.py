@@ -19,6 +19,19 @@ lifetimes and the errors that IO threads report.
 # record's span is then materialized outside the lock; two threads asking for
 # one record at once both get a correct span (at worst read twice).
 #
+# NOTE [packs inside backward]
+# A tensor saved while a backward runs (the pack hook called inside a graph
+# task) stays where it is, counted as kept (``kept_in_backward``). Reentrant
+# checkpointing recomputes a segment there and its inner backward unpacks the
+# segment's tensors at once: moving them would cost a write and a read each for
+# nothing (measured on bench/step.py's transformer, every block checkpointed:
+# 244 MiB written and read back per step, against the 16 MiB the run without
+# reentrance moves), which is also what offload does with non-reentrant
+# checkpointing, whose recompute never reaches these hooks. A create_graph
+# backward saves the next derivative's tensors there too; they stay in memory
+# as they would without offload. These tensors never reach the plan or the tier
+# policy, so the step's learned order and budgets are as if they were not there.
+#
 # NOTE [errors from workers]
 # A write that fails leaves the record's source tensor in memory, so nothing is
 # lost. A full disk (ENOSPC/EDQUOT, or ``disk_bytes_limit``) is expected
@@ -192,7 +205,6 @@ class OffloadEngine:
         # NOTE [recently restored]: the graph tasks whose ends final callbacks await,
         # and the thread each one unpacked on first.
         self._end_tasks: dict[int, int] = {}
-        self._nested_packs = False  # the packs since the last unpack came from a backward
         # ``pool`` lets tests run the inline reference pool instead of threads.
         if pool is None:
             pool = ThreadIOPool(config.io_workers) if self._store is not None else InlineIOPool()
@@ -309,17 +321,14 @@ class OffloadEngine:
                 "prefetch_offload: pack hook called after its offload_context exited; "
                 "create a new context for new forward passes."
             )
-        # Forward again: after unpacks, or after packs made inside a backward (the
-        # last ones of a create_graph backward) once packs come from outside one.
-        if self._in_backward or (self._nested_packs and _graph_task_id() < 0):
+        if _graph_task_id() >= 0:  # NOTE [packs inside backward]
+            self._stats.add(tensors_kept=1, kept_in_backward=1)
+            return Kept(t)
+        if self._in_backward:  # forward again
             self._in_backward = False
-            # NOTE [learned order]: packs from inside a backward (reentrant checkpointing,
-            # double backward) do not start a step.
-            nested = self._nested_packs = _graph_task_id() >= 0
             with self._lock:
-                if not nested:
-                    self._end_tasks.clear()  # in case a backward raised (no final callback)
-                self._plan.begin_forward(nested=nested)
+                self._end_tasks.clear()  # in case a backward raised (no final callback)
+                self._plan.begin_forward()  # NOTE [learned order]
             self._enforce_budgets()  # NOTE [tiers]: what the write tail kept
             self._reader.recent.clear()  # NOTE [recently restored]
             # NOTE [read buffer pool]: unmapping takes a while; an IO thread does it.
@@ -624,8 +633,6 @@ class OffloadEngine:
         # NOTE [unpack threads]
         with self._lock:
             starting, self._in_backward = not self._in_backward, True
-            if starting:
-                self._nested_packs = False
             task = _graph_task_id()  # -1: outside backward (grad_fn._saved_self)
             new_task = task != -1 and task not in self._end_tasks
             if new_task:
@@ -633,7 +640,8 @@ class OffloadEngine:
                 if not starting:
                     # A backward that starts with no packs before it, on a thread that
                     # ran another: that one ended, and if no callback ended it, it
-                    # raised. (A reentrant checkpoint's inner backward follows packs.)
+                    # raised. (Or it runs this one from a backward node: it then
+                    # cleans up once more when it ends, which costs little.)
                     for old in [t for t, th in self._end_tasks.items() if th == me]:
                         del self._end_tasks[old]
                 self._end_tasks[task] = me

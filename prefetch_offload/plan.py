@@ -47,9 +47,9 @@
 #   dropped, merged into the next step) are not in it.
 # - Several steps are tracked at once (_STEPS_KEPT), so a step's backward may
 #   come after later forwards (pipeline schedules: F1, B0, F2, B1, ...).
-# - Records packed during a backward (reentrant checkpointing recomputes a
-#   segment there; double backward saves for the next derivative) belong to no
-#   step and take reverse order: the engine says so with ``nested``.
+# - Tensors saved during a backward (reentrant checkpointing's recompute) stay
+#   in memory and never reach the plan (NOTE [packs inside backward] in
+#   engine.py), so they neither start a step nor change one's signature.
 #
 # NOTE [unpack groups]
 # Consecutive unpacks by one autograd node form a group: the node needs all of
@@ -199,7 +199,6 @@ class PrefetchPlan:
         self._step_no = 0
         self._steps: collections.OrderedDict[int, _Step] = collections.OrderedDict()
         self._steps[0] = _Step(0)
-        self._nested = False  # packs now come from inside a backward
         self._learned: collections.OrderedDict[tuple[Signature, ...], _Learned] = (
             collections.OrderedDict()
         )
@@ -208,13 +207,9 @@ class PrefetchPlan:
 
     # -- forward --------------------------------------------------------------------------
 
-    def begin_forward(self, *, nested: bool = False) -> None:
-        """Packs start after unpacks: a new step, or (``nested``: the packs come from
-        inside a backward) records that belong to no step (NOTE [learned order])."""
-        if nested:
-            self._nested = True
-            return
-        self._nested = False
+    def begin_forward(self) -> None:
+        """Packs start after unpacks: learn what backward did, and start a new step
+        (NOTE [learned order])."""
         for no, st in list(self._steps.items()):
             self._learn(st)
             if not st.alive():
@@ -249,7 +244,7 @@ class PrefetchPlan:
         rec.step = self._step_no
         rec.spos = -1
         st = self._steps.get(self._step_no)
-        if self._nested or st is None or not st.tracking or st.live is not None:
+        if st is None or not st.tracking or st.live is not None:
             return  # NOTE [learned order]: in no step's signature
         if len(st.refs) >= _MAX_STEP_RECORDS:
             st.tracking = False
@@ -273,12 +268,6 @@ class PrefetchPlan:
         self._deaths = 0
 
     # -- backward -------------------------------------------------------------------------
-
-    def begin_backward(self) -> None:
-        """Unpacks start after packs. After packs from inside a backward (``nested``),
-        the backward they came from goes on; otherwise each step's prediction is made at
-        its first unpack (NOTE [learned order])."""
-        self._nested = False
 
     def _start(self, st: _Step) -> None:
         """``st``'s first unpack: its live records, signature and prediction."""

@@ -125,7 +125,8 @@ class ReadPath:
         )
 
     def begin_backward(self) -> None:
-        """Size the window (NOTE [window bytes]) and predict the order (NOTE [learned order])."""
+        """Size the window (NOTE [window bytes]); each step's order is predicted at its
+        first unpack (NOTE [learned order])."""
         if self.config.prefetch_bytes is None:
             snap = self._stats.snapshot()
             if snap.read_seconds > 0 and snap.bytes_read >= _AUTO_WINDOW_MIN:
@@ -133,8 +134,6 @@ class ReadPath:
                 self._plan.window_bytes = int(
                     min(max(bandwidth * _AUTO_WINDOW_SECONDS, _AUTO_WINDOW_MIN), AUTO_WINDOW_MAX)
                 )
-        with self._lock:
-            self._plan.begin_backward()
 
     def end_backward(self) -> None:
         """NOTE [recently restored], [read buffer pool]: nothing is kept into forward."""

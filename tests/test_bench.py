@@ -865,6 +865,23 @@ def test_ab_isolate_names_the_lane_that_failed_in_its_process(tmp_path: Path, cw
     assert _empty(tmp_path / "s")
 
 
+def test_ab_checkpoint_reentrant_keeps_the_recompute_in_memory(tmp_path: Path, cwd: Path) -> None:
+    """--checkpoint reentrant: every lane recomputes its blocks in backward; the engine
+    keeps what the recompute saves (NOTE [packs inside backward]), exactly."""
+    ab, report = _load("ab"), _load("report")
+    out = tmp_path / "ab.json"
+    argv = [*TINY_SHAPE, "--rounds", "2", "--warmup", "1", "--save-dir", str(tmp_path / "s")]
+    argv += ["--checkpoint", "reentrant", "--config", 'c:{"min_offload_bytes": 0}']
+    assert ab.main([*argv, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["shape"]["checkpoint"] == "reentrant" and doc["check"]["ok"]
+    row = doc["rows"][1]
+    assert row["kept_in_backward_per_step"] > 0
+    assert "every block checkpointed (reentrant); one process" in "\n".join(report._render_ab(doc))
+    with pytest.raises(SystemExit):
+        ab.main(["--checkpoint", "sometimes"])
+
+
 def test_ab_rejects_a_bad_config() -> None:
     ab = _load("ab")
     with pytest.raises(SystemExit):
@@ -1142,6 +1159,9 @@ def test_report_targets_judge_budget_against_iobudget() -> None:
     assert "iospread" not in md
     # Budget ran without iobudget: no step-time row at all.
     assert report._step_targets({"target": {"budget": {"device_budget": 1}}}) is None
+    # The targets are set on the benchmark without checkpointing.
+    checkpointed = {"shape": {"checkpoint": "reentrant"}, "target": {"budget": new}}
+    assert report._step_targets(checkpointed) is None
 
 
 def test_report_renders_the_step_json_in_docs(capsys: pytest.CaptureFixture[str]) -> None:

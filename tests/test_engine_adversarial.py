@@ -212,7 +212,8 @@ def test_odd_views_of_shared_storages_come_back_exact(
 def test_double_backward_through_offloaded_tensors(
     save_dir: Path, inline: bool, depth: int
 ) -> None:
-    """create_graph: the first backward packs the tensors it unpacked (read buffers)."""
+    """create_graph: the first backward saves tensors it unpacked (views of read
+    buffers) for the second; they stay in memory (NOTE [packs inside backward])."""
     torch.manual_seed(0)
     x0, w0 = torch.randn(64, 256), torch.randn(256, 256) * 0.1
 
@@ -235,12 +236,14 @@ def test_double_backward_through_offloaded_tensors(
         got = step(engine)
     assert_same_grads(got, ref)
     stats = engine.stats()
-    assert stats.tensors_offloaded > 6 and stats.bytes_read > 0
+    assert stats.tensors_offloaded >= 3 and stats.bytes_read > 0
+    assert stats.kept_in_backward > 0
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpoint_with_every_record_written(save_dir: Path, reentrant: bool) -> None:
-    """The recompute packs inside backward: those records are written and read back too."""
+    """Block inputs are written and read back; a reentrant recompute, inside backward,
+    stays in memory (NOTE [packs inside backward])."""
     model = tiny_model()
     tokens, targets = make_batch(4, 32, vocab=64)
 
@@ -261,6 +264,7 @@ def test_checkpoint_with_every_record_written(save_dir: Path, reentrant: bool) -
     assert_same_grads(grads_of(model), grads_of(ref_model))
     stats = engine.stats()
     assert stats.tensors_offloaded > 0 and stats.bytes_read > 0
+    assert (stats.kept_in_backward > 0) == reentrant
 
 
 # -- several engines, failed forwards -----------------------------------------------------
