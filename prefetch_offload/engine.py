@@ -679,7 +679,12 @@ class OffloadEngine:
         Keyed by graph task (``_unpack`` notes each one): the cleanup runs when the
         last backward running ends, not when one of several concurrent ones does.
         Autograd runs no final callbacks for a backward that raised; the next forward
-        forgets its task.
+        forgets its task, and so does a backward that starts on its thread with no packs
+        before it. That one may also be a backward run from inside a backward node
+        (``torch.autograd.grad`` in a custom Function's backward), or a second
+        concurrent backward whose nodes run on the same device thread: the outer or
+        first one then loses its recent spans early, and reads them again if it needs
+        them (never a wrong value: the spans are still on disk or in host memory).
         """
         try:
             torch.autograd.Variable._execution_engine.queue_callback(

@@ -25,9 +25,9 @@
 # two adjacent nodes saved the same span (nll_loss and log_softmax both save the
 # log-probabilities) the second would find the restored copy already gone and
 # read it again. The engine keeps the last few restored spans alive: a bounded
-# cost (_RECENT_SPANS spans, during backward only: they are let go when the backward
-# pass ends, through an autograd final callback, or at the next pack) that
-# removes those repeated reads.
+# cost (_RECENT_SPANS spans, during backward only: they are let go when the
+# backward pass ends, through an autograd final callback, or at the next pack
+# outside a backward) that removes those repeated reads.
 #
 # NOTE [head of line]
 # Copies to a device run in order on one stream. On a miss that needs such a
