@@ -205,6 +205,8 @@ class OffloadEngine:
         # NOTE [recently restored]: the graph tasks whose ends final callbacks await,
         # and the thread each one unpacked on first.
         self._end_tasks: dict[int, int] = {}
+        # NOTE [learned order]: the signatures records are given, each one tuple.
+        self._signatures: dict[tuple[torch.dtype, int], tuple[torch.dtype, int]] = {}
         # ``pool`` lets tests run the inline reference pool instead of threads.
         if pool is None:
             pool = ThreadIOPool(config.io_workers) if self._store is not None else InlineIOPool()
@@ -399,7 +401,8 @@ class OffloadEngine:
             rec.align = (key + start) % 512
             # NOTE [checksums]: bytes no saved view holds, read from the tensor's memory.
             rec.exposed = rec.host_only and not (dense and (start, nbytes) == (vstart, vbytes))
-            self._plan.register(rec, (t.dtype, len(shape)))  # NOTE [learned order]
+            sig = (t.dtype, len(shape))  # NOTE [learned order]
+            self._plan.register(rec, self._signatures.setdefault(sig, sig))
             entry = DedupEntry(storage, owner, version, start, start + nbytes, rec)
             if dense:
                 entry.cover(vstart, vstart + vbytes)
