@@ -191,7 +191,7 @@ class OffloadEngine:
         self._policy = TierPolicy(config.device_budget, config.host_budget)
         # Storage address -> spans of live records in it (NOTE [dedup]).
         self._dedup: dict[int, list[DedupEntry]] = {}
-        # Dead records' extents, dedup keys, tiers and bytes (NOTE [record lifetime]).
+        # Dead records' extents, dedup keys, tiers, bytes and seqs (NOTE [record lifetime]).
         self._dead: collections.deque[tuple[Extent | None, int, int, int, int]] = (
             collections.deque()
         )

@@ -4,9 +4,9 @@
 # The plan keeps every live record in pack order (weakly: it never keeps a
 # record alive). When backward unpacks a record, the records predicted to come
 # next form the window; each one that needs a read and has none in flight gets
-# a prefetch. The prediction is the order the previous backward unpacked the
-# same records in (NOTE [learned order]); without one, it is the reverse of pack
-# order, which is roughly what eager backward does.
+# a prefetch. The prediction is the order in which backward unpacked a step of
+# the same structure (NOTE [learned order]); without one, it is the reverse of
+# pack order, which is roughly what eager backward does.
 #
 # The window holds the next ``depth`` live records and is then extended to the
 # end of the group (NOTE [unpack groups]) of the last of them, but never past
@@ -54,11 +54,12 @@
 # NOTE [unpack groups]
 # Consecutive unpacks by one autograd node form a group: the node needs all of
 # them before it computes anything. A compiled region's backward is one node, so
-# its group is every tensor the region saved. One group holding most of a step's
-# records means the whole model was compiled as one graph: backward then unpacks
-# everything before computing anything, no order can overlap reads with compute,
-# and the plan says so once, with the fix (compile each block), on the
-# ``prefetch_offload`` logger.
+# its group is every tensor the region saved. One group holding most of a
+# step's records, with no second one of _WHOLE_GRAPH_RECORDS or more (two
+# compiled blocks are two groups), means the whole model was compiled as one
+# graph: backward then unpacks everything before computing anything, no order
+# can overlap reads with compute, and the plan says so once, with the fix
+# (compile each block), on the ``prefetch_offload`` logger.
 #
 # The plan has no lock of its own; the engine calls it under its lock.
 """
