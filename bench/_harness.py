@@ -148,8 +148,8 @@ class Shape(Flags):
     checkpointed (``torch.utils.checkpoint``: recomputed in backward)."""
 
     HELP: ClassVar[dict[str, str]] = {
-        "checkpoint": "run every block under torch.utils.checkpoint, reentrant (the Hugging "
-        "Face Trainer's default) or not (default off)",
+        "checkpoint": "run every block under torch.utils.checkpoint, reentrant or not "
+        "(default off)",
     }
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"checkpoint": CHECKPOINT_MODES}
 
