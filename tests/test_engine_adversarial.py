@@ -236,7 +236,9 @@ def test_double_backward_through_offloaded_tensors(
         got = step(engine)
     assert_same_grads(got, ref)
     stats = engine.stats()
-    assert stats.tensors_offloaded >= 3 and stats.bytes_read > 0
+    # Forward's two records, and gx saved by the penalty's pow (its write may be
+    # dropped by the write tail as the second backward starts).
+    assert stats.tensors_offloaded + stats.writes_skipped >= 3 and stats.bytes_read > 0
     assert stats.kept_in_backward > 0
 
 
