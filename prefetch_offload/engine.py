@@ -14,8 +14,9 @@ lifetimes and the errors that IO threads report.
 # backward calls may run on threads of their own, so unpack can run on several
 # threads at once. Everything unpack changes that is shared goes under the
 # engine lock: the switch into backward (exactly one thread skips the write
-# tail and starts the plan's prediction), the graph task whose end is awaited,
-# the pass numbers (NOTE [backward passes]), the plan and prefetch state. The
+# tail and sizes the window), the graph tasks whose ends are awaited, the pass
+# numbers (NOTE [backward passes]), the plan (each step's prediction starts at
+# its first unpack) and prefetch state. The
 # record's span is then materialized outside the lock; two threads asking for
 # one record at once both get a correct span (at worst read twice).
 #
@@ -24,10 +25,11 @@ lifetimes and the errors that IO threads report.
 # task) stays where it is, counted as kept (``kept_in_backward``). Reentrant
 # checkpointing recomputes a segment there and its inner backward unpacks the
 # segment's tensors at once: moving them would cost a write and a read each for
-# nothing (measured on bench/step.py's transformer, every block checkpointed:
-# 244 MiB written and read back per step, against the 16 MiB the run without
-# reentrance moves), which is also what offload does with non-reentrant
-# checkpointing, whose recompute never reaches these hooks. A create_graph
+# nothing (on bench/step.py's transformer, every block checkpointed, about what
+# forward saves without checkpointing, 248.6 MiB per step, against the 15-17 MB
+# forward saves with it: docs/results/step-checkpoint.json, ab-checkpoint.json).
+# With non-reentrant checkpointing the recompute never reaches these hooks, so
+# it stays in memory there too. A create_graph
 # backward saves the next derivative's tensors there too; they stay in memory
 # as they would without offload. These tensors never reach the plan or the tier
 # policy, so the step's learned order and budgets are as if they were not there.
@@ -341,7 +343,14 @@ class OffloadEngine:
             self._stats.add(tensors_kept=1)
             if not self._warned_cpu_budget and self.config.target == "cpu":
                 self._note_cpu_budget(t)
-            return Kept(t)
+            kept = Kept(t)
+            if self.config.min_offload_bytes and self._eligible(t, min_bytes=0):
+                # NOTE [learned order]: kept for its size only, which may change with the
+                # sequence length: a placeholder keeps the step's structure the same.
+                sig = (t.dtype, t.dim())
+                with self._lock:
+                    self._plan.placeholder(kept, self._signatures.setdefault(sig, sig))
+            return kept
         storage = t.untyped_storage()
         vstart, vbytes = view_span(t)
         version = t._version
@@ -401,7 +410,7 @@ class OffloadEngine:
             rec.align = (key + start) % 512
             # NOTE [checksums]: bytes no saved view holds, read from the tensor's memory.
             rec.exposed = rec.host_only and not (dense and (start, nbytes) == (vstart, vbytes))
-            sig = (t.dtype, len(shape))  # NOTE [learned order]
+            sig = (t.dtype, t.dim())  # NOTE [learned order]
             self._plan.register(rec, self._signatures.setdefault(sig, sig))
             entry = DedupEntry(storage, owner, version, start, start + nbytes, rec)
             if dense:
@@ -582,8 +591,9 @@ class OffloadEngine:
                     rec.tainted = True
                 rec.saved = None
 
-    def _eligible(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is offloaded. Everything else stays in memory, unchanged."""
+    def _eligible(self, t: torch.Tensor, *, min_bytes: int | None = None) -> bool:
+        """Whether ``t`` is offloaded (with ``min_bytes`` in place of
+        ``min_offload_bytes``, if given). Everything else stays in memory, unchanged."""
         if type(t) is not torch.Tensor or t.layout is not torch.strided:
             return False  # subclasses (incl. Parameter), sparse, mkldnn
         if not self._device.accepts(t) or t.is_quantized or t.is_nested:
@@ -602,7 +612,8 @@ class OffloadEngine:
         n = t.numel()
         if n == 0:
             return False
-        return n * itemsize >= self.config.min_offload_bytes
+        least = self.config.min_offload_bytes if min_bytes is None else min_bytes
+        return n * itemsize >= least
 
     def _allocate(self, store: SlabStore, nbytes: int) -> Extent | None:
         """Slab space for a record, or None (counted and warned) where none is left."""

@@ -30,17 +30,22 @@
 # next backward starts. The plan records, per step, the order in which backward
 # first unpacked its records, and learns it when the next forward starts, keyed
 # by the step's signature: the signature the engine gives each record (its dtype
-# and number of dimensions), in pack order, over the records still alive when
-# the step's backward first unpacks one of them. When a later step's backward
-# starts with a signature it has learned, that order is the prediction; an
-# unknown signature (a changed model, another branch taken) falls back to
-# reverse pack order for that step, and its own backward is learned for the
-# next time. Step 1 therefore runs on reverse order, and every repeated step
-# from step 2 on runs on the order a step of its structure really took:
-# regional compilation (forward order within a block, blocks in reverse),
+# and number of dimensions), in pack order, over the records (and placeholders,
+# below) still alive when the step's backward first unpacks one of them. When a
+# later step's backward starts with a signature it has learned, that order is
+# the prediction; an unknown signature (a changed model, another branch taken)
+# falls back to reverse pack order for that step, and its own backward is
+# learned for the next time. Step 1 therefore runs on reverse order, and every
+# repeated step from step 2 on runs on the order a step of its structure really
+# took: regional compilation (forward order within a block, blocks in reverse),
 # several losses, branches visited out of order.
 # - Sizes are not in the signature: another sequence length (dynamic padding,
-#   bucketed batches) leaves the graph, and so the order, as it was.
+#   bucketed batches) leaves the graph, and so the order, as it was. A tensor
+#   kept in memory only for its size (under ``min_offload_bytes``: a causal
+#   mask, per-token norm statistics) is in the signature too, as a placeholder
+#   the engine registers, so that one crossing the threshold as the length
+#   changes does not change the structure; where a placeholder stands in the
+#   predicted order, the window passes over it.
 # - The last _LEARNED_KEPT signatures are kept, so structures that alternate
 #   (two tasks, a second backward for a gradient penalty) each keep theirs.
 # - Records dead before their step's backward (a forward whose graph was
@@ -69,7 +74,7 @@ from __future__ import annotations
 import collections
 import logging
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -135,6 +140,7 @@ class _Step:
     __slots__ = (
         "group_sizes",
         "groups",
+        "held",
         "key",
         "last_key",
         "learned_len",
@@ -152,8 +158,11 @@ class _Step:
 
     def __init__(self, no: int) -> None:
         self.no = no
-        self.refs: list[weakref.ref[Schedulable]] = []
+        # Records and placeholders (NOTE [learned order]) in pack order, their
+        # signatures, and which entries are placeholders.
+        self.refs: list[weakref.ref[Any]] = []
         self.sigs: list[Signature] = []
+        self.held = bytearray()
         self.tracking = True
         # Set at the step's first unpack: its live records (positions in the step)
         # and their signature.
@@ -243,17 +252,27 @@ class PrefetchPlan:
         ref = weakref.ref(rec)
         self._order.append(ref)
         rec.step = self._step_no
-        rec.spos = -1
+        rec.spos = self._append(ref, signature, 0)
+
+    def placeholder(self, handle: object, signature: Signature) -> None:
+        """A saved tensor kept in memory for its size alone: in the step's signature,
+        never prefetched (NOTE [learned order]). ``handle`` lives as long as autograd
+        holds the tensor."""
+        self._append(weakref.ref(handle), signature, 1)
+
+    def _append(self, ref: weakref.ref[Any], signature: Signature, held: int) -> int:
+        """Add an entry to the current step; its position, or -1 when untracked."""
         st = self._steps.get(self._step_no)
         if st is None or not st.tracking or st.live is not None:
-            return  # NOTE [learned order]: in no step's signature
+            return -1  # NOTE [learned order]: in no step's signature
         if len(st.refs) >= _MAX_STEP_RECORDS:
             st.tracking = False
-            st.refs, st.sigs = [], []
-            return
-        rec.spos = len(st.refs)
+            st.refs, st.sigs, st.held = [], [], bytearray()
+            return -1
         st.refs.append(ref)
         st.sigs.append(signature)
+        st.held.append(held)
+        return len(st.refs) - 1
 
     def forget(self) -> None:
         """Note that a registered record died."""
@@ -354,9 +373,10 @@ class PrefetchPlan:
         for i in range(at + 1, len(pred)):
             if seen >= self.depth and groups[i] != group:
                 break
-            cand = refs[pred[i]]()
-            if cand is None:
-                continue
+            pos = pred[i]
+            cand = refs[pos]()
+            if cand is None or st.held[pos]:
+                continue  # dead, or kept in memory in this step
             size = cand.nbytes
             if seen and nbytes + size > self.window_bytes:
                 break

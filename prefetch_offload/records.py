@@ -133,7 +133,7 @@ def version_error(what: str, now: int, then: int) -> OffloadError:
 class Kept:
     """A saved tensor left in memory, with its version at save time."""
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("__weakref__", "tensor", "version")  # weakly held by the plan
 
     def __init__(self, t: torch.Tensor) -> None:
         # NOTE [no cycles]: a detached alias (same storage and version counter).

@@ -236,6 +236,42 @@ def test_a_step_backwarded_after_later_forwards_follows_its_order() -> None:
     assert _names(plan.window(second[5])) == [0, 1]
 
 
+def test_a_placeholder_keeps_the_structure_of_a_tensor_that_crossed_the_size_floor() -> None:
+    """Position 2 is a record in one step and kept in memory (a placeholder) in the
+    next: the signatures agree, and the window passes over the placeholder."""
+    plan = PrefetchPlan(2)
+
+    def step(small: int | None, order: list[int]) -> list[Any]:
+        plan.begin_forward()
+        entries: list[Any] = []
+        for i in range(6):
+            if i == small:
+                entries.append(object.__new__(_Holder))
+                plan.placeholder(entries[-1], ((25,), 100))
+            else:
+                entries.append(Rec(i))
+                plan.register(entries[-1], ((25,), 100))
+        for i in order:
+            plan.unpacked(entries[i], 0)
+        return entries
+
+    step(None, [3, 4, 5, 0, 1, 2])  # learned with a record at 2
+    recs = step(2, [3])  # a placeholder at 2 now: same structure
+    assert plan.predicted_steps == 1
+    assert _names(plan.window(recs[5])) == [0, 1]
+    assert _names(plan.window(recs[1])) == []  # 2 is skipped: nothing after it
+    step(2, [3, 4, 5, 0, 1])  # learned with a placeholder at 2 (never unpacked)
+    recs = step(None, [3])  # a record at 2 again
+    assert plan.predicted_steps == 3
+    assert _names(plan.window(recs[5])) == [0, 1]
+
+
+class _Holder:
+    """A stand-in for a kept tensor's handle (weakly referenced by the plan)."""
+
+    __slots__ = ("__weakref__",)
+
+
 # -- unpack groups (NOTE [unpack groups]) --------------------------------------------------
 
 
@@ -418,6 +454,59 @@ def test_regions_of_another_size_keep_the_learned_order(
             assert torch.equal(x.grad, want)
         assert engine.stats().predicted_steps == len(sizes) - 1
     assert rates[0] < 0.65 and min(rates[1:]) >= 0.85, rates
+
+
+class _RegionWithStat(torch.autograd.Function):
+    """_Region plus a small saved statistic (n/16 elements), as a norm's per-token
+    statistics are: another length can take it under ``min_offload_bytes``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, compute: float) -> torch.Tensor:
+        outs = [(x * (1.0 + i / 16)).sin() for i in range(4)]
+        stat = x[: x.numel() // 16] * 2
+        ctx.save_for_backward(x, *outs, stat)
+        ctx.compute = compute
+        return torch.stack(outs).sum(0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *outs, stat = ctx.saved_tensors
+        time.sleep(ctx.compute)
+        g = sum((1.0 + i / 16) * torch.cos(x * (1.0 + i / 16)) for i in range(len(outs)))
+        for o in outs:
+            g = g + o / 64
+        g = g.clone()
+        g[: stat.numel()] += stat / 64
+        return grad * g, None
+
+
+def test_a_saved_tensor_crossing_min_offload_bytes_keeps_the_order(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 16384 elements each region's statistic (4 KiB) is offloaded; at 12288 it is
+    kept (3 KiB): a placeholder keeps the steps' structure, so the order carries over."""
+    sizes = [1 << 14, 3 << 12, 1 << 14, 3 << 12]
+    xs = [torch.randn(n, requires_grad=True) for n in sizes]
+
+    def run(x: torch.Tensor, compute: float) -> torch.Tensor:
+        h = x
+        for _ in range(6):
+            h = _RegionWithStat.apply(h, compute)
+        return h.sum()
+
+    expected = []
+    for x in xs:
+        run(x, 0.0).backward()
+        expected.append(x.grad)
+        x.grad = None
+    with engine_with_hooks(save_dir, min_offload_bytes=4096) as engine:
+        slow_store(engine, monkeypatch, "read", 0.003)
+        for x, want in zip(xs, expected, strict=True):
+            loss = run(x, 0.02)
+            engine.flush()
+            loss.backward()
+            assert torch.equal(x.grad, want)
+        assert engine.stats().predicted_steps == len(sizes) - 1
 
 
 def test_reentrant_checkpointing_keeps_the_learned_order(save_dir: Path) -> None:
