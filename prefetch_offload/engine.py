@@ -22,17 +22,19 @@ lifetimes and the errors that IO threads report.
 #
 # NOTE [packs inside backward]
 # A tensor saved while a backward runs (the pack hook called inside a graph
-# task) stays where it is, counted as kept (``kept_in_backward``). Reentrant
-# checkpointing recomputes a segment there and its inner backward unpacks the
-# segment's tensors at once: moving them would cost a write and a read each for
-# nothing (on bench/step.py's transformer, every block checkpointed, about what
-# forward saves without checkpointing, 248.6 MiB per step, against the 15-17 MB
-# forward saves with it: docs/results/step-checkpoint.json, ab-checkpoint.json).
-# With non-reentrant checkpointing the recompute never reaches these hooks, so
-# it stays in memory there too. A create_graph
-# backward saves the next derivative's tensors there too; they stay in memory
-# as they would without offload. These tensors never reach the plan or the tier
-# policy, so the step's learned order and budgets are as if they were not there.
+# task) that does not keep its graph stays where it is, counted as kept
+# (``kept_in_backward``). That is reentrant checkpointing: it recomputes a
+# segment there and its inner backward unpacks the segment's tensors at once,
+# so moving them would cost a write and a read each for nothing (on
+# bench/step.py's transformer, every block checkpointed, about what forward
+# saves without checkpointing, 248.6 MiB per step, against the 15-17 MB forward
+# saves with it: docs/results/step-checkpoint.json, ab-checkpoint.json). With
+# non-reentrant checkpointing the recompute never reaches these hooks, so it
+# stays in memory there too. A backward that keeps its graph (``create_graph``,
+# ``retain_graph=True``) saves for a later backward, the next derivative's
+# tensors: those are offloaded like forward's, in no step of the plan (reverse
+# pack order), and without switching the engine to forward (no write tail is
+# dropped, no step starts, until packs come from outside a backward).
 #
 # NOTE [errors from workers]
 # A write that fails leaves the record's source tensor in memory, so nothing is
@@ -64,7 +66,7 @@ from .errors import ErrorSlot, OffloadError, OffloadFallbackWarning
 from .heap import HeapTrimmer
 from .io_pool import READ, InlineAfterShutdown, InlineIOPool, IOPool, ThreadIOPool
 from .packed import Span, ViewMeta, make_view, view_span
-from .plan import PrefetchPlan
+from .plan import PrefetchPlan, current_group_key
 from .policy import DEVICE, DISK, HOST, TierPolicy
 from .profiling import profiler_range
 from .reader import AUTO_WINDOW_MAX, AUTO_WINDOW_START, ReadPath
@@ -80,6 +82,10 @@ logger = logging.getLogger("prefetch_offload")
 
 # The running backward's graph task id (-1 outside backward; -2 if torch lacks it).
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -2)
+# NOTE [packs inside backward]: whether the running backward keeps its graph.
+_keeps_graph: Callable[[], bool] = getattr(
+    torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True
+)
 
 
 class _NullEngine:
@@ -325,10 +331,11 @@ class OffloadEngine:
                 "prefetch_offload: pack hook called after its offload_context exited; "
                 "create a new context for new forward passes."
             )
-        if _graph_task_id() >= 0:  # NOTE [packs inside backward]
+        in_backward = _graph_task_id() >= 0  # NOTE [packs inside backward]
+        if in_backward and not _keeps_graph():
             self._stats.add(tensors_kept=1, kept_in_backward=1)
             return Kept(t)
-        if self._in_backward:  # forward again
+        if self._in_backward and not in_backward:  # forward again
             self._in_backward = False
             with self._lock:
                 self._end_tasks.clear()  # in case a backward raised (no final callback)
@@ -344,12 +351,13 @@ class OffloadEngine:
             if not self._warned_cpu_budget and self.config.target == "cpu":
                 self._note_cpu_budget(t)
             kept = Kept(t)
-            if self.config.min_offload_bytes and self._eligible(t, min_bytes=0):
+            if not in_backward and self.config.min_offload_bytes and self._eligible(t, 0):
                 # NOTE [learned order]: kept for its size only, which may change with the
                 # sequence length: a placeholder keeps the step's structure the same.
                 sig = (t.dtype, t.dim())
+                key = (t.untyped_storage().data_ptr(), t._version)  # its memory, as dedup
                 with self._lock:
-                    self._plan.placeholder(kept, self._signatures.setdefault(sig, sig))
+                    self._plan.placeholder(kept, self._signatures.setdefault(sig, sig), key)
             return kept
         storage = t.untyped_storage()
         vstart, vbytes = view_span(t)
@@ -411,7 +419,8 @@ class OffloadEngine:
             # NOTE [checksums]: bytes no saved view holds, read from the tensor's memory.
             rec.exposed = rec.host_only and not (dense and (start, nbytes) == (vstart, vbytes))
             sig = (t.dtype, t.dim())  # NOTE [learned order]
-            self._plan.register(rec, self._signatures.setdefault(sig, sig))
+            sig = self._signatures.setdefault(sig, sig)
+            self._plan.register(rec, sig, in_step=not in_backward)
             entry = DedupEntry(storage, owner, version, start, start + nbytes, rec)
             if dense:
                 entry.cover(vstart, vstart + vbytes)
@@ -591,7 +600,7 @@ class OffloadEngine:
                     rec.tainted = True
                 rec.saved = None
 
-    def _eligible(self, t: torch.Tensor, *, min_bytes: int | None = None) -> bool:
+    def _eligible(self, t: torch.Tensor, min_bytes: int | None = None) -> bool:
         """Whether ``t`` is offloaded (with ``min_bytes`` in place of
         ``min_offload_bytes``, if given). Everything else stays in memory, unchanged."""
         if type(t) is not torch.Tensor or t.layout is not torch.strided:
@@ -641,6 +650,9 @@ class OffloadEngine:
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, Kept):
+            if packed.spos >= 0 and self.config.prefetch_depth:  # a placeholder
+                with self._lock:  # NOTE [learned order]: its place in the order
+                    self._plan.unpacked(packed, current_group_key())
             return packed.unpack()
         if isinstance(packed, Wrapped):
             return packed.rebuild(self._unpack(packed.inner))

@@ -43,18 +43,22 @@
 #   bucketed batches) leaves the graph, and so the order, as it was. A tensor
 #   kept in memory only for its size (under ``min_offload_bytes``: a causal
 #   mask, per-token norm statistics) is in the signature too, as a placeholder
-#   the engine registers, so that one crossing the threshold as the length
-#   changes does not change the structure; where a placeholder stands in the
-#   predicted order, the window passes over it.
+#   the engine registers (once per tensor, as dedup makes one record of a tensor
+#   saved twice), so that one crossing the threshold as the length changes does
+#   not change the structure. Its unpacks are reported like a record's, so the
+#   learned order places it; where a placeholder stands in the predicted order,
+#   the window passes over it, and a record in a placeholder's place is
+#   prefetched there.
 # - The last _LEARNED_KEPT signatures are kept, so structures that alternate
 #   (two tasks, a second backward for a gradient penalty) each keep theirs.
 # - Records dead before their step's backward (a forward whose graph was
 #   dropped, merged into the next step) are not in it.
 # - Several steps are tracked at once (_STEPS_KEPT), so a step's backward may
 #   come after later forwards (pipeline schedules: F1, B0, F2, B1, ...).
-# - Tensors saved during a backward (reentrant checkpointing's recompute) stay
-#   in memory and never reach the plan (NOTE [packs inside backward] in
-#   engine.py), so they neither start a step nor change one's signature.
+# - Tensors saved during a backward neither start a step nor join one (NOTE
+#   [packs inside backward] in engine.py): a reentrant checkpoint's recompute
+#   stays in memory, and what a create_graph backward saves is registered in no
+#   step, with reverse-order windows.
 #
 # NOTE [unpack groups]
 # Consecutive unpacks by one autograd node form a group: the node needs all of
@@ -146,6 +150,7 @@ class _Step:
         "learned_len",
         "live",
         "no",
+        "placed",
         "ppos",
         "pred",
         "pred_groups",
@@ -163,6 +168,7 @@ class _Step:
         self.refs: list[weakref.ref[Any]] = []
         self.sigs: list[Signature] = []
         self.held = bytearray()
+        self.placed: dict[object, weakref.ref[Any]] = {}  # placeholders by memory
         self.tracking = True
         # Set at the step's first unpack: its live records (positions in the step)
         # and their signature.
@@ -244,21 +250,35 @@ class PrefetchPlan:
         while len(self._learned) > _LEARNED_KEPT:
             self._learned.popitem(last=False)
 
-    def register(self, rec: Schedulable, signature: Signature) -> None:
-        """Append a newly packed record; sets ``rec.pos``, ``rec.step``, ``rec.spos``."""
+    def register(self, rec: Schedulable, signature: Signature, *, in_step: bool = True) -> None:
+        """Append a newly packed record; sets ``rec.pos``, ``rec.step``, ``rec.spos``.
+        ``in_step=False``: saved during a backward, in no step's signature (NOTE
+        [packs inside backward] in engine.py); its windows take reverse pack order."""
         if len(self._order) > 64 and 2 * self._deaths > len(self._order):
             self._compact()
         rec.pos = len(self._order)
         ref = weakref.ref(rec)
         self._order.append(ref)
         rec.step = self._step_no
-        rec.spos = self._append(ref, signature, 0)
+        rec.spos = self._append(ref, signature, 0) if in_step else -1
 
-    def placeholder(self, handle: object, signature: Signature) -> None:
+    def placeholder(self, handle: Schedulable, signature: Signature, key: object) -> None:
         """A saved tensor kept in memory for its size alone: in the step's signature,
         never prefetched (NOTE [learned order]). ``handle`` lives as long as autograd
-        holds the tensor."""
-        self._append(weakref.ref(handle), signature, 1)
+        holds the tensor; its unpacks are reported with :meth:`unpacked` like a
+        record's. ``key`` names the tensor's memory: a second save of it in this step
+        adds nothing, as a record's dedup hit does not. Sets ``handle.step`` and
+        ``handle.spos`` (-1: not in the step)."""
+        handle.step, handle.spos = self._step_no, -1
+        st = self._steps.get(self._step_no)
+        if st is None:
+            return
+        seen = st.placed.get(key)
+        if seen is not None and seen() is not None:
+            return
+        handle.spos = self._append(weakref.ref(handle), signature, 1)
+        if handle.spos >= 0:
+            st.placed[key] = weakref.ref(handle)
 
     def _append(self, ref: weakref.ref[Any], signature: Signature, held: int) -> int:
         """Add an entry to the current step; its position, or -1 when untracked."""
@@ -294,7 +314,7 @@ class PrefetchPlan:
         refs = st.refs
         st.live = live = [i for i, ref in enumerate(refs) if ref() is not None]
         st.key = tuple(st.sigs[i] for i in live)
-        st.sigs = []
+        st.sigs, st.placed = [], {}
         st.seen = bytearray(len(refs))
         learned = self._learned.get(st.key)
         if learned is None:

@@ -133,12 +133,15 @@ def version_error(what: str, now: int, then: int) -> OffloadError:
 class Kept:
     """A saved tensor left in memory, with its version at save time."""
 
-    __slots__ = ("__weakref__", "tensor", "version")  # weakly held by the plan
+    # A placeholder in the plan (NOTE [learned order]) is weakly held there and has
+    # its step and position in it; others have spos -1.
+    __slots__ = ("__weakref__", "spos", "step", "tensor", "version")
 
     def __init__(self, t: torch.Tensor) -> None:
         # NOTE [no cycles]: a detached alias (same storage and version counter).
         self.tensor = t.detach()
         self.version = -1 if torch.is_inference(t) else t._version
+        self.step = self.spos = -1
 
     def unpack(self) -> torch.Tensor:
         t = self.tensor

@@ -38,9 +38,9 @@ class OffloadStats:
     # Of tensors_kept: tensor subclasses the engine cannot rebuild (NOTE [wrapper
     # subclasses] in records.py; a DTensor's local tensor is offloaded instead).
     subclasses_kept: int = 0
-    # Of tensors_kept: tensors saved while a backward ran (reentrant checkpointing's
-    # recompute, create_graph), which stay where they are (NOTE [packs inside
-    # backward] in engine.py).
+    # Of tensors_kept: tensors saved inside a backward that does not keep its graph
+    # (a reentrant checkpoint's recompute), which stay where they are (NOTE [packs
+    # inside backward] in engine.py).
     kept_in_backward: int = 0
     # Pack calls answered by an already-offloaded tensor (same storage, view and version).
     dedup_hits: int = 0
