@@ -33,8 +33,12 @@ lifetimes and the errors that IO threads report.
 # stays in memory there too. A backward that keeps its graph (``create_graph``,
 # ``retain_graph=True``) saves for a later backward, the next derivative's
 # tensors: those are offloaded like forward's, in no step of the plan (reverse
-# pack order), and without switching the engine to forward (no write tail is
-# dropped, no step starts, until packs come from outside a backward).
+# pack order), and without switching the engine to forward (no step starts, no
+# budget is enforced on older records, until packs come from outside a
+# backward): such a record is demoted itself when its tier is over budget, not
+# the oldest records, which the write tail kept for the backward now using them.
+# (A reentrant checkpoint under ``retain_graph=True`` looks the same, so its
+# recompute is offloaded and read straight back.)
 #
 # NOTE [errors from workers]
 # A write that fails leaves the record's source tensor in memory, so nothing is
@@ -427,7 +431,10 @@ class OffloadEngine:
             rec.key = key
             self._dedup.setdefault(rec.key, []).append(entry)
             self._policy.admit(rec)
-        self._enforce_budgets()
+        if in_backward:  # NOTE [packs inside backward]: the write tail's records stay
+            self._demote_own(rec)
+        else:
+            self._enforce_budgets()
         if rec.host_only:
             self._heap.saved()  # NOTE [heap trim]
         self._heap.check()
@@ -452,6 +459,20 @@ class OffloadEngine:
                 if done < len(recs):  # a demotion raised: the rest stay, to be tried again
                     with self._lock:
                         self._policy.release(recs[done:])
+
+    def _demote_own(self, rec: Record) -> None:
+        """Demote ``rec`` itself, not the oldest records, if its tier is over budget: a
+        record saved during a backward, which may be using the oldest ones now."""
+        with self._lock:
+            taken = self._policy.take(rec)
+        if not taken:
+            return
+        try:
+            self._demote_from_device(rec)
+        except BaseException:
+            with self._lock:
+                self._policy.release([rec])
+            raise
 
     def _unskip(self, rec: Record) -> None:
         """A write the write tail dropped is queued again (NOTE [write tail])."""
@@ -650,33 +671,15 @@ class OffloadEngine:
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, Kept):
-            if packed.spos >= 0 and self.config.prefetch_depth:  # a placeholder
-                with self._lock:  # NOTE [learned order]: its place in the order
-                    self._plan.unpacked(packed, current_group_key())
+            if packed.spos >= 0:  # a placeholder (NOTE [learned order])
+                self._enter_backward()
+                if self.config.prefetch_depth:
+                    with self._lock:  # its place in the order
+                        self._plan.unpacked(packed, current_group_key())
             return packed.unpack()
         if isinstance(packed, Wrapped):
             return packed.rebuild(self._unpack(packed.inner))
-        # NOTE [unpack threads]
-        with self._lock:
-            starting, self._in_backward = not self._in_backward, True
-            task = _graph_task_id()  # -1: outside backward (grad_fn._saved_self)
-            new_task = task != -1 and task not in self._end_tasks
-            if new_task:
-                me = threading.get_ident()
-                if not starting:
-                    # A backward that starts with no packs before it, on a thread that
-                    # ran another: that one ended, and if no callback ended it, it
-                    # raised. (Or it runs this one from a backward node: it then
-                    # cleans up once more when it ends, which costs little.)
-                    for old in [t for t, th in self._end_tasks.items() if th == me]:
-                        del self._end_tasks[old]
-                self._end_tasks[task] = me
-        if starting:
-            if self._writer is not None:
-                self._writer.skip_tail()
-            self._reader.begin_backward()
-        if new_task:
-            self._queue_end_of_backward(task)
+        self._enter_backward()
         if self._dead:
             self._drain_dead()
         if self._copying:
@@ -698,6 +701,31 @@ class OffloadEngine:
         if built is not None and packed.view is rec.view0:
             return built  # NOTE [views built by the reader]
         return make_view(storage, base, packed.view)
+
+    def _enter_backward(self) -> None:
+        """An unpack: the switch into backward at the first one after packs (the write
+        tail is skipped, the window sized), and its graph task's end awaited."""
+        # NOTE [unpack threads]
+        with self._lock:
+            starting, self._in_backward = not self._in_backward, True
+            task = _graph_task_id()  # -1: outside backward (grad_fn._saved_self)
+            new_task = task != -1 and task not in self._end_tasks
+            if new_task:
+                me = threading.get_ident()
+                if not starting:
+                    # A backward that starts with no packs before it, on a thread that
+                    # ran another: that one ended, and if no callback ended it, it
+                    # raised. (Or it runs this one from a backward node: it then
+                    # cleans up once more when it ends, which costs little.)
+                    for old in [t for t, th in self._end_tasks.items() if th == me]:
+                        del self._end_tasks[old]
+                self._end_tasks[task] = me
+        if starting:
+            if self._writer is not None:
+                self._writer.skip_tail()
+            self._reader.begin_backward()
+        if new_task:
+            self._queue_end_of_backward(task)
 
     def _queue_end_of_backward(self, task: int) -> None:
         """Let the recently restored spans go when this backward pass ends.

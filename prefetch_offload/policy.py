@@ -128,6 +128,20 @@ class TierPolicy:
         self._note_peak(tier)
         return picked
 
+    def take(self, rec: Tiered) -> bool:
+        """Hand out ``rec`` itself for demotion if its tier is over its budget now (as
+        :meth:`over` hands out the oldest): for a record saved during a backward."""
+        tier, budget = rec.tier, self.budgets[rec.tier]
+        if budget is None or rec.seq in self._leaving:
+            return False
+        if self.bytes[tier] - self._leaving_bytes[tier] <= budget:
+            self._note_peak(tier)
+            return False
+        self._leaving[rec.seq] = rec.nbytes
+        self._leaving_bytes[tier] += rec.nbytes
+        self._note_peak(tier)
+        return True
+
     def demote(self, rec: Tiered, tier: int) -> None:
         """Move ``rec`` to the slower ``tier``; HOST records may be demoted again later."""
         self._leave(rec)

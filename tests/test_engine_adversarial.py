@@ -275,7 +275,8 @@ def test_reentrant_recompute_stays_unless_the_backward_keeps_its_graph(
     save_dir: Path, retain: bool
 ) -> None:
     """NOTE [packs inside backward]: the recompute of a backward that frees its graph
-    stays in memory; one under retain_graph=True is offloaded like any later save."""
+    stays in memory; under retain_graph=True the engine cannot tell it from saves for a
+    later backward, and offloads it."""
     x = torch.randn(1 << 12, requires_grad=True)
 
     def step() -> torch.Tensor:
@@ -300,6 +301,48 @@ def test_reentrant_recompute_stays_unless_the_backward_keeps_its_graph(
         assert kept == 0 and moved > 0
     else:
         assert kept > 0 and moved == 0
+
+
+def test_a_create_graph_backward_leaves_the_write_tail_in_memory(save_dir: Path) -> None:
+    """The write tail keeps forward's last tensors in memory for the backward that uses
+    them; what that backward saves under create_graph is offloaded, one record at a
+    time, without demoting them again (NOTE [packs inside backward])."""
+    x0 = torch.randn(1 << 14)
+
+    def fwd(x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for _ in range(6):
+            h = h.sin()
+        return h.sum()
+
+    ref = x0.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(fwd(ref), ref)
+    with engine_with_hooks(save_dir) as engine:  # 8 MiB batches stay open: all in the tail
+        x = x0.clone().requires_grad_()
+        (got,) = torch.autograd.grad(fwd(x), x, create_graph=True)
+        engine.flush()
+        stats = engine.stats()
+    assert torch.equal(got, expected)
+    assert stats.writes_skipped == 5 and stats.bytes_read == 0  # x itself is a leaf
+    assert stats.tensors_offloaded > 0 and stats.kept_in_backward == 0
+
+
+def test_a_backward_of_placeholders_only_ends_its_step(save_dir: Path) -> None:
+    """A step whose saved tensors are all under min_offload_bytes (placeholders) still
+    switches the engine into backward: the next forward is a step of its own."""
+
+    def fwd(x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for _ in range(2 if x.numel() < 4096 else 4):
+            h = (h * 1.5).sin()
+        return h.sum()
+
+    with engine_with_hooks(save_dir, min_offload_bytes=4096) as engine:
+        predicted = []
+        for n in [1 << 8, 1 << 14, 1 << 14, 1 << 14]:
+            fwd(torch.randn(n, requires_grad=True)).backward()
+            predicted.append(engine.stats().predicted_steps)
+    assert predicted == [0, 0, 1, 2]
 
 
 # -- several engines, failed forwards -----------------------------------------------------
