@@ -22,10 +22,11 @@ lifetimes and the errors that IO threads report.
 #
 # NOTE [packs inside backward]
 # A tensor saved while a backward runs (the pack hook called inside a graph
-# task) that does not keep its graph stays where it is, counted as kept
-# (``kept_in_backward``). That is reentrant checkpointing: it recomputes a
-# segment there and its inner backward unpacks the segment's tensors at once,
-# so moving them would cost a write and a read each for nothing (on
+# task) that does not keep its graph, or by a reentrant checkpoint's node,
+# stays where it is, counted as kept (``kept_in_backward``). That is reentrant
+# checkpointing: it recomputes a segment there and its inner backward unpacks
+# the segment's tensors at once, so moving them would cost a write and a read
+# each for nothing (on
 # bench/step.py's transformer, every block checkpointed, about what forward
 # saves without checkpointing, 248.6 MiB per step, against the 15-17 MB forward
 # saves with it: docs/results/step-checkpoint.json, ab-checkpoint.json). With
@@ -37,8 +38,9 @@ lifetimes and the errors that IO threads report.
 # budget is enforced on older records, until packs come from outside a
 # backward): such a record is demoted itself when its tier is over budget, not
 # the oldest records, which the write tail kept for the backward now using them.
-# (A reentrant checkpoint under ``retain_graph=True`` looks the same, so its
-# recompute is offloaded and read straight back.)
+# A reentrant checkpoint's recompute under ``retain_graph=True`` is told apart by
+# the node running (``CheckpointFunctionBackward``, as torch.utils.checkpoint and
+# DeepSpeed name theirs) and stays in memory too.
 #
 # NOTE [errors from workers]
 # A write that fails leaves the record's source tensor in memory, so nothing is
@@ -90,6 +92,13 @@ _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", 
 _keeps_graph: Callable[[], bool] = getattr(
     torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True
 )
+_current_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
+def _recomputing() -> bool:
+    """Whether a reentrant checkpoint's backward runs now (NOTE [packs inside backward])."""
+    node = _current_node()
+    return node is not None and node.name() == "CheckpointFunctionBackward"
 
 
 class _NullEngine:
@@ -336,7 +345,7 @@ class OffloadEngine:
                 "create a new context for new forward passes."
             )
         in_backward = _graph_task_id() >= 0  # NOTE [packs inside backward]
-        if in_backward and not _keeps_graph():
+        if in_backward and (not _keeps_graph() or _recomputing()):
             self._stats.add(tensors_kept=1, kept_in_backward=1)
             return Kept(t)
         if self._in_backward and not in_backward:  # forward again
