@@ -359,18 +359,18 @@ class OffloadEngine:
             self._pool.submit(self._background(self._reader.read_pool.trim), READ)
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
             return self._pack_subclass(t)  # NOTE [wrapper subclasses]
-        if not self._eligible(t):
+        movable = self._movable(t)
+        if not movable or t.numel() * t.element_size() < self.config.min_offload_bytes:
             self._stats.add(tensors_kept=1)
             if not self._warned_cpu_budget and self.config.target == "cpu":
                 self._note_cpu_budget(t)
             kept = Kept(t)
-            if not in_backward and self.config.min_offload_bytes and self._eligible(t, 0):
+            if movable and not in_backward:
                 # NOTE [learned order]: kept for its size only, which may change with the
                 # sequence length: a placeholder keeps the step's structure the same.
-                sig = (t.dtype, t.dim())
                 key = (t.untyped_storage().data_ptr(), t._version)  # its memory, as dedup
                 with self._lock:
-                    self._plan.placeholder(kept, self._signatures.setdefault(sig, sig), key)
+                    self._plan.placeholder(kept, self._signature(t), key)
             return kept
         storage = t.untyped_storage()
         vstart, vbytes = view_span(t)
@@ -431,9 +431,7 @@ class OffloadEngine:
             rec.align = (key + start) % 512
             # NOTE [checksums]: bytes no saved view holds, read from the tensor's memory.
             rec.exposed = rec.host_only and not (dense and (start, nbytes) == (vstart, vbytes))
-            sig = (t.dtype, t.dim())  # NOTE [learned order]
-            sig = self._signatures.setdefault(sig, sig)
-            self._plan.register(rec, sig, in_step=not in_backward)
+            self._plan.register(rec, self._signature(t), in_step=not in_backward)
             entry = DedupEntry(storage, owner, version, start, start + nbytes, rec)
             if dense:
                 entry.cover(vstart, vstart + vbytes)
@@ -630,9 +628,15 @@ class OffloadEngine:
                     rec.tainted = True
                 rec.saved = None
 
-    def _eligible(self, t: torch.Tensor, min_bytes: int | None = None) -> bool:
-        """Whether ``t`` is offloaded (with ``min_bytes`` in place of
-        ``min_offload_bytes``, if given). Everything else stays in memory, unchanged."""
+    def _signature(self, t: torch.Tensor) -> tuple[torch.dtype, int]:
+        """``t``'s entry in its step's signature: dtype and rank, one shared tuple for
+        each (NOTE [learned order])."""
+        sig = (t.dtype, t.dim())
+        return self._signatures.setdefault(sig, sig)
+
+    def _movable(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` may be offloaded, whatever its size (``min_offload_bytes``
+        decides then). Everything else stays in memory, unchanged."""
         if type(t) is not torch.Tensor or t.layout is not torch.strided:
             return False  # subclasses (incl. Parameter), sparse, mkldnn
         if not self._device.accepts(t) or t.is_quantized or t.is_nested:
@@ -648,11 +652,7 @@ class OffloadEngine:
         itemsize = t.element_size()
         if itemsize == 0 or t.data_ptr() % itemsize:
             return False
-        n = t.numel()
-        if n == 0:
-            return False
-        least = self.config.min_offload_bytes if min_bytes is None else min_bytes
-        return n * itemsize >= least
+        return t.numel() > 0
 
     def _allocate(self, store: SlabStore, nbytes: int) -> Extent | None:
         """Slab space for a record, or None (counted and warned) where none is left."""
