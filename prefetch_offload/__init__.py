@@ -6,7 +6,7 @@ Public API (everything else is internal and may change):
   :class:`OffloadContext`, :func:`validate_offload_config` (a non-raising check of
   a trainer's setting);
 - configuration and the engine: :class:`OffloadConfig`, :class:`OffloadEngine`;
-- statistics: :class:`OffloadStats`;
+- statistics: :class:`OffloadStats`, :class:`RecomputePlan` (``engine.recompute_plan()``);
 - errors: :class:`OffloadError` (base), :class:`OffloadIOError`,
   :class:`OffloadFallbackWarning`.
 """
@@ -17,6 +17,7 @@ from .config import OffloadConfig, validate_offload_config
 from .context import OffloadContext, offload_context, offload_context_from_config
 from .engine import OffloadEngine
 from .errors import OffloadError, OffloadFallbackWarning, OffloadIOError
+from .recompute import RecomputePlan
 from .stats import OffloadStats
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "OffloadFallbackWarning",
     "OffloadIOError",
     "OffloadStats",
+    "RecomputePlan",
     "offload_context",
     "offload_context_from_config",
     "validate_offload_config",

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_INFLIGHT_COPY_BYTES",
     "IO_METHODS",
+    "RECOMPUTE_MODES",
     "STAGE_WRITES",
     "TARGETS",
     "ByteSize",
@@ -24,6 +26,7 @@ __all__ = [
 ]
 
 TARGETS: tuple[str | None, ...] = (None, "cpu", "disk")
+RECOMPUTE_MODES: tuple[str, ...] = ("full", "auto")
 IO_METHODS: tuple[str, ...] = ("auto", "direct", "buffered", "mmap")
 STAGE_WRITES: tuple[str, ...] = ("auto", "always", "never")
 DEFAULT_CHUNK_BYTES = 8 << 20
@@ -170,8 +173,24 @@ class OffloadConfig:
     # the resident memory malloc keeps free has grown by this many bytes since the
     # last trim (once CPU activations were saved); None never trims. An int or "64MiB".
     heap_trim_bytes: ByteSize | None = 64 << 20
+    # NOTE [keep, offload, recompute] in recompute.py. The model whose repeated blocks
+    # are checkpointed while the context is entered (required with recompute).
+    model: Any = field(default=None, repr=False, compare=False)
+    # None: nothing is checkpointed. "full": each block is checkpointed (its input goes
+    # through the engine). "auto": the engine decides per op, from measurements, to
+    # keep, offload or recompute. A callable: a selective-checkpoint policy with
+    # PyTorch's signature policy(ctx, op, *args, **kwargs) -> CheckpointPolicy, whose
+    # *_CPU_OFFLOAD outputs go through the engine.
+    recompute: str | Callable[..., Any] | None = None
+    # The blocks to checkpoint: module classes or qualified names; None detects them
+    # (NOTE [block detection] in blocks.py).
+    recompute_blocks: tuple[Any, ...] | None = None
 
     def __post_init__(self) -> None:
+        self._check_fields()
+        _check_recompute_fields(self)
+
+    def _check_fields(self) -> None:
         if self.target not in TARGETS:
             raise ValueError(
                 f"Unknown activation_offloading target: {self.target!r}. "
@@ -275,6 +294,59 @@ class OffloadConfig:
                     'free heap memory back, or e.g. "128MiB".'
                 )
             object.__setattr__(self, "heap_trim_bytes", heap_trim_bytes)
+
+
+def _check_recompute_fields(config: OffloadConfig) -> None:
+    recompute, model, blocks = config.recompute, config.model, config.recompute_blocks
+    example = "e.g. offload_context('disk', save_dir=..., model=model, recompute='auto')"
+    if recompute is not None and not callable(recompute):
+        if not isinstance(recompute, str):
+            raise TypeError(
+                f"prefetch_offload: recompute must be None, 'full', 'auto' or a policy "
+                f"callable, got {type(recompute).__name__} ({recompute!r})."
+            )
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(
+                f"prefetch_offload: recompute={recompute!r} is not a mode; use None, 'full', "
+                "'auto', or a policy callable policy(ctx, op, *args, **kwargs) -> "
+                "torch.utils.checkpoint.CheckpointPolicy."
+            )
+    if model is not None and not callable(getattr(model, "named_modules", None)):
+        raise TypeError(
+            f"prefetch_offload: model must be a torch.nn.Module, got {type(model).__name__}."
+        )
+    if recompute is None:
+        if model is not None:
+            raise ValueError(
+                "prefetch_offload: model= is used only to checkpoint its blocks; pass "
+                f"recompute='full', 'auto' or a policy with it ({example}), or drop model=."
+            )
+        if blocks is not None:
+            raise ValueError(
+                "prefetch_offload: recompute_blocks= needs recompute= ('full', 'auto' or a "
+                f"policy) and model= ({example})."
+            )
+        return
+    if model is None:
+        raise ValueError(
+            f"prefetch_offload: recompute={recompute!r} needs the model whose blocks it "
+            f"checkpoints: pass model= ({example})."
+        )
+    if config.target is None:
+        raise ValueError(
+            "prefetch_offload: recompute= needs target 'cpu' or 'disk' (with target None "
+            "nothing is offloaded); for checkpointing alone use torch.utils.checkpoint."
+        )
+    if blocks is not None:
+        if isinstance(blocks, str | type):
+            blocks = (blocks,)
+        if not isinstance(blocks, list | tuple | set | frozenset):
+            raise TypeError(
+                "prefetch_offload: recompute_blocks must be a list of nn.Module classes or "
+                f"qualified module names, got {type(blocks).__name__}; e.g. "
+                "recompute_blocks=[LlamaDecoderLayer] or ['model.layers.0', 'model.layers.1']."
+            )
+        object.__setattr__(config, "recompute_blocks", tuple(blocks))
 
 
 def validate_offload_config(

@@ -7,12 +7,14 @@ import dataclasses
 import logging
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 import torch
 
+from .blocks import WrappedBlocks, find_blocks
+from .checkpointing import selective_contexts
 from .config import (
     _TARGET_DEFAULT,
     DEFAULT_CHUNK_BYTES,
@@ -23,6 +25,7 @@ from .config import (
 )
 from .engine import OffloadEngine, _NullEngine
 from .errors import OffloadError
+from .recompute import AutoDecider, RecordingDecider
 from .stats import OffloadStats
 
 __all__ = ["OffloadContext", "offload_context", "offload_context_from_config"]
@@ -91,6 +94,7 @@ class OffloadContext:
         self._engine: OffloadEngine | _NullEngine | None = None
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._thread: int | None = None
+        self._wrapped: WrappedBlocks | None = None
 
     def __enter__(self) -> OffloadEngine | _NullEngine:
         if self._engine is not None:
@@ -111,6 +115,14 @@ class OffloadContext:
             raise
         self._engine, self._hooks = engine, hooks
         self._thread = threading.get_ident()
+        if self.config.recompute is not None:
+            try:
+                self._wrapped = _wrap_model(engine, self.config)
+            except BaseException:
+                hooks.__exit__(None, None, None)
+                self._hooks = None
+                engine.close(raise_errors=False)
+                raise
         return engine
 
     def __exit__(
@@ -120,6 +132,9 @@ class OffloadContext:
         tb: TracebackType | None,
     ) -> None:
         engine, hooks = self._engine, self._hooks
+        if self._wrapped is not None:  # NOTE [wrapping blocks]: the model as it was
+            self._wrapped.restore()
+            self._wrapped = None
         if hooks is not None:
             assert isinstance(engine, OffloadEngine)
             if threading.get_ident() != self._thread:
@@ -168,6 +183,28 @@ class OffloadContext:
         self.__exit__(exc_type, exc, tb)
 
 
+def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
+    """Checkpoint the model's blocks as ``config.recompute`` says (blocks.py)."""
+    blocks = find_blocks(config.model, config.recompute_blocks)
+    recompute = config.recompute
+    if recompute == "full":
+        return WrappedBlocks(blocks, None)
+    stats = engine._ckpt_stats
+    if recompute == "auto":
+        decider: Any = AutoDecider(engine.stats, engine.config.device_budget)  # type: ignore[arg-type]
+    else:
+        assert callable(recompute)
+        decider = RecordingDecider("policy").for_policy(recompute)
+        engine._decider = decider._recorder
+    if recompute == "auto":
+        engine._decider = decider
+
+    def context_fn() -> tuple[Any, Any]:
+        return selective_contexts(decider, engine, stats)
+
+    return WrappedBlocks(blocks, context_fn)
+
+
 def offload_context(
     target: str | None,
     save_dir: str | None = None,
@@ -187,6 +224,9 @@ def offload_context(
     host_budget: ByteSize | None = _TARGET_DEFAULT,
     prefetch_bytes: ByteSize | None = None,
     heap_trim_bytes: ByteSize | None = 64 << 20,
+    model: torch.nn.Module | None = None,
+    recompute: str | Callable[..., Any] | None = None,
+    recompute_blocks: Sequence[type[torch.nn.Module] | str] | None = None,
 ) -> OffloadContext:
     """Offload the tensors autograd saves for backward while the block runs.
 
@@ -220,6 +260,19 @@ def offload_context(
             activations were saved), so the process stays within about this much
             of its live memory; memory given back costs page faults when it is used
             again. None never trims.
+        model: the model whose repeated blocks ``recompute`` checkpoints while the
+            context is entered (restored exactly on exit); required with ``recompute``.
+        recompute: None checkpoints nothing. "full" checkpoints each block
+            (non-reentrant); its input goes through the engine. "auto" decides per
+            op, from a profiled step, whether to keep, offload or recompute its
+            output (``engine.recompute_plan()`` says what and why). A callable is a
+            selective-checkpoint policy ``policy(ctx, op, *args, **kwargs) ->
+            CheckpointPolicy``: ``*_SAVE`` keeps the output in device memory,
+            ``*_RECOMPUTE`` recomputes it, ``*_CPU_OFFLOAD`` hands it to the engine
+            (``PREFER_*`` may stay on the device within ``device_budget``).
+        recompute_blocks: the blocks to checkpoint, as module classes or qualified
+            names; None finds them (``_no_split_modules``, else the longest run of
+            same-class children of an ``nn.ModuleList`` or ``nn.Sequential``).
 
     Returns:
         A context manager whose ``__enter__`` yields the engine (``engine.stats()``).
@@ -254,7 +307,12 @@ def offload_context(
         host_budget=host_budget,
         prefetch_bytes=prefetch_bytes,
         heap_trim_bytes=heap_trim_bytes,
+        model=model,
+        recompute=recompute,
+        recompute_blocks=recompute_blocks,  # type: ignore[arg-type]  # checked, made a tuple
     )
+    if recompute is not None:
+        find_blocks(model, config.recompute_blocks)  # type: ignore[arg-type]  # at the call
     return OffloadContext(config)
 
 

@@ -59,13 +59,16 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy
 
+from .checkpointing import CheckpointStats, selective_contexts
 from .config import OffloadConfig
 from .device import DeviceLayer, default_device_layer
 from .errors import ErrorSlot, OffloadError, OffloadFallbackWarning
@@ -76,10 +79,11 @@ from .plan import PrefetchPlan, current_group_key
 from .policy import DEVICE, DISK, HOST, TierPolicy
 from .profiling import profiler_range
 from .reader import AUTO_WINDOW_MAX, AUTO_WINDOW_START, ReadPath
+from .recompute import AutoDecider, RecomputePlan, RecordingDecider
 from .records import DedupEntry, Handle, Kept, Record, Resident, Wrapped, is_dtensor
 from .slab import Extent, SlabStore, prepare_save_dir
 from .stats import OffloadStats, StatsCounter
-from .streams import Fence
+from .streams import Fence, capture_isolated, capturing
 from .writer import WritePath
 
 __all__ = ["OffloadEngine"]
@@ -202,8 +206,11 @@ class OffloadEngine:
             )
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, self._store.close)
-        # Records whose device-to-host copy may still run, oldest first (NOTE [version check]).
-        self._copying: collections.deque[tuple[Fence, weakref.ref[Record]]] = collections.deque()
+        # Per device, records whose device-to-host copy may still run, oldest first (NOTE
+        # [version check]): copies on one device's stream end in order, across devices not.
+        self._copying: dict[
+            torch.device | None, collections.deque[tuple[Fence, weakref.ref[Record]]]
+        ] = {}
         self._lock = threading.Lock()
         self._stats = StatsCounter()
         self._plan = PrefetchPlan(
@@ -259,6 +266,10 @@ class OffloadEngine:
             # value moves a trim by a hook; no reference back to the engine).
             allowance=functools.partial(self._policy.headroom, DEVICE),
         )
+        # NOTE [keep, offload, recompute] in recompute.py: what selective checkpoints
+        # kept, offloaded and recomputed, and the decider recompute= installed (if any).
+        self._ckpt_stats = CheckpointStats()
+        self._decider: AutoDecider | RecordingDecider | None = None
 
     # -- public -----------------------------------------------------------------------------
 
@@ -300,6 +311,10 @@ class OffloadEngine:
                 bytes_demoted_to_disk=policy.demoted[DISK],
                 predicted_steps=self._plan.predicted_steps,
             )
+        kept, offloaded, recomputed = self._ckpt_stats.last_step()
+        self._stats.set(
+            step_bytes_kept=kept, step_bytes_offloaded=offloaded, step_bytes_recomputed=recomputed
+        )
         return self._stats.snapshot()
 
     def flush(self) -> None:
@@ -314,13 +329,13 @@ class OffloadEngine:
         self._raise_pending()
 
     def _wait_offloads(self) -> None:
-        self._wait_writes()
-        # Copies exist only with a device layer; event queries would invalidate a capture.
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing():  # NOTE [capture mode]: any wait would query events; none here
             return
-        if self._copying:
-            self._settle_copies(wait=True)
-        self._device.poll()  # finished copies' tensors go now, not at the next copy
+        with capture_isolated():  # aflush waits in a borrowed thread
+            self._wait_writes()
+            if self._copying:
+                self._settle_copies(wait=True)
+            self._device.poll()  # finished copies' tensors go now, not at the next copy
 
     # -- pack -------------------------------------------------------------------------------
 
@@ -330,9 +345,10 @@ class OffloadEngine:
             return self._pack(t)
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if t.is_cuda and torch.cuda.is_current_stream_capturing():
-            # Before anything else: settling copies queries events, which would
-            # invalidate the capture. Saved under capture, a tensor stays in memory.
+        if capturing():
+            # Before anything else, for every tensor (NOTE [capture mode]): settling
+            # copies queries events and enforcing budgets issues copies, either of
+            # which invalidates the capture. Saved under capture, a tensor stays.
             self._stats.add(tensors_kept=1)
             return Kept(t)
         self._raise_pending()
@@ -467,11 +483,12 @@ class OffloadEngine:
                     with self._lock:
                         self._policy.release(recs[done:])
 
-    def _demote_own(self, rec: Record) -> None:
+    def _demote_own(self, rec: Record, *, force: bool = False) -> None:
         """Demote ``rec`` itself, not the oldest records, if its tier is over budget: a
-        record saved during a backward, which may be using the oldest ones now."""
+        record saved during a backward, which may be using the oldest ones now. With
+        ``force``, whatever the budget (a ``MUST_CPU_OFFLOAD`` output)."""
         with self._lock:
-            taken = self._policy.take(rec)
+            taken = rec.tier == DEVICE and self._policy.take(rec, force=force)
         if not taken:
             return
         try:
@@ -533,7 +550,8 @@ class OffloadEngine:
             rec.source = (host, base, fence)
             rec.held = rec.restored = None
             if fence is not None:
-                self._copying.append((fence, weakref.ref(rec)))
+                queue = self._copying.setdefault(fence.device, collections.deque())
+                queue.append((fence, weakref.ref(rec)))
             if keep_host:
                 self._policy.demote(rec, HOST)
             elif extent is None:  # the re-reservation failed: the host copy is kept
@@ -611,22 +629,24 @@ class OffloadEngine:
         tensor (to compare versions, and so the device memory cannot be reused);
         after it, the host copy holds the saved value and the device memory can go.
         """
-        copying = self._copying
         with self._lock:
-            while copying:
-                fence, ref = copying[0]
-                if not fence.done():
-                    if not wait:
-                        return
-                    with contextlib.suppress(Exception):
-                        fence.wait()  # a failed copy is raised where its bytes are used
-                copying.popleft()
-                rec = ref()
-                if rec is None or rec.saved is None:
-                    continue
-                if rec.saved._version != rec.version:
-                    rec.tainted = True
-                rec.saved = None
+            for device, copying in list(self._copying.items()):
+                while copying:  # one device's copies end in order: stop at a running one
+                    fence, ref = copying[0]
+                    if not fence.done():
+                        if not wait:
+                            break
+                        with contextlib.suppress(Exception):
+                            fence.wait()  # a failed copy is raised where its bytes are used
+                    copying.popleft()
+                    rec = ref()
+                    if rec is None or rec.saved is None:
+                        continue
+                    if rec.saved._version != rec.version:
+                        rec.tainted = True
+                    rec.saved = None
+                if not copying:
+                    del self._copying[device]
 
     def _signature(self, t: torch.Tensor) -> tuple[torch.dtype, int]:
         """``t``'s entry in its step's signature: dtype and rank, one shared tuple for
@@ -804,6 +824,81 @@ class OffloadEngine:
                 self._errors.report(err)
 
         return job
+
+    # -- selective checkpointing (checkpointing.py, recompute.py) ---------------------------
+
+    def checkpoint_context_fn(
+        self,
+        policy: Callable[..., Any] | list[Any],
+        *,
+        allow_cache_entry_mutation: bool = False,
+    ) -> tuple[Any, Any]:
+        """The pair of contexts for ``torch.utils.checkpoint(..., context_fn=...)``.
+
+        As ``torch.utils.checkpoint.create_selective_checkpoint_contexts``, with
+        ``*_CPU_OFFLOAD`` outputs packed by this engine (its target and budgets
+        decide where they live; ``PREFER_*`` may stay within ``device_budget``) and
+        unpacked for the recompute. ``policy`` has PyTorch's signature
+        ``policy(ctx, op, *args, **kwargs) -> CheckpointPolicy``, or is a list of
+        op overloads to save (the others are recomputed). Call it once per
+        checkpoint call, e.g. ``context_fn=functools.partial(engine.checkpoint_context_fn,
+        policy)``.
+        """
+        if isinstance(policy, list):
+            ops = list(policy)
+            for op in ops:
+                if not isinstance(op, torch._ops.OpOverload):
+                    raise TypeError(
+                        f"prefetch_offload: the ops to save must be OpOverloads, got {op!r}; "
+                        "e.g. torch.ops.aten.mm.default rather than torch.ops.aten.mm."
+                    )
+
+            def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+                return (
+                    CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+                )
+
+        if not callable(policy):
+            raise TypeError(
+                "prefetch_offload: checkpoint_context_fn needs a policy callable "
+                f"policy(ctx, op, *args, **kwargs) or a list of ops, got {type(policy).__name__}."
+            )
+        recorder = self._decider
+        if recorder is None:
+            recorder = self._decider = RecordingDecider("policy")
+        decider = recorder.for_policy(policy) if isinstance(recorder, RecordingDecider) else None
+        if decider is None:  # recompute="auto" runs beside: the policy is still the user's
+            decider = RecordingDecider("policy").for_policy(policy)
+        return selective_contexts(
+            decider, self, self._ckpt_stats, allow_cache_entry_mutation=allow_cache_entry_mutation
+        )
+
+    def recompute_plan(self) -> RecomputePlan | None:
+        """What ``recompute=`` decided per op kind, and why; None without ``recompute``.
+
+        ``print(engine.recompute_plan())`` shows a table (NOTE [keep, offload, recompute]).
+        """
+        decider = self._decider
+        return None if decider is None else decider.plan()
+
+    def pack_output(self, t: torch.Tensor, *, must: bool) -> Any:
+        """Pack a checkpointed op's output (checkpointing.OffloadHooks); with ``must``
+        it leaves the device whatever ``device_budget`` allows (``MUST_CPU_OFFLOAD``)."""
+        start = time.perf_counter()
+        packed = self.pack(t)
+        if must and isinstance(packed, Handle):
+            self._demote_own(packed.record, force=True)
+        if isinstance(self._decider, AutoDecider):
+            self._decider.pack_seconds(time.perf_counter() - start)
+        return packed
+
+    def unpack_output(self, packed: Any) -> torch.Tensor:
+        """Unpack what :meth:`pack_output` returned, for the recompute."""
+        start = time.perf_counter()
+        t = self.unpack(packed)
+        if isinstance(self._decider, AutoDecider):
+            self._decider.unpack_seconds(time.perf_counter() - start)
+        return t
 
     def _raise_pending(self) -> None:
         err = self._errors.take()

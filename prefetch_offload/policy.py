@@ -128,13 +128,14 @@ class TierPolicy:
         self._note_peak(tier)
         return picked
 
-    def take(self, rec: Tiered) -> bool:
+    def take(self, rec: Tiered, *, force: bool = False) -> bool:
         """Hand out ``rec`` itself for demotion if its tier is over its budget now (as
-        :meth:`over` hands out the oldest): for a record saved during a backward."""
+        :meth:`over` hands out the oldest): for a record saved during a backward. With
+        ``force``, whatever the budget: a record that must leave its tier."""
         tier, budget = rec.tier, self.budgets[rec.tier]
         if budget is None or rec.seq in self._leaving:
             return False
-        if self.bytes[tier] - self._leaving_bytes[tier] <= budget:
+        if not force and self.bytes[tier] - self._leaving_bytes[tier] <= budget:
             self._note_peak(tier)
             return False
         self._leaving[rec.seq] = rec.nbytes

@@ -94,6 +94,14 @@ class OffloadStats:
     # doing it (NOTE [heap trim] in heap.py); the page faults of reusing them come later.
     heap_trims: int = 0
     heap_trim_seconds: float = 0.0
+    # NOTE [keep, offload, recompute] in recompute.py: of the op outputs inside
+    # selectively checkpointed blocks (recompute="auto", a policy, or
+    # checkpoint_context_fn), the bytes the last step kept in device memory
+    # (*_SAVE), handed to the engine (*_CPU_OFFLOAD; the tier figures above say
+    # where they went) and left to be recomputed. recompute="full" stores none.
+    step_bytes_kept: int = 0
+    step_bytes_offloaded: int = 0
+    step_bytes_recomputed: int = 0
 
     @property
     def hit_rate(self) -> float:

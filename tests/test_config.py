@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -108,6 +109,9 @@ _usual_value: dict[str, Any] = {
     "host_budget": st.one_of(st.none(), st.integers(0, 1 << 40), st.just("32GiB")),
     "prefetch_bytes": st.one_of(st.none(), st.integers(1, 1 << 34), st.just("256MiB")),
     "heap_trim_bytes": st.one_of(st.none(), st.integers(_MiB, 1 << 34), st.just("64MiB")),
+    "model": st.one_of(st.none(), st.just(torch.nn.Sequential(torch.nn.Linear(2, 2)))),
+    "recompute": st.sampled_from([None, "full", "auto"]),
+    "recompute_blocks": st.one_of(st.none(), st.just(("0",)), st.just((torch.nn.Linear,))),
 }
 
 

@@ -1,0 +1,234 @@
+"""Finding a model's repeated blocks and checkpointing them, restored exactly afterwards.
+
+This module knows nothing of tiers or of the engine: it wraps each block's
+``forward`` in a non-reentrant :func:`torch.utils.checkpoint.checkpoint` with a
+``context_fn`` it is given, and puts the model back as it was.
+
+# NOTE [block detection]
+# Blocks are found as Hugging Face finds its shard units: the classes named in
+# ``_no_split_modules`` of the model (or of any submodule that declares it, so
+# a DDP- or PEFT-wrapped model works too). Without that list, the blocks are the
+# longest run of consecutive children of one class inside an ``nn.ModuleList``
+# or ``nn.Sequential`` anywhere in the tree (the decoder layers of nearly every
+# architecture). ``recompute_blocks`` overrides both: module classes, or
+# qualified names as ``named_modules()`` gives them. A block nested in another
+# block is not wrapped on its own (its outer block's checkpoint covers it).
+#
+# NOTE [wrapping blocks]
+# Each block gets an instance attribute ``forward`` that runs the class's
+# forward under the checkpoint; ``nn.Module.__call__`` (and with it every
+# forward hook, FSDP2's all-gathers, DDP's and a compiled module's wrapper) is
+# untouched, so parameter names, state dicts and hooks stay the same. On
+# restore the attribute is deleted again, or set back when the block had an
+# instance ``forward`` of its own. Hugging Face's own gradient checkpointing
+# wraps the same blocks around ``__call__``; a block that has it switched on is
+# refused at its forward (NOTE [double checkpointing]).
+#
+# NOTE [double checkpointing]
+# Hugging Face's ``gradient_checkpointing`` (``TrainingArguments`` or
+# ``gradient_checkpointing_enable()``; transformers 5 also names it
+# ``activation_checkpointing``) checkpoints each decoder layer itself. Composing
+# the two would checkpoint every block twice: two recomputes in backward for no
+# memory gained. So a wrapped block whose ``gradient_checkpointing`` attribute
+# is true raises at its forward, with what to change. The Trainer switches it
+# on inside ``train()``, after the context is entered, so the check runs at
+# forward time, not at enter.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .errors import OffloadError
+
+__all__ = ["BlockSpec", "WrappedBlocks", "current_block", "find_blocks"]
+
+# Module classes, or qualified module names as named_modules() gives them.
+BlockSpec = Sequence[type[nn.Module] | str]
+
+ContextFn = Callable[[], tuple[Any, Any]]
+
+
+def _check_spec(blocks: object) -> tuple[type[nn.Module] | str, ...] | None:
+    if blocks is None:
+        return None
+    if isinstance(blocks, str | type):
+        blocks = (blocks,)
+    if not isinstance(blocks, Iterable):
+        raise TypeError(
+            "prefetch_offload: recompute_blocks must be a list of nn.Module classes or "
+            f"qualified module names, got {type(blocks).__name__}; e.g. "
+            "recompute_blocks=[LlamaDecoderLayer] or recompute_blocks=['model.layers.0']."
+        )
+    spec = tuple(blocks)
+    for item in spec:
+        if not (isinstance(item, str) or (isinstance(item, type) and issubclass(item, nn.Module))):
+            raise TypeError(
+                "prefetch_offload: recompute_blocks entries must be nn.Module classes or "
+                f"qualified module names (str), got {item!r}."
+            )
+    if not spec:
+        raise ValueError(
+            "prefetch_offload: recompute_blocks is empty; pass None to detect the blocks, "
+            "or the block classes or names to checkpoint."
+        )
+    return spec
+
+
+def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Drop blocks nested inside another found block; keep the model's order."""
+    names = [name for name, _ in found]
+    out = []
+    for name, module in found:
+        if not any(name != other and name.startswith(other + ".") for other in names):
+            out.append((name, module))
+    return out
+
+
+def _no_split_classes(model: nn.Module) -> set[str]:
+    classes: set[str] = set()
+    for module in model.modules():
+        declared = getattr(module, "_no_split_modules", None)
+        if declared:
+            classes.update(str(c) for c in declared)
+    return classes
+
+
+def _longest_run(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    best: list[tuple[str, nn.Module]] = []
+    for prefix, container in model.named_modules():
+        if not isinstance(container, nn.ModuleList | nn.Sequential):
+            continue
+        run: list[tuple[str, nn.Module]] = []
+        for name, child in container.named_children():
+            qualified = f"{prefix}.{name}" if prefix else name
+            if run and type(run[-1][1]) is type(child):
+                run.append((qualified, child))
+            else:
+                run = [(qualified, child)]
+            if len(run) > len(best):
+                best = list(run)
+    return best if len(best) >= 2 else []
+
+
+def find_blocks(model: nn.Module, blocks: BlockSpec | None = None) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks of ``model`` as (qualified name, module), in model order.
+
+    NOTE [block detection]. Raises :class:`ValueError` when none is found, or when a
+    name in ``blocks`` is not a submodule.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"prefetch_offload: model must be a torch.nn.Module, got {type(model).__name__}."
+        )
+    spec = _check_spec(blocks)
+    named = list(model.named_modules())
+    if spec is not None:
+        names = {item for item in spec if isinstance(item, str)}
+        classes = tuple(item for item in spec if isinstance(item, type))
+        known = {name for name, _ in named}
+        missing = sorted(names - known)
+        if missing:
+            raise ValueError(
+                f"prefetch_offload: recompute_blocks names {missing} are not submodules of the "
+                "model; use names as model.named_modules() gives them, e.g. 'model.layers.0'."
+            )
+        found = [
+            (n, m) for n, m in named if n and (n in names or (classes and isinstance(m, classes)))
+        ]
+        how = f"recompute_blocks={list(spec)!r}"
+    else:
+        wanted = _no_split_classes(model)
+        found = [(n, m) for n, m in named if n and type(m).__name__ in wanted]
+        how = f"_no_split_modules {sorted(wanted)}"
+        if not found:
+            found = _longest_run(model)
+            how = "a run of same-class children in an nn.ModuleList or nn.Sequential"
+    found = _outermost(found)
+    if not found:
+        raise ValueError(
+            f"prefetch_offload: no blocks to checkpoint were found in {type(model).__name__} "
+            f"(looked for {how}); pass recompute_blocks= with the block classes "
+            "(e.g. [MyDecoderLayer]) or their qualified names (e.g. ['layers.0', 'layers.1'])."
+        )
+    return found
+
+
+class WrappedBlocks:
+    """Blocks whose forward runs under a checkpoint; :meth:`restore` undoes it exactly."""
+
+    def __init__(self, blocks: list[tuple[str, nn.Module]], context_fn: ContextFn | None) -> None:
+        self.blocks = blocks
+        self._saved: list[tuple[nn.Module, bool, Any]] = []
+        try:
+            for index, (name, module) in enumerate(blocks):
+                own = "forward" in module.__dict__
+                self._saved.append((module, own, module.__dict__.get("forward")))
+                module.forward = _checkpointed(module, name, index, context_fn)  # type: ignore[method-assign]
+        except BaseException:
+            self.restore()
+            raise
+
+    @property
+    def names(self) -> list[str]:
+        """The wrapped blocks' qualified names, in model order."""
+        return [name for name, _ in self.blocks]
+
+    def restore(self) -> None:
+        """Put every block's ``forward`` back as it was (idempotent)."""
+        while self._saved:
+            module, own, previous = self._saved.pop()
+            if own:
+                module.forward = previous  # type: ignore[method-assign]
+            else:
+                module.__dict__.pop("forward", None)
+
+
+# The block running now, for the contexts a checkpoint's context_fn makes
+# (NOTE [op keys] in checkpointing.py): its class name and position.
+_local = threading.local()
+
+
+def current_block() -> tuple[str, int] | None:
+    """(class name, index) of the innermost wrapped block whose forward is running on
+    this thread, or None."""
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _checkpointed(
+    module: nn.Module, name: str, index: int, context_fn: ContextFn | None
+) -> Callable[..., Any]:
+    inner = type(module).forward.__get__(module)
+    if "forward" in module.__dict__:
+        inner = module.__dict__["forward"]
+    kind = type(module).__name__
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if getattr(module, "gradient_checkpointing", False):  # NOTE [double checkpointing]
+            raise OffloadError(
+                f"prefetch_offload: block {name!r} has Hugging Face gradient checkpointing on, "
+                "and offload_context(recompute=...) checkpoints the same blocks; use one of "
+                "them: drop gradient_checkpointing (or activation_checkpointing) from the "
+                "TrainingArguments / do not call gradient_checkpointing_enable(), or pass "
+                "recompute=None to keep Hugging Face's (its block inputs are offloaded)."
+            )
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        extra: dict[str, Any] = {}
+        if context_fn is not None:
+            extra["context_fn"] = context_fn
+        stack = _local.__dict__.setdefault("stack", [])
+        stack.append((kind, index))  # for context_fn, which checkpoint calls first
+        try:
+            return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+        finally:
+            stack.pop()
+
+    return forward

@@ -1,0 +1,376 @@
+"""Selective checkpointing whose ``*_CPU_OFFLOAD`` outputs go through the offload engine.
+
+PyTorch's ``create_selective_checkpoint_contexts`` keeps ``*_SAVE`` outputs in
+the checkpoint frame's storage and, in eager mode, recomputes ``*_CPU_OFFLOAD``
+ones. :func:`selective_contexts` returns the same pair of dispatch modes (the
+one forward runs under, the one the recompute runs under) with the offload
+policies given their meaning: the output is packed by the engine (its target
+and budgets decide where it lives) and unpacked in the recompute, so the
+learned prefetch order brings it back ahead of the recompute that needs it.
+
+# NOTE [op keys]
+# An op is known by its overload and its count among the ops of that overload
+# in the same checkpoint call, as torch's modes key their storage: the
+# recompute replays the forward's ops in the same order, so the n-th
+# ``aten.mm.default`` of the recompute is the n-th of the forward. The
+# decider (a user's policy or the automatic plan) sees the block's class name
+# and index (blocks.current_block) and that key.
+#
+# NOTE [random ops]
+# An op that draws from the RNG (tagged ``nondeterministic_seeded``: dropout,
+# bernoulli, rand*) advances the generator in forward. The checkpoint restores
+# the RNG state before its recompute, so every random op of the recompute must
+# draw again, in the same order, for a later random op to see the same state
+# (and a later dropout the same mask). A random op whose output was saved or
+# offloaded therefore still runs in the recompute; its result is dropped and
+# the stored output returned.
+#
+# NOTE [cache entry mutation]
+# As in torch's modes, a stored output that is modified in place before the
+# recompute uses it raises (the engine's version check for offloaded outputs,
+# a version counter for saved ones), unless allow_cache_entry_mutation=True.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+
+from .blocks import current_block
+from .errors import OffloadError
+
+__all__ = [
+    "OFFLOAD",
+    "RECOMPUTE",
+    "SAVE",
+    "CheckpointStats",
+    "Decider",
+    "OffloadHooks",
+    "PolicyDecider",
+    "op_kind",
+    "selective_contexts",
+]
+
+SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+OFFLOAD = (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD)
+
+_IGNORED: frozenset[Any] = frozenset(
+    getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default})
+)
+_SEEDED = torch.Tag.nondeterministic_seeded
+
+# (block class, block index, op overload, count): NOTE [op keys].
+OpKey = tuple[str, int, Any, int]
+
+
+def op_kind(func: Any) -> str:
+    """A readable name for an op overload, e.g. ``"aten.mm.default"``."""
+    return str(func)
+
+
+def _nbytes(out: Any) -> int:
+    total = 0
+
+    def add(x: Any) -> Any:
+        nonlocal total
+        if isinstance(x, torch.Tensor):
+            total += x.numel() * x.element_size()
+        return x
+
+    tree_map(add, out)
+    return total
+
+
+def _detach(x: Any) -> Any:
+    # A view op's output is detached beneath autograd so that the recompute's as_view
+    # sees no autograd metadata and the version counter is shared (as torch's modes).
+    if isinstance(x, torch.Tensor):
+        with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+            return x.detach()
+    return x
+
+
+class OffloadHooks(Protocol):
+    """The engine's side: pack an output away, unpack it for the recompute."""
+
+    def pack_output(self, t: torch.Tensor, *, must: bool) -> Any: ...
+
+    def unpack_output(self, packed: Any) -> torch.Tensor: ...
+
+
+class Decider(Protocol):
+    """Chooses keep / recompute / offload for each op output (NOTE [op keys])."""
+
+    def decide(
+        self, key: OpKey, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> CheckpointPolicy: ...
+
+    def timing(self) -> bool:
+        """Whether forward should time each op now (a profiling step)."""
+        ...
+
+    def observe(self, key: OpKey, func: Any, out: Any, seconds: float, policy: Any) -> None: ...
+
+    def consumed(self, key: OpKey) -> None: ...
+
+
+class PolicyDecider:
+    """A user's policy with PyTorch's signature ``policy(ctx, op, *args, **kwargs)``."""
+
+    def __init__(self, policy: Callable[..., Any]) -> None:
+        self.policy = policy
+
+    def decide(
+        self, key: OpKey, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> CheckpointPolicy:
+        ctx = SelectiveCheckpointContext(is_recompute=False, op_output=out)
+        policy = self.policy(ctx, func, *args, **kwargs)
+        if isinstance(policy, bool):  # torch accepts a bool: True saves
+            return CheckpointPolicy.MUST_SAVE if policy else CheckpointPolicy.PREFER_RECOMPUTE
+        if not isinstance(policy, CheckpointPolicy):
+            raise TypeError(
+                f"prefetch_offload: the recompute policy returned {policy!r} for {func}; it "
+                "must return a torch.utils.checkpoint.CheckpointPolicy (or a bool)."
+            )
+        return policy
+
+    def timing(self) -> bool:
+        return False
+
+    def observe(self, key: OpKey, func: Any, out: Any, seconds: float, policy: Any) -> None:
+        pass
+
+    def consumed(self, key: OpKey) -> None:
+        pass
+
+
+class CheckpointStats:
+    """Bytes of checkpointed op outputs kept, offloaded and recomputed, per step.
+
+    A step starts at the first checkpointed forward op after a recompute ran;
+    ``last`` holds the step before the current one.
+    """
+
+    def __init__(self) -> None:
+        self.current = [0, 0, 0]  # kept, offloaded, recomputed
+        self.last = [0, 0, 0]
+        self.total = [0, 0, 0]
+        self._recomputed_since = False
+
+    def forward_op(self, which: int, nbytes: int) -> None:
+        if self._recomputed_since:
+            self._recomputed_since = False
+            self.last = self.current
+            self.current = [0, 0, 0]
+        self.current[which] += nbytes
+        self.total[which] += nbytes
+
+    def recompute_ran(self) -> None:
+        self._recomputed_since = True
+
+    def last_step(self) -> tuple[int, int, int]:
+        """(kept, offloaded, recomputed) of the last finished step (its recompute ran)."""
+        source = self.current if self._recomputed_since else self.last
+        return source[0], source[1], source[2]
+
+
+_RECOMPUTE = object()
+_CONSUMED = object()
+_MISMATCH = (
+    "The ops of a checkpointed block ran differently in its recompute than in its "
+    "forward (a data-dependent branch, or global state that changed in between)."
+)
+
+
+class _Entry:
+    __slots__ = ("mode", "value", "versions")
+
+    def __init__(self, mode: int, value: Any, versions: Any) -> None:
+        self.mode = mode  # 0 saved, 1 offloaded
+        self.value = value
+        self.versions = versions
+
+
+class _Saving(TorchDispatchMode):
+    """Forward: run each op, then keep, offload or mark for recompute its output."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(
+        self,
+        decider: Decider,
+        hooks: OffloadHooks | None,
+        storage: dict[Any, Any],
+        stats: CheckpointStats,
+    ) -> None:
+        super().__init__()
+        self.decider = decider
+        self.hooks = hooks
+        self.storage = storage
+        self.stats = stats
+        self.counts: collections.Counter[Any] = collections.Counter()
+        self.block = current_block() or ("", -1)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _IGNORED:
+            return func(*args, **kwargs)
+        timing = self.decider.timing()
+        if timing:
+            start = time.perf_counter()
+            out = func(*args, **kwargs)
+            _sync(out)
+            seconds = time.perf_counter() - start
+        else:
+            out = func(*args, **kwargs)
+        count = self.counts[func]
+        self.counts[func] = count + 1
+        key: OpKey = (self.block[0], self.block[1], func, count)
+        policy = self.decider.decide(key, func, args, kwargs, out)
+        nbytes = _nbytes(out)
+        if timing:
+            self.decider.observe(key, func, out, seconds, policy)
+        if policy in OFFLOAD and self.hooks is not None:
+            must = policy is CheckpointPolicy.MUST_CPU_OFFLOAD
+            hooks = self.hooks
+            value = tree_map(
+                lambda x: (
+                    _Packed(hooks.pack_output(_detach(x), must=must))
+                    if isinstance(x, torch.Tensor)
+                    else x
+                ),
+                out,
+            )
+            self.storage[(func, count)] = _Entry(1, value, None)
+            self.stats.forward_op(1, nbytes)
+        elif policy in SAVE or policy in OFFLOAD:  # offload with no engine: kept
+            value = tree_map(_detach, out)
+            versions = tree_map(
+                lambda x: x._version if isinstance(x, torch.Tensor) else None, value
+            )
+            self.storage[(func, count)] = _Entry(0, value, versions)
+            self.stats.forward_op(0, nbytes)
+        else:
+            self.storage[(func, count)] = _RECOMPUTE
+            self.stats.forward_op(2, nbytes)
+        return out
+
+
+def _sync(out: Any) -> None:
+    """Wait for a CUDA op's kernels (a profiling step times ops one by one)."""
+    for x in torch.utils._pytree.tree_leaves(out):
+        if isinstance(x, torch.Tensor) and x.is_cuda:
+            torch.cuda.synchronize(x.device)
+            return
+
+
+class _Restoring(TorchDispatchMode):
+    """Recompute: return stored outputs, run the ops marked for recompute."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(
+        self,
+        decider: Decider,
+        hooks: OffloadHooks | None,
+        storage: dict[Any, Any],
+        stats: CheckpointStats,
+        block: Callable[[], tuple[str, int]],
+        allow_cache_entry_mutation: bool,
+    ) -> None:
+        super().__init__()
+        self.decider = decider
+        self.hooks = hooks
+        self.storage = storage
+        self.stats = stats
+        self.block = block
+        self.allow_mutation = allow_cache_entry_mutation
+        self.counts: collections.Counter[Any] = collections.Counter()
+
+    def __enter__(self) -> _Restoring:
+        self.counts.clear()
+        self.stats.recompute_ran()
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _IGNORED:
+            return func(*args, **kwargs)
+        count = self.counts[func]
+        self.counts[func] = count + 1
+        entry = self.storage.get((func, count))
+        if entry is None:
+            raise OffloadError(
+                f"prefetch_offload: {func} (call {count}) ran in a checkpoint's recompute but "
+                f"not in its forward. {_MISMATCH}"
+            )
+        if entry is _CONSUMED:
+            raise OffloadError(
+                "prefetch_offload: a selectively checkpointed block was recomputed a second "
+                "time; backward may run only once through such a block (do not pass "
+                "retain_graph=True across it)."
+            )
+        if entry is _RECOMPUTE:
+            return func(*args, **kwargs)
+        self.storage[(func, count)] = _CONSUMED
+        block = self.block()
+        self.decider.consumed((block[0], block[1], func, count))
+        if _SEEDED in func.tags:  # NOTE [random ops]
+            func(*args, **kwargs)
+        if entry.mode == 1:
+            hooks = self.hooks
+            assert hooks is not None
+            return tree_map(
+                lambda x: hooks.unpack_output(x.handle) if isinstance(x, _Packed) else x,
+                entry.value,
+            )
+        if not self.allow_mutation:  # NOTE [cache entry mutation]
+            for x, v in zip(
+                torch.utils._pytree.tree_leaves(entry.value),
+                torch.utils._pytree.tree_leaves(entry.versions),
+                strict=False,
+            ):
+                if isinstance(x, torch.Tensor) and x._version != v:
+                    raise OffloadError(
+                        f"prefetch_offload: the output of {func} saved by a selective "
+                        "checkpoint was modified in place before its recompute; do not "
+                        "modify it, or pass allow_cache_entry_mutation=True."
+                    )
+        return entry.value
+
+
+class _Packed:
+    """An output tensor packed by the engine (a leaf of the stored output tree)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+
+def selective_contexts(
+    decider: Decider,
+    hooks: OffloadHooks | None,
+    stats: CheckpointStats,
+    *,
+    allow_cache_entry_mutation: bool = False,
+) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+    """The (forward, recompute) contexts for one ``torch.utils.checkpoint`` call."""
+    storage: dict[Any, Any] = {}
+    saving = _Saving(decider, hooks, storage, stats)
+    restoring = _Restoring(
+        decider, hooks, storage, stats, lambda: saving.block, allow_cache_entry_mutation
+    )
+    return saving, restoring

@@ -1,0 +1,520 @@
+"""The keep / offload / recompute decision for each op output of a checkpointed block.
+
+# NOTE [keep, offload, recompute]
+# Inside a checkpointed block every op's output is either stored (kept in
+# device memory, or handed to the engine, which keeps the newest within
+# ``device_budget`` and moves the rest) or recomputed in backward. The
+# automatic policy measures, then decides once per op position (the n-th op of
+# an overload in a block class: NOTE [op keys] in checkpointing.py):
+#
+# - Profiling step (the second one, after a step that warms up, and the first
+#   after an op position it has no decision for appears): every output is
+#   offloaded, and each op is timed (on CUDA, synchronized around the op). It also
+#   measures the engine's side over the step: the seconds the compute thread spent
+#   in pack and unpack per byte (``k``), the bytes the engine moved (``O0``), the
+#   forward and backward stalls on writes and reads (``Ef``, ``Eb``), the read
+#   bandwidth ``R`` of the IO threads and the forward and backward wall times
+#   (``Tf``, ``Tb``).
+# - Model: moving O bytes costs ``k*O`` on the compute thread plus what compute
+#   cannot hide, ``max(0, O/W - Hf) + max(0, O/R - Hb)``, with ``Hf = Tf - Ef``,
+#   ``Hb = Tb - Eb`` plus the recompute time chosen, and ``W = O0/Tf`` (the
+#   writes took all of forward when it stalled, and at least kept up when it
+#   did not; either way the model gives the measured stall at ``O0``).
+# - Decision: positions in order of recompute seconds per byte, cheapest first;
+#   each is recomputed when its measured compute time is below what its bytes
+#   cost to move (the drop in the model's cost when they stay out of it), else
+#   offloaded. A position whose output the recompute never asked for (torch
+#   stops recomputing once backward has what it needs) costs nothing to
+#   recompute and is never stored. View and in-place ops alias another tensor:
+#   storing them would keep that tensor alive, so they are recomputed (free).
+#   Random ops are recomputed, so the RNG sequence of the recompute matches
+#   (NOTE [random ops] in checkpointing.py).
+# - Keep: the engine's tier policy keeps the newest offloaded records within
+#   ``device_budget`` (PREFER_CPU_OFFLOAD); the model counts only the bytes that
+#   leave. A ``device_budget`` below the bytes one block's recompute holds at
+#   once cannot be met by any plan: one warning says the smallest reachable.
+#
+# The measured figures decide, not a list of op names: on the benchmark
+# transformer (docs/benchmarks.md, "Keep, offload or recompute") the norms,
+# activation functions and residual adds come out cheap to recompute and the
+# matmul and attention outputs expensive, on the CPU as the field reports on
+# GPUs; with a fast enough link nothing is recomputed.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .checkpointing import OFFLOAD, RECOMPUTE, OpKey, PolicyDecider, op_kind
+from .errors import OffloadFallbackWarning
+from .stats import OffloadStats
+
+__all__ = ["AutoDecider", "OpDecision", "RecomputePlan", "RecordingDecider"]
+
+_SEEDED = torch.Tag.nondeterministic_seeded
+_MiB = 1 << 20
+
+# An op position: (block class, op overload, count in the block).
+Position = tuple[str, Any, int]
+
+
+def _aliases(func: Any) -> bool:
+    """Whether an op's output aliases an input (a view, or an in-place op)."""
+    schema = func._schema
+    return bool(
+        getattr(func, "is_view", False)
+        or schema.is_mutable
+        or any(r.alias_info is not None for r in schema.returns)
+    )
+
+
+@dataclass(frozen=True)
+class OpDecision:
+    """What was decided for one op kind, over a step (all blocks, all positions)."""
+
+    # The op overload, e.g. "aten.mm.default".
+    op: str
+    # "recompute", "offload", "keep" (saved in device memory), or "mixed".
+    choice: str
+    # Output bytes per step and positions (one per op call in a block class).
+    bytes_per_step: int
+    positions: int
+    # Measured forward seconds per step (None: not timed, e.g. a user's policy).
+    seconds_per_step: float | None = None
+    # Seconds per step moving these bytes would cost by the model (None: not modelled).
+    move_seconds_per_step: float | None = None
+    # Why, in words.
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    """The keep / offload / recompute decisions per op kind, and the measurements.
+
+    ``str(plan)`` is a table a user can read.
+    """
+
+    # "auto", "policy" (a user's callable) or "full".
+    mode: str
+    ops: tuple[OpDecision, ...] = ()
+    # Bytes per step recomputed, offloaded (handed to the engine) and kept by the policy.
+    bytes_recomputed: int = 0
+    bytes_offloaded: int = 0
+    bytes_kept: int = 0
+    # The measurements the automatic plan used (NOTE [keep, offload, recompute]).
+    measured: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Times the automatic plan was made (a profiling step each).
+    plans_made: int = 0
+
+    def __str__(self) -> str:
+        lines = [
+            f"prefetch_offload recompute plan ({self.mode}): per step "
+            f"{self.bytes_recomputed / _MiB:.1f} MiB recomputed, "
+            f"{self.bytes_offloaded / _MiB:.1f} MiB offloaded, "
+            f"{self.bytes_kept / _MiB:.1f} MiB kept"
+        ]
+        if self.measured:
+            lines.append(
+                "  measured: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(self.measured.items()))
+            )
+        lines.append(
+            f"  {'op':<36} {'choice':<10} {'MiB/step':>9} {'compute s':>10} {'move s':>9}  why"
+        )
+        for d in sorted(self.ops, key=lambda d: -d.bytes_per_step):
+            sec = "" if d.seconds_per_step is None else f"{d.seconds_per_step:.4f}"
+            mov = "" if d.move_seconds_per_step is None else f"{d.move_seconds_per_step:.4f}"
+            lines.append(
+                f"  {d.op:<36} {d.choice:<10} {d.bytes_per_step / _MiB:>9.2f} {sec:>10} "
+                f"{mov:>9}  {d.reason}"
+            )
+        return "\n".join(lines)
+
+
+def _choice_name(policy: CheckpointPolicy) -> str:
+    if policy in RECOMPUTE:
+        return "recompute"
+    if policy in OFFLOAD:
+        return "offload"
+    return "keep"
+
+
+class RecordingDecider:
+    """Keeps, per op kind, the bytes of each choice of users' policies in the last step.
+
+    :meth:`for_policy` gives the decider for one policy; all of them record here.
+    """
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self._lock = threading.Lock()
+        self._bytes: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._last: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._positions: dict[str, set[Position]] = collections.defaultdict(set)
+        self._recomputed = False
+
+    def for_policy(self, policy: Callable[..., Any]) -> _Recorded:
+        """A decider that asks ``policy`` (PyTorch's signature) and records its answers."""
+        return _Recorded(self, PolicyDecider(policy))
+
+    def _record(self, key: OpKey, func: Any, policy: CheckpointPolicy, out: Any) -> None:
+        kind = op_kind(func)
+        with self._lock:
+            if self._recomputed:  # a new step: the first forward op after a recompute
+                self._recomputed = False
+                self._last, self._bytes = self._bytes, collections.Counter()
+            self._bytes[(kind, _choice_name(policy))] += _bytes_of(out)
+            self._positions[kind].add((key[0], func, key[3]))
+
+    def _consumed(self) -> None:
+        self._recomputed = True
+
+    def plan(self) -> RecomputePlan:
+        """The last finished step's choices per op kind."""
+        with self._lock:
+            source = self._bytes if self._recomputed or not self._last else self._last
+            per_kind: dict[str, dict[str, int]] = collections.defaultdict(dict)
+            for (kind, choice), nbytes in source.items():
+                per_kind[kind][choice] = nbytes
+            ops = []
+            totals: collections.Counter[str] = collections.Counter()
+            for kind, choices in per_kind.items():
+                for choice, nbytes in choices.items():
+                    totals[choice] += nbytes
+                choice = next(iter(choices)) if len(choices) == 1 else "mixed"
+                ops.append(
+                    OpDecision(
+                        kind,
+                        choice,
+                        sum(choices.values()),
+                        len(self._positions[kind]),
+                        reason="the policy's choice"
+                        if choice != "mixed"
+                        else ", ".join(f"{c} {b / _MiB:.1f} MiB" for c, b in choices.items()),
+                    )
+                )
+        return RecomputePlan(
+            self.mode,
+            tuple(ops),
+            bytes_recomputed=totals["recompute"],
+            bytes_offloaded=totals["offload"],
+            bytes_kept=totals["keep"],
+        )
+
+
+class _Recorded:
+    """One policy's decider, recording into a :class:`RecordingDecider`."""
+
+    def __init__(self, recorder: RecordingDecider, inner: PolicyDecider) -> None:
+        self._recorder = recorder
+        self._inner = inner
+
+    def decide(self, key: OpKey, func: Any, args: Any, kwargs: Any, out: Any) -> CheckpointPolicy:
+        policy = self._inner.decide(key, func, args, kwargs, out)
+        self._recorder._record(key, func, policy, out)
+        return policy
+
+    def timing(self) -> bool:
+        return False
+
+    def observe(self, key: OpKey, func: Any, out: Any, seconds: float, policy: Any) -> None:
+        pass
+
+    def consumed(self, key: OpKey) -> None:
+        self._recorder._consumed()
+
+
+def _bytes_of(out: Any) -> int:
+    return sum(
+        x.numel() * x.element_size()
+        for x in torch.utils._pytree.tree_leaves(out)
+        if isinstance(x, torch.Tensor)
+    )
+
+
+@dataclass
+class _Obs:
+    """One op position's measurements over a profiling step."""
+
+    func: Any
+    nbytes: int = 0
+    seconds: float = 0.0
+    calls: int = 0
+    consumed: int = 0
+    fixed: str | None = None  # "alias" or "random": recomputed whatever the cost
+
+
+class AutoDecider:
+    """``recompute="auto"``: profile a step, then decide per op position.
+
+    Args:
+        stats: the engine's counters now (bytes moved, stalls, read bandwidth).
+        device_budget: the engine's ``device_budget`` (the warning's threshold).
+        clock: time source (tests pass a fake one).
+    """
+
+    def __init__(
+        self,
+        stats: Callable[[], OffloadStats],
+        device_budget: int,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._stats = stats
+        self._budget = device_budget
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._plan: dict[Position, CheckpointPolicy] = {}
+        self._reasons: dict[Position, tuple[str, float, float]] = {}
+        self._obs: dict[Position, _Obs] = {}
+        # The first step warms up (first calls, allocator growth) and the second profiles.
+        self._warming = True
+        self._profiling = True
+        self._stale = False  # an unplanned position appeared: profile the next step
+        self._in_backward = False
+        self._t0 = self._t_bwd = self._t_last = 0.0
+        self._s0: OffloadStats | None = None
+        self._pack_seconds = 0.0
+        self._unpack_seconds = 0.0
+        self._block_bytes: collections.Counter[tuple[str, int]] = collections.Counter()
+        self._warned = False
+        self.plans_made = 0
+        self.measured: dict[str, float] = {}
+        self._last = RecomputePlan("auto")
+
+    # -- Decider ----------------------------------------------------------------------------
+
+    def decide(self, key: OpKey, func: Any, args: Any, kwargs: Any, out: Any) -> CheckpointPolicy:
+        with self._lock:
+            if self._in_backward:
+                self._step_started()
+            pos: Position = (key[0], func, key[3])
+            if self._profiling:
+                if _SEEDED in func.tags or _aliases(func):
+                    return CheckpointPolicy.PREFER_RECOMPUTE
+                return CheckpointPolicy.PREFER_CPU_OFFLOAD
+            policy = self._plan.get(pos)
+            if policy is None:  # NOTE [keep, offload, recompute]: profile the next step
+                self._stale = True
+                fixed = _SEEDED in func.tags or _aliases(func)
+                return (
+                    CheckpointPolicy.PREFER_RECOMPUTE
+                    if fixed
+                    else CheckpointPolicy.PREFER_CPU_OFFLOAD
+                )
+            return policy
+
+    def timing(self) -> bool:
+        return self._profiling and not self._warming
+
+    def observe(self, key: OpKey, func: Any, out: Any, seconds: float, policy: Any) -> None:
+        with self._lock:
+            if not self._profiling or self._warming:
+                return
+            now = self._clock()
+            if self._s0 is None:
+                self._s0 = self._stats()
+                self._t0 = now - seconds
+            pos: Position = (key[0], func, key[3])
+            obs = self._obs.get(pos)
+            if obs is None:
+                obs = self._obs[pos] = _Obs(func)
+                if _SEEDED in func.tags:
+                    obs.fixed = "random"
+                elif _aliases(func):
+                    obs.fixed = "alias"
+            nbytes = _bytes_of(out)
+            obs.nbytes += nbytes
+            obs.seconds += seconds
+            obs.calls += 1
+            self._block_bytes[(key[0], key[1])] += nbytes
+
+    def consumed(self, key: OpKey) -> None:
+        with self._lock:
+            now = self._clock()
+            if not self._in_backward:
+                self._in_backward = True
+                if self._profiling and self._s0 is not None and not self._t_bwd:
+                    self._t_bwd = now
+            self._t_last = now
+            if self._profiling:
+                obs = self._obs.get((key[0], key[2], key[3]))
+                if obs is not None:
+                    obs.consumed += 1
+
+    # -- timing of the engine's side, from the hooks ----------------------------------------
+
+    def pack_seconds(self, seconds: float) -> None:
+        if self._profiling and not self._warming:
+            self._pack_seconds += seconds
+
+    def unpack_seconds(self, seconds: float) -> None:
+        if self._profiling and not self._warming:
+            self._unpack_seconds += seconds
+
+    # -- planning ---------------------------------------------------------------------------
+
+    def _step_started(self) -> None:
+        """The first forward op after a backward: plan if this was a profiling step."""
+        self._in_backward = False
+        if self._warming:
+            self._warming = False
+            self._reset_profile()
+        elif self._profiling and self._s0 is not None and self._t_bwd:
+            self._make_plan()
+            self._profiling = False
+        elif self._stale:
+            self._stale = False
+            self._profiling = True
+            self._reset_profile()
+
+    def _reset_profile(self) -> None:
+        self._obs.clear()
+        self._block_bytes.clear()
+        self._s0 = None
+        self._t0 = self._t_bwd = self._t_last = 0.0
+        self._pack_seconds = self._unpack_seconds = 0.0
+
+    def _make_plan(self) -> None:
+        s0, s1 = self._s0, self._stats()
+        assert s0 is not None
+        t_fwd = max(self._t_bwd - self._t0, 1e-9)
+        t_bwd = max(self._t_last - self._t_bwd, 1e-9)
+        moved = s1.bytes_offloaded - s0.bytes_offloaded
+        e_fwd = (s1.pack_wait_seconds - s0.pack_wait_seconds) + (
+            s1.copy_wait_seconds - s0.copy_wait_seconds
+        )
+        e_bwd = s1.stall_seconds - s0.stall_seconds
+        read = s1.bytes_read - s0.bytes_read
+        read_s = s1.read_seconds - s0.read_seconds
+        stored = sum(o.nbytes for o in self._obs.values() if o.fixed is None)
+        write_bw = moved / t_fwd if moved else math.inf
+        read_bw = read / read_s if read and read_s > 0 else math.inf
+        per_byte = (self._pack_seconds + self._unpack_seconds - e_fwd - e_bwd) / max(stored, 1)
+        per_byte = max(per_byte, 0.0)
+        hide_f = max(t_fwd - e_fwd, 0.0)
+        hide_b = max(t_bwd - e_bwd, 0.0)
+        # The bytes the engine moves once `cut` bytes of outputs are no longer stored.
+        left_on_device = max(stored - moved, 0)
+
+        def cost(cut: int, recompute_s: float) -> float:
+            out = max(stored - cut - left_on_device, 0)
+            return (
+                per_byte * out
+                + max(0.0, out / write_bw - hide_f)
+                + max(0.0, out / read_bw - hide_b - recompute_s)
+            )
+
+        plan: dict[Position, CheckpointPolicy] = {}
+        reasons: dict[Position, tuple[str, float, float]] = {}
+        free = []
+        candidates = []
+        for pos, obs in self._obs.items():
+            if obs.fixed is not None:
+                plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
+                why = "aliases another tensor" if obs.fixed == "alias" else "draws random numbers"
+                reasons[pos] = (why, obs.seconds, 0.0)
+            elif obs.consumed == 0 or obs.nbytes == 0:
+                plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
+                reasons[pos] = ("never needed by the recompute", 0.0, 0.0)
+                free.append(pos)
+            else:
+                candidates.append((obs.seconds / obs.nbytes, pos))
+        cut = sum(self._obs[p].nbytes for p in free)
+        recompute_s = 0.0
+        for _, pos in sorted(candidates, key=lambda c: c[0]):
+            obs = self._obs[pos]
+            move = cost(cut, recompute_s) - cost(cut + obs.nbytes, recompute_s + obs.seconds)
+            if obs.seconds < move:
+                plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
+                reasons[pos] = ("recompute is cheaper than moving", obs.seconds, move)
+                cut += obs.nbytes
+                recompute_s += obs.seconds
+            else:
+                plan[pos] = CheckpointPolicy.PREFER_CPU_OFFLOAD
+                reasons[pos] = ("moving is cheaper than recompute", obs.seconds, move)
+        self._plan.update(plan)
+        self._reasons.update(reasons)
+        self.plans_made += 1
+        self.measured = {
+            "forward_s": t_fwd,
+            "backward_s": t_bwd,
+            "moved_MiB": moved / _MiB,
+            "forward_stall_s": e_fwd,
+            "backward_stall_s": e_bwd,
+            "write_GBps": write_bw / 1e9 if math.isfinite(write_bw) else math.inf,
+            "read_GBps": read_bw / 1e9 if math.isfinite(read_bw) else math.inf,
+            "hook_s_per_GB": per_byte * 1e9,
+        }
+        self._last = self._summarize()
+        self._warn_budget()
+        self._reset_profile()
+
+    def _warn_budget(self) -> None:
+        if self._warned or self._budget <= 0 or not self._block_bytes:
+            return
+        floor = max(self._block_bytes.values())
+        if floor > self._budget:
+            self._warned = True
+            warnings.warn(
+                f"prefetch_offload: device_budget={self._budget} bytes is below what one "
+                f"block's recompute holds at once ({floor} bytes, the largest block's op "
+                f"outputs): no plan reaches it; the smallest reachable is about {floor} bytes "
+                "plus the tensors saved outside the blocks. Raise device_budget to at least "
+                "that, or split the blocks (recompute_blocks=) finer.",
+                OffloadFallbackWarning,
+                stacklevel=2,
+            )
+
+    def _summarize(self) -> RecomputePlan:
+        per: dict[str, list[Position]] = collections.defaultdict(list)
+        for pos in self._obs:
+            per[op_kind(pos[1])].append(pos)
+        ops = []
+        totals: collections.Counter[str] = collections.Counter()
+        for kind, positions in per.items():
+            choices = {_choice_name(self._plan[p]) for p in positions}
+            nbytes = sum(self._obs[p].nbytes for p in positions)
+            for p in positions:
+                totals[_choice_name(self._plan[p])] += self._obs[p].nbytes
+            reasons = sorted({self._reasons[p][0] for p in positions})
+            ops.append(
+                OpDecision(
+                    kind,
+                    choices.pop() if len(choices) == 1 else "mixed",
+                    nbytes,
+                    len(positions),
+                    seconds_per_step=sum(self._obs[p].seconds for p in positions),
+                    move_seconds_per_step=sum(self._reasons[p][2] for p in positions),
+                    reason="; ".join(reasons),
+                )
+            )
+        return RecomputePlan(
+            "auto",
+            tuple(ops),
+            bytes_recomputed=totals["recompute"],
+            bytes_offloaded=totals["offload"],
+            bytes_kept=totals["keep"],
+            measured=dict(self.measured),
+            plans_made=self.plans_made,
+        )
+
+    def plan(self) -> RecomputePlan:
+        """The last plan made (empty before the first profiling step has ended)."""
+        with self._lock:
+            return self._last
+
+    @property
+    def profiling(self) -> bool:
+        """Whether the current (or next) step profiles."""
+        return self._profiling
