@@ -33,6 +33,15 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 # is true raises at its forward, with what to change. The Trainer switches it
 # on inside ``train()``, after the context is entered, so the check runs at
 # forward time, not at enter.
+#
+# NOTE [compiled blocks]
+# A block compiled on its own (``block.compile()``, regional compilation) runs
+# its forward inside the compiled graph, where ops are fused and no dispatch
+# mode sees them one by one; there the checkpoint is traced by the compiler,
+# which applies a policy's save and recompute choices itself. So while
+# torch.compile traces a block, the wrapper uses a second ``context_fn`` the
+# caller gives (``compiled``), or none at all (``SKIP``): the engine then
+# offloads what the compiled graph saves, as without ``recompute``.
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .errors import OffloadError
 
-__all__ = ["BlockSpec", "WrappedBlocks", "current_block", "find_blocks"]
+__all__ = ["SKIP", "BlockSpec", "WrappedBlocks", "current_block", "find_blocks"]
 
 # Module classes, or qualified module names as named_modules() gives them.
 BlockSpec = Sequence[type[nn.Module] | str]
@@ -160,17 +169,35 @@ def find_blocks(model: nn.Module, blocks: BlockSpec | None = None) -> list[tuple
     return found
 
 
-class WrappedBlocks:
-    """Blocks whose forward runs under a checkpoint; :meth:`restore` undoes it exactly."""
+# What a block's forward does while torch.compile traces it (NOTE [compiled blocks]):
+# checkpoint with this context_fn (None: a plain checkpoint), or SKIP the checkpoint.
+SKIP = "skip"
 
-    def __init__(self, blocks: list[tuple[str, nn.Module]], context_fn: ContextFn | None) -> None:
+
+class WrappedBlocks:
+    """Blocks whose forward runs under a checkpoint; :meth:`restore` undoes it exactly.
+
+    Args:
+        blocks: (name, module) pairs, as :func:`find_blocks` gives them.
+        context_fn: the checkpoint's ``context_fn`` in eager mode (None: plain).
+        compiled: the ``context_fn`` while torch.compile traces the block, or
+            ``SKIP`` to leave a compiled block unchecked (NOTE [compiled blocks]).
+    """
+
+    def __init__(
+        self,
+        blocks: list[tuple[str, nn.Module]],
+        context_fn: ContextFn | None,
+        *,
+        compiled: ContextFn | str | None = None,
+    ) -> None:
         self.blocks = blocks
         self._saved: list[tuple[nn.Module, bool, Any]] = []
         try:
             for index, (name, module) in enumerate(blocks):
                 own = "forward" in module.__dict__
                 self._saved.append((module, own, module.__dict__.get("forward")))
-                module.forward = _checkpointed(module, name, index, context_fn)  # type: ignore[method-assign]
+                module.forward = _checkpointed(module, name, index, context_fn, compiled)  # type: ignore[method-assign]
         except BaseException:
             self.restore()
             raise
@@ -203,7 +230,11 @@ def current_block() -> tuple[str, int] | None:
 
 
 def _checkpointed(
-    module: nn.Module, name: str, index: int, context_fn: ContextFn | None
+    module: nn.Module,
+    name: str,
+    index: int,
+    context_fn: ContextFn | None,
+    compiled: ContextFn | str | None,
 ) -> Callable[..., Any]:
     inner = type(module).forward.__get__(module)
     if "forward" in module.__dict__:
@@ -221,9 +252,14 @@ def _checkpointed(
             )
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
+        fn = context_fn
+        if torch.compiler.is_compiling():  # NOTE [compiled blocks]
+            if compiled == SKIP:
+                return inner(*args, **kwargs)
+            fn = compiled  # type: ignore[assignment]
         extra: dict[str, Any] = {}
-        if context_fn is not None:
-            extra["context_fn"] = context_fn
+        if fn is not None:
+            extra["context_fn"] = fn
         stack = _local.__dict__.setdefault("stack", [])
         stack.append((kind, index))  # for context_fn, which checkpoint calls first
         try:

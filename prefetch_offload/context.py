@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import sys
 import threading
@@ -12,8 +13,9 @@ from types import TracebackType
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from .blocks import WrappedBlocks, find_blocks
+from .blocks import SKIP, WrappedBlocks, find_blocks
 from .checkpointing import selective_contexts
 from .config import (
     _TARGET_DEFAULT,
@@ -190,19 +192,39 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
     if recompute == "full":
         return WrappedBlocks(blocks, None)
     stats = engine._ckpt_stats
+    compiled: Any
     if recompute == "auto":
         decider: Any = AutoDecider(engine.stats, engine.config.device_budget)  # type: ignore[arg-type]
+        engine._decider = decider
+        compiled = SKIP  # NOTE [compiled blocks]: the engine offloads what the graph saves
     else:
         assert callable(recompute)
         decider = RecordingDecider("policy").for_policy(recompute)
         engine._decider = decider._recorder
-    if recompute == "auto":
-        engine._decider = decider
+        # NOTE [compiled blocks]: the compiler saves what is not recomputed, through the
+        # engine's hooks; an offload choice is a save there.
+        compiled = functools.partial(
+            create_selective_checkpoint_contexts, _saving_offloads(recompute)
+        )
 
     def context_fn() -> tuple[Any, Any]:
         return selective_contexts(decider, engine, stats)
 
-    return WrappedBlocks(blocks, context_fn)
+    return WrappedBlocks(blocks, context_fn, compiled=compiled)
+
+
+def _saving_offloads(policy: Callable[..., Any]) -> Callable[..., Any]:
+    """``policy`` with ``*_CPU_OFFLOAD`` read as ``*_SAVE`` (for the compiler's SAC)."""
+
+    def compiled_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        choice = policy(ctx, op, *args, **kwargs)
+        if choice is CheckpointPolicy.MUST_CPU_OFFLOAD:
+            return CheckpointPolicy.MUST_SAVE
+        if choice is CheckpointPolicy.PREFER_CPU_OFFLOAD:
+            return CheckpointPolicy.PREFER_SAVE
+        return choice
+
+    return compiled_policy
 
 
 def offload_context(

@@ -1,0 +1,171 @@
+"""blocks.py: which blocks are found, how they are wrapped, and that the model comes back."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+from prefetch_offload import OffloadError, offload_context
+from prefetch_offload.blocks import SKIP, WrappedBlocks, current_block, find_blocks
+from prefetch_offload.testing import TinyTransformer
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+class _Other(_Layer):
+    pass
+
+
+class _HFLike(nn.Module):
+    _no_split_modules: ClassVar[list[str]] = ["_Other"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.ModuleList([_Layer(), _Layer(), _Layer()])  # a longer run, not named
+        self.layers = nn.ModuleList([_Other(), _Other()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in [*self.pre, *self.layers]:
+            x = m(x)
+        return x
+
+
+def test_longest_run_of_one_class_in_a_module_list() -> None:
+    model = TinyTransformer(vocab=16, width=16, depth=5, heads=2)
+    assert [n for n, _ in find_blocks(model)] == [f"blocks.{i}" for i in range(5)]
+
+
+def test_longest_run_in_a_sequential_picks_the_longest_run() -> None:
+    seq = nn.Sequential(_Layer(), _Other(), _Other(), _Other(), _Layer(), _Layer())
+    assert [n for n, _ in find_blocks(seq)] == ["1", "2", "3"]
+
+
+def test_no_split_modules_win_over_the_longest_run() -> None:
+    model = _HFLike()
+    assert [n for n, _ in find_blocks(model)] == ["layers.0", "layers.1"]
+    # A wrapper (DDP-like) that declares nothing still finds the inner declaration.
+    outer = nn.Sequential(model)
+    assert [n for n, _ in find_blocks(outer)] == ["0.layers.0", "0.layers.1"]
+
+
+def test_recompute_blocks_by_class_and_by_name() -> None:
+    model = _HFLike()
+    assert [n for n, _ in find_blocks(model, [_Layer])] == [
+        "pre.0",
+        "pre.1",
+        "pre.2",
+        "layers.0",
+        "layers.1",
+    ]  # subclasses too, as isinstance
+    assert [n for n, _ in find_blocks(model, ["pre.1", "layers.0"])] == ["pre.1", "layers.0"]
+    with pytest.raises(ValueError, match=r"\['nope'\] are not submodules"):
+        find_blocks(model, ["nope"])
+    with pytest.raises(TypeError, match=r"nn\.Module classes or qualified module names"):
+        find_blocks(model, [3])  # type: ignore[list-item]
+
+
+def test_nested_blocks_are_wrapped_once_at_the_outside() -> None:
+    model = nn.Sequential(nn.Sequential(_Layer(), _Layer()), nn.Sequential(_Layer(), _Layer()))
+    names = [n for n, _ in find_blocks(model, [nn.Sequential, _Layer])]
+    assert names == ["0", "1"]
+
+
+def test_no_blocks_is_an_error_that_says_what_to_pass() -> None:
+    with pytest.raises(ValueError, match="pass recompute_blocks="):
+        find_blocks(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
+        find_blocks("model")  # type: ignore[arg-type]
+
+
+def test_restore_puts_back_the_instance_forward_or_removes_it() -> None:
+    model = nn.Sequential(_Layer(), _Layer(), _Layer())
+
+    def own(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    model[1].forward = own  # type: ignore[method-assign]
+    wrapped = WrappedBlocks(find_blocks(model), None)
+    assert all("forward" in m.__dict__ for m in model)
+    x = torch.randn(2, 8, requires_grad=True)
+    y = model(x)
+    expected = torch.relu(model[2].lin(own(torch.relu(model[0].lin(x)))))
+    assert torch.equal(y, expected)  # the block's own forward runs under the wrapper
+    wrapped.restore()
+    wrapped.restore()  # idempotent
+    assert "forward" not in model[0].__dict__ and "forward" not in model[2].__dict__
+    assert model[1].__dict__["forward"] is own
+
+
+def test_the_block_running_is_known_to_the_context_fn() -> None:
+    model = nn.Sequential(_Layer(), _Layer())
+    seen = []
+
+    def context_fn() -> tuple[object, object]:
+        seen.append(current_block())
+        return contextlib.nullcontext(), contextlib.nullcontext()
+
+    wrapped = WrappedBlocks(find_blocks(model), context_fn)
+    model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    wrapped.restore()
+    assert seen == [("_Layer", 0), ("_Layer", 1)]
+    assert current_block() is None
+
+
+def test_skip_leaves_a_traced_block_unchecked(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = nn.Sequential(_Layer(), _Layer())
+    calls = []
+    monkeypatch.setattr(
+        "prefetch_offload.blocks.checkpoint", lambda *a, **k: calls.append(1) or a[0](*a[1:])
+    )
+    wrapped = WrappedBlocks(find_blocks(model), None, compiled=SKIP)
+    x = torch.randn(2, 8, requires_grad=True)
+    model(x)
+    assert len(calls) == 2
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    model(x)
+    assert len(calls) == 2  # traced: no checkpoint
+    wrapped.restore()
+
+
+def test_context_restores_the_model_when_the_body_raises(tmp_path: Path) -> None:
+    model = TinyTransformer(vocab=16, width=16, depth=3, heads=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="boom"):
+        with offload_context("disk", str(tmp_path), model=model, recompute="auto"):
+            assert all("forward" in b.__dict__ for b in model.blocks)
+            raise RuntimeError("boom")
+    assert all("forward" not in b.__dict__ for b in model.blocks)
+    assert model.state_dict().keys() == before.keys()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hugging_face_checkpointing_on_a_wrapped_block_is_refused(tmp_path: Path) -> None:
+    model = TinyTransformer(vocab=16, width=16, depth=2, heads=2)
+    for block in model.blocks:
+        block.gradient_checkpointing = True  # what gradient_checkpointing_enable() sets
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    with offload_context("disk", str(tmp_path), model=model, recompute="full"):
+        with pytest.raises(OffloadError, match="gradient checkpointing on"):
+            model(tokens, tokens)
+
+
+def test_no_grad_forward_is_not_checkpointed(tmp_path: Path) -> None:
+    model = TinyTransformer(vocab=16, width=16, depth=2, heads=2)
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    ref = model(tokens, tokens)
+    with offload_context("disk", str(tmp_path), model=model, recompute="full"):
+        with torch.no_grad():
+            out = model(tokens, tokens)
+    assert torch.equal(out, ref.detach())

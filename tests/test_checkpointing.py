@@ -1,0 +1,301 @@
+"""checkpointing.py: selective checkpointing whose *_CPU_OFFLOAD outputs go through the engine.
+
+Every test compares gradients bit for bit with training without offload or checkpointing.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+
+from prefetch_offload import OffloadError, offload_context
+from prefetch_offload.testing import TinyTransformer, make_batch, warm_up_unary_ops
+
+P = CheckpointPolicy
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _unary_warm() -> None:
+    warm_up_unary_ops()  # NOTE [first unary call]
+
+
+def _model() -> TinyTransformer:
+    torch.manual_seed(0)
+    return TinyTransformer(vocab=64, width=32, depth=4, heads=2)
+
+
+def _grads(model: nn.Module, steps: int = 2, *, flush: Any = None) -> list[list[torch.Tensor]]:
+    out = []
+    for step in range(steps):
+        tokens, targets = make_batch(2, 16, vocab=64, seed=step)
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens, targets)
+        if flush is not None:
+            flush()  # on disk before backward: the reads run (NOTE [write tail])
+        loss.backward()
+        out.append([p.grad.clone() for p in model.parameters()])
+    return out
+
+
+def _same(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
+    return all(
+        torch.equal(x, y) for ga, gb in zip(a, b, strict=True) for x, y in zip(ga, gb, strict=True)
+    )
+
+
+def _matmuls_offloaded(must: bool = False) -> Callable[..., CheckpointPolicy]:
+    offload = P.MUST_CPU_OFFLOAD if must else P.PREFER_CPU_OFFLOAD
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return offload if op in _MATMULS else P.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _saves_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return P.MUST_SAVE if op in _MATMULS else P.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize("target", ["disk", "cpu"])
+def test_offloaded_outputs_go_through_the_engine_bit_identical(tmp_path: Path, target: str) -> None:
+    ref = _grads(_model())
+    model = _model()
+    with offload_context(
+        target,
+        str(tmp_path) if target == "disk" else None,
+        model=model,
+        recompute=_matmuls_offloaded(),
+        min_offload_bytes=0,
+    ) as engine:
+        got = _grads(model, flush=engine.flush)
+        stats = engine.stats()
+    assert _same(ref, got)
+    assert stats.step_bytes_offloaded > 0 and stats.step_bytes_recomputed > 0
+    assert stats.step_bytes_kept == 0
+    if target == "disk":
+        assert stats.bytes_read > 0  # the matmul outputs were read back for the recompute
+    plan = engine.recompute_plan()
+    assert plan is not None and plan.mode == "policy"
+    choices = {d.op: d.choice for d in plan.ops}
+    assert choices["aten.addmm.default"] == "offload"
+    assert choices["aten.gelu.default"] == "recompute"
+    assert "aten.addmm.default" in str(plan)
+
+
+def test_saved_outputs_stay_in_memory_and_nothing_of_them_is_written(tmp_path: Path) -> None:
+    ref = _grads(_model())
+    model = _model()
+    with offload_context(
+        "disk", str(tmp_path), model=model, recompute=_saves_matmuls, min_offload_bytes=1 << 30
+    ) as engine:  # the block inputs stay too: nothing reaches the disk
+        got = _grads(model, flush=engine.flush)
+        stats = engine.stats()
+    assert _same(ref, got)
+    assert stats.step_bytes_kept > 0 and stats.step_bytes_offloaded == 0
+    assert stats.bytes_offloaded == 0
+
+
+def test_prefer_offload_stays_within_device_budget_and_must_offload_leaves(
+    tmp_path: Path,
+) -> None:
+    ref = _grads(_model())
+    moved = {}
+    for must in (False, True):
+        model = _model()
+        with offload_context(
+            "disk",
+            str(tmp_path),
+            model=model,
+            recompute=_matmuls_offloaded(must),
+            min_offload_bytes=0,
+            device_budget="1GiB",
+        ) as engine:
+            got = _grads(model, flush=engine.flush)
+            moved[must] = engine.stats().bytes_offloaded
+        assert _same(ref, got)
+    assert moved[False] == 0  # everything fits the budget: PREFER_* stays
+    assert moved[True] > 0  # MUST_* leaves the device whatever the budget
+
+
+def test_checkpoint_context_fn_for_users_who_call_checkpoint(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(8, 64, requires_grad=True)
+    block(x).sum().backward()
+    ref = [x.grad.clone()] + [p.grad.clone() for p in block.parameters()]
+    x.grad = None
+    block.zero_grad(set_to_none=True)
+    with offload_context("disk", str(tmp_path), min_offload_bytes=0) as engine:
+        for policy in (_matmuls_offloaded(), [torch.ops.aten.addmm.default]):
+            x.grad = None
+            block.zero_grad(set_to_none=True)
+            context_fn = functools.partial(engine.checkpoint_context_fn, policy)
+            y = checkpoint(block, x, use_reentrant=False, context_fn=context_fn)
+            engine.flush()
+            y.sum().backward()
+            got = [x.grad.clone()] + [p.grad.clone() for p in block.parameters()]
+            assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+        assert engine.stats().bytes_read > 0
+        with pytest.raises(TypeError, match="OpOverloads"):
+            engine.checkpoint_context_fn([torch.ops.aten.mm])
+        with pytest.raises(TypeError, match="policy callable"):
+            engine.checkpoint_context_fn(3)  # type: ignore[arg-type]
+
+
+class _TwoDropouts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Out-of-place draws (as CUDA's native_dropout): a stored mask is safe to reuse.
+        h = self.a(x)
+        h = h * torch.bernoulli(torch.full_like(h, 0.5)) * 2
+        h = self.b(h)
+        return h * torch.bernoulli(torch.full_like(h, 0.5)) * 2 + x
+
+
+def _dropout_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[_TwoDropouts() for _ in range(3)])
+
+
+@pytest.mark.parametrize("first", [P.MUST_SAVE, P.PREFER_CPU_OFFLOAD, P.PREFER_RECOMPUTE])
+def test_dropout_masks_match_when_one_random_op_is_stored(
+    tmp_path: Path, first: CheckpointPolicy
+) -> None:
+    """NOTE [random ops]: the first dropout stored, the second recomputed: the second's
+    mask must come from the same RNG state as in forward."""
+
+    calls = []
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op is torch.ops.aten.bernoulli.default:
+            calls.append(op)
+            return first if len(calls) % 2 == 1 else P.PREFER_RECOMPUTE
+        return P.PREFER_RECOMPUTE
+
+    def run(model: nn.Module) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        x = torch.randn(16, 64, requires_grad=True)
+        model(x).sum().backward()
+        return [x.grad] + [p.grad for p in model.parameters()]
+
+    ref = run(_dropout_model())
+    model = _dropout_model()
+    with offload_context("disk", str(tmp_path), model=model, recompute=policy, min_offload_bytes=0):
+        got = run(model)
+    assert len(calls) == 6  # two draws per block, three blocks
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+
+
+def test_nn_dropout_under_every_recompute_mode(tmp_path: Path) -> None:
+    """nn.functional.dropout (on the CPU: empty_like, bernoulli_, div_, mul) in a block,
+    with "auto" over three steps and "full": gradients as without checkpointing."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.dropout(torch.relu(self.lin(x)), 0.3, training=True) + x
+
+    def run(model: nn.Module) -> list[list[torch.Tensor]]:
+        torch.manual_seed(1)
+        out = []
+        for _ in range(3):
+            x = torch.randn(32, 64, requires_grad=True)
+            model.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+            out.append([x.grad] + [p.grad.clone() for p in model.parameters()])
+        return out
+
+    torch.manual_seed(0)
+    base = nn.Sequential(*[Block() for _ in range(4)])
+    ref = run(copy.deepcopy(base))
+    for mode in ("auto", "full", _matmuls_offloaded()):
+        model = copy.deepcopy(base)
+        with offload_context(
+            "disk", str(tmp_path), model=model, recompute=mode, min_offload_bytes=0
+        ):
+            assert _same(ref, run(model)), mode
+
+
+class _MutatesSaved(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        z = torch.sigmoid(y)
+        y.add_(1)  # the saved mul output, modified after it was stored
+        return self.lin(z) + y
+
+
+def test_a_stored_output_modified_in_place_raises(tmp_path: Path) -> None:
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return P.MUST_SAVE if op is torch.ops.aten.mul.Tensor else P.PREFER_RECOMPUTE
+
+    model = nn.Sequential(_MutatesSaved(), _MutatesSaved())
+    x = torch.randn(4, 8, requires_grad=True)
+    with offload_context("disk", str(tmp_path), model=model, recompute=policy):
+        loss = model(x).sum()
+        with pytest.raises(OffloadError, match="modified in place"):
+            loss.backward()
+
+
+def test_a_second_recompute_of_a_block_is_refused(tmp_path: Path) -> None:
+    model = _model()
+    tokens, targets = make_batch(2, 16, vocab=64)
+    with offload_context("disk", str(tmp_path), model=model, recompute=_matmuls_offloaded()):
+        loss = model(tokens, targets)
+        loss.backward(retain_graph=True)
+        with pytest.raises(OffloadError, match="recomputed a second time"):
+            loss.backward()
+
+
+def test_a_policy_that_returns_something_else_is_a_type_error(tmp_path: Path) -> None:
+    model = _model()
+    tokens, targets = make_batch(2, 16, vocab=64)
+    with offload_context("disk", str(tmp_path), model=model, recompute=lambda *a, **k: "save"):
+        with pytest.raises(TypeError, match="CheckpointPolicy"):
+            model(tokens, targets)
+
+
+def test_bool_policies_are_read_as_torch_reads_them(tmp_path: Path) -> None:
+    ref = _grads(_model())
+    model = _model()
+    with offload_context(
+        "disk", str(tmp_path), model=model, recompute=lambda ctx, op, *a, **k: op in _MATMULS
+    ) as engine:
+        got = _grads(model)
+    assert _same(ref, got)
+    assert engine.stats().step_bytes_kept > 0
+
+
+def test_a_model_with_recompute_full_offloads_block_inputs_only(tmp_path: Path) -> None:
+    ref = _grads(_model())
+    model = _model()
+    with offload_context(
+        "disk", str(tmp_path), model=model, recompute="full", min_offload_bytes=0
+    ) as engine:
+        got = _grads(model, flush=engine.flush)
+        stats = engine.stats()
+    assert _same(ref, got)
+    assert engine.recompute_plan() is None
+    # Four block inputs per step (plus what is saved outside the blocks) reach the engine.
+    assert 4 <= stats.tensors_offloaded < 40
+    model_copy = copy.deepcopy(model)
+    assert all("forward" not in b.__dict__ for b in model_copy.blocks)

@@ -1,0 +1,255 @@
+"""recompute= with what users run: the Hugging Face Trainer, DDP, FSDP2, regional compile.
+
+Each compares parameters (or gradients) bit for bit with the same training without
+offload or checkpointing.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.checkpoint import CheckpointPolicy
+
+from prefetch_offload import OffloadError, offload_context
+from prefetch_offload.testing import TinyTransformer, make_batch, warm_up_unary_ops
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+
+def matmuls_offloaded(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The common save list, with the saved outputs offloaded."""
+    if op in _MATMULS:
+        return CheckpointPolicy.PREFER_CPU_OFFLOAD
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# -- Hugging Face Trainer ---------------------------------------------------------------------
+
+
+def _checkpointing_arg(transformers: Any, on: bool) -> dict[str, bool]:
+    """The Trainer's own checkpointing switch: activation_checkpointing in transformers 5,
+    gradient_checkpointing before (5 still takes it, with a deprecation warning)."""
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    name = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in fields
+        else "gradient_checkpointing"
+    )
+    return {name: on} if on else {}
+
+
+def _trainer_run(tmp: Path, recompute: Any, *, hf_checkpointing: bool = False) -> tuple[list, list]:
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp),
+        per_device_train_batch_size=4,
+        max_steps=4,
+        logging_steps=1,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **_checkpointing_arg(transformers, hf_checkpointing),
+    )
+    ids = torch.randint(0, 128, (16, 32), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    if recompute is None:
+        trainer.train()
+    else:
+        with offload_context(
+            "disk", str(tmp / "acts"), model=model, recompute=recompute, min_offload_bytes=0
+        ) as engine:
+            trainer.train()
+            plan = engine.recompute_plan()
+        assert plan is not None and plan.bytes_recomputed > 0
+        assert list((tmp / "acts").iterdir()) == []
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["auto", "policy"])
+def test_trainer_with_recompute_is_bit_identical(tmp_path: Path, recompute: str) -> None:
+    ref_losses, ref_params = _trainer_run(tmp_path / "a", None)
+    mode = matmuls_offloaded if recompute == "policy" else recompute
+    losses, params = _trainer_run(tmp_path / "b", mode)
+    assert len(losses) == 4 and losses == ref_losses
+    for a, b in zip(params, ref_params, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_trainer_gradient_checkpointing_and_recompute_are_refused(tmp_path: Path) -> None:
+    """NOTE [double checkpointing]: the Trainer switches its checkpointing on inside
+    train(); the first block forward then says which of the two to drop."""
+    with pytest.raises(OffloadError, match="Hugging Face gradient checkpointing"):
+        _trainer_run(tmp_path, "full", hf_checkpointing=True)
+
+
+# -- regional torch.compile -------------------------------------------------------------------
+
+
+def _why_compile_cannot_run() -> str | None:
+    if not torch._dynamo.is_dynamo_supported():
+        return "torch.compile (dynamo) is not supported on this Python/platform"
+    if not any(shutil.which(c) for c in (os.environ.get("CXX") or "g++", "g++", "c++")):
+        return "torch.compile on CPU needs a C++ compiler"
+    return None
+
+
+@pytest.mark.slow
+def test_blocks_compiled_one_by_one_under_every_recompute_mode(tmp_path: Path) -> None:
+    """NOTE [compiled blocks]: "full" and a policy are traced by the compiler, "auto"
+    leaves compiled blocks to the engine; all bit-identical to compiled, no offload."""
+    reason = _why_compile_cannot_run()
+    if reason:
+        pytest.skip(reason)
+    warm_up_unary_ops()
+    torch.manual_seed(0)
+    base = TinyTransformer(vocab=64, width=32, depth=2, heads=2)
+
+    def run(model: torch.nn.Module, flush: Any = None) -> list[list[torch.Tensor]]:
+        out = []
+        for step in range(3):
+            tokens, targets = make_batch(2, 16, vocab=64, seed=step)
+            model.zero_grad(set_to_none=True)
+            loss = model(tokens, targets)
+            if flush is not None:
+                flush()
+            loss.backward()
+            out.append([p.grad.clone() for p in model.parameters()])
+        return out
+
+    def compiled() -> TinyTransformer:
+        model = copy.deepcopy(base)
+        for block in model.blocks:
+            block.compile()
+        return model
+
+    ref = run(compiled())
+    for mode in ("full", matmuls_offloaded, "auto"):
+        model = compiled()
+        with offload_context(
+            "disk", str(tmp_path), model=model, recompute=mode, min_offload_bytes=0
+        ) as engine:
+            got = run(model, engine.flush)
+            assert engine.stats().tensors_offloaded > 0, mode
+        assert all(
+            torch.equal(a, b)
+            for ga, gb in zip(ref, got, strict=True)
+            for a, b in zip(ga, gb, strict=True)
+        ), mode
+
+
+# -- DDP and FSDP2 (gloo, two ranks) ----------------------------------------------------------
+
+_distributed = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _dist_train(rank: int, wrap: str, save_dir: str | None) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model: torch.nn.Module = TinyTransformer(vocab=64, width=32, depth=3, heads=2)
+    if wrap == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:  # type: ignore[union-attr]
+            fully_shard(block)
+        fully_shard(model)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ctx = (
+        offload_context("disk", save_dir, model=model, recompute="auto", min_offload_bytes=0)
+        if save_dir is not None
+        else offload_context(None)
+    )
+    with ctx as engine:
+        for step in range(4):  # warm-up, profile, then two planned steps
+            tokens, targets = make_batch(4, 16, vocab=64, seed=100 * rank + step)
+            opt.zero_grad(set_to_none=True)
+            loss = model(tokens, targets)
+            engine.flush()
+            loss.backward()
+            opt.step()
+    if save_dir is not None:
+        plan = engine.recompute_plan()
+        assert plan is not None and plan.plans_made == 1 and plan.bytes_recomputed > 0
+    state = model.state_dict()
+    full = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in state.items()}
+    return {k: v.detach().clone() for k, v in full.items()}
+
+
+def _dist_rank(rank: int, world: int, port: int, wrap: str, save_dir: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        plain = _dist_train(rank, wrap, None)
+        recomputed = _dist_train(rank, wrap, save_dir)
+        if rank == 0:
+            torch.save({"plain": plain, "recomputed": recomputed}, out)
+        dist.barrier()  # both ranks done before gloo is torn down
+    finally:
+        dist.destroy_process_group()
+
+
+@_distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_recompute_auto_with_two_ranks_is_bit_identical(tmp_path: Path, wrap: str) -> None:
+    if wrap == "fsdp2":
+        from torch.distributed import fsdp
+
+        if not hasattr(fsdp, "fully_shard"):
+            pytest.skip("needs torch.distributed.fsdp.fully_shard (FSDP2)")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    out = tmp_path / "result.pt"
+    mp.start_processes(
+        _dist_rank,
+        args=(2, _free_port(), wrap, str(shared), str(out)),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
+    result = torch.load(out, weights_only=True)
+    plain, recomputed = result["plain"], result["recomputed"]
+    assert plain.keys() == recomputed.keys() and len(plain) > 0
+    for k in plain:
+        assert torch.equal(plain[k], recomputed[k]), k
+    assert list(shared.iterdir()) == []
