@@ -42,7 +42,8 @@ def main() -> None:
         logging_steps=2,
         report_to=[],
         save_strategy="no",
-        gradient_checkpointing=False,  # works with True as well
+        # The Trainer's own checkpointing works too: activation_checkpointing=True
+        # (transformers 5; gradient_checkpointing=True before).
     )
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens())
     with offload_context("disk", save_dir=tempfile.mkdtemp(), prefetch_depth=4) as engine:

@@ -12,13 +12,15 @@ comparisons on the CPU: NOTE [first unary call].
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["TinyTransformer", "make_batch", "warm_up_unary_ops"]
+__all__ = ["TinyTransformer", "make_batch", "trainer_checkpointing", "warm_up_unary_ops"]
 
 
 class _Block(nn.Module):
@@ -123,3 +125,15 @@ def warm_up_unary_ops() -> None:
             torch.nn.functional.gelu(y)
     finally:
         torch.set_num_threads(threads)
+
+
+def trainer_checkpointing(transformers: Any, on: bool) -> dict[str, bool]:
+    """``TrainingArguments`` keywords that switch the Trainer's own checkpointing:
+    ``activation_checkpointing`` in transformers 5 (``gradient_checkpointing`` is
+    deprecated there), ``gradient_checkpointing`` before; nothing when ``on`` is false."""
+    if not on:
+        return {}
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    if "activation_checkpointing" in fields:
+        return {"activation_checkpointing": True}
+    return {"gradient_checkpointing": True}

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from prefetch_offload import offload_context  # noqa: E402
+from prefetch_offload.testing import trainer_checkpointing  # noqa: E402
 
 
 class _Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -51,7 +52,7 @@ def _train(tmp: Path, *, save_dir: Path | None, checkpointing: bool) -> tuple[li
         report_to=[],
         use_cpu=True,
         save_strategy="no",
-        gradient_checkpointing=checkpointing,
+        **trainer_checkpointing(transformers, checkpointing),
         seed=0,
         dataloader_num_workers=0,
         disable_tqdm=True,

@@ -7,7 +7,6 @@ offload or checkpointing.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import shutil
 import socket
@@ -21,7 +20,12 @@ import torch.multiprocessing as mp
 from torch.utils.checkpoint import CheckpointPolicy
 
 from prefetch_offload import OffloadError, offload_context
-from prefetch_offload.testing import TinyTransformer, make_batch, warm_up_unary_ops
+from prefetch_offload.testing import (
+    TinyTransformer,
+    make_batch,
+    trainer_checkpointing,
+    warm_up_unary_ops,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -36,18 +40,6 @@ def matmuls_offloaded(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
 
 
 # -- Hugging Face Trainer ---------------------------------------------------------------------
-
-
-def _checkpointing_arg(transformers: Any, on: bool) -> dict[str, bool]:
-    """The Trainer's own checkpointing switch: activation_checkpointing in transformers 5,
-    gradient_checkpointing before (5 still takes it, with a deprecation warning)."""
-    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
-    name = (
-        "activation_checkpointing"
-        if "activation_checkpointing" in fields
-        else "gradient_checkpointing"
-    )
-    return {name: on} if on else {}
 
 
 def _trainer_run(tmp: Path, recompute: Any, *, hf_checkpointing: bool = False) -> tuple[list, list]:
@@ -76,7 +68,7 @@ def _trainer_run(tmp: Path, recompute: Any, *, hf_checkpointing: bool = False) -
         seed=0,
         dataloader_num_workers=0,
         disable_tqdm=True,
-        **_checkpointing_arg(transformers, hf_checkpointing),
+        **trainer_checkpointing(transformers, hf_checkpointing),
     )
     ids = torch.randint(0, 128, (16, 32), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": row, "labels": row} for row in ids]
