@@ -1,0 +1,505 @@
+"""Keep, offload or recompute: the memory-time curve of each way to train in less memory.
+
+Every mode trains its own copy of one model (same weights, same batch) in a
+process of its own (its peak RSS is its own heap's), stepped one at a time, one
+step of each mode per round in a balanced Latin square's order (as ``bench/ab.py
+--isolate``); each mode's ``offload_context`` or checkpoint wrapping stays
+entered over all its steps. ``--warmup`` rounds (>= 2: ``recompute="auto"``
+warms up a step, then profiles one), then ``--steps`` timed rounds.
+
+Per mode: ``peak MiB`` is the largest peak RSS (``VmHWM``, reset before each
+timed step) over the timed steps minus the process's RSS before its first
+step, as ``bench/step.py`` measures it (glibc's default allocator; every
+mode imports ``torch._dynamo``, as a first checkpoint does, before that RSS is
+read); ``step s`` is the median step time (forward, backward, SGD step); ``moved MiB/step`` is
+what the engine wrote per timed step (its ``bytes_offloaded``). Budgets are a
+share of the bytes one step saves for backward (distinct storages, parameters
+excluded), counted in a step without offload before the run.
+
+The targets of ``recompute="auto"`` at each budget (issue 23) are judged and
+recorded: (a) peak at most budget + what no offload holds beside its
+activations (its peak minus the saved bytes) + 5% of the saved bytes; (b) step
+time at most 1.03x the fastest other (non-auto) mode whose peak is at or below
+auto's, and 10% or more below it at one budget at least; (c) bytes moved per
+step 30% or more below offload-only's at the same budget.
+
+``--throttle-mbps N`` makes the disk slower than forward saves (the IO-bound
+shape): each mode's process joins a cgroup-v1 blkio group that caps reads and
+writes of the scratch folder's disk at N MB/s (needs root; removed at the end).
+
+    .venv/bin/python bench/recompute.py --json docs/results/recompute-transformer.json \\
+        --plot docs/results/recompute-transformer.png
+    .venv/bin/python bench/recompute.py --markdown docs/results/recompute-transformer.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
+from _common import (
+    MB,
+    TORCH_THREADS,
+    machine_info,
+    peak_rss_bytes,
+    read_rss_bytes,
+    reset_peak_rss,
+    round_order,
+    scratch_folder,
+)
+from _harness import Shape, build
+from _probe import _sgd_step
+from _text import json_header, log, progress
+
+MODES: dict[str, str] = {
+    "none": "no offload",
+    "offload10": "offload only (disk), device_budget 10% of saved",
+    "offload25": "offload only (disk), device_budget 25% of saved",
+    "offload50": "offload only (disk), device_budget 50% of saved",
+    "full": "full checkpointing, no offload",
+    "full_offload": 'recompute="full" (block inputs offloaded to disk)',
+    "selective": "selective checkpointing (matmul, attention saved), no offload",
+    "selective_offload": "selective, matmul and attention MUST_CPU_OFFLOAD (disk)",
+    "auto10": 'recompute="auto", device_budget 10% of saved',
+    "auto25": 'recompute="auto", device_budget 25% of saved',
+    "auto50": 'recompute="auto", device_budget 50% of saved',
+}
+# device_budget as a share of the saved bytes, for the modes that take one.
+BUDGETS = {f"{kind}{p}": p / 100 for kind in ("offload", "auto") for p in (10, 25, 50)}
+# Issue 23's targets for recompute="auto".
+PEAK_SLACK, TIME_LIMIT, TIME_WIN, MOVE_CUT = 0.05, 1.03, 0.90, 0.30
+# The common save list of selective checkpointing: matmul and attention outputs.
+_SAVE_NAMES = "mm addmm bmm _scaled_dot_product_flash_attention_for_cpu " + " ".join(
+    f"_scaled_dot_product_{kind}_attention" for kind in ("flash", "efficient", "cudnn")
+)
+_SAVE_OPS = {getattr(torch.ops.aten, n) for n in _SAVE_NAMES.split() if hasattr(torch.ops.aten, n)}
+
+
+def save_list_policy(store: CheckpointPolicy) -> Any:
+    """A selective-checkpoint policy: the save list's outputs get ``store``, the rest
+    are recomputed."""
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return store if op.overloadpacket in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+# -- the models --------------------------------------------------------------------------
+
+
+def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
+    """The seeded model and a function of it giving one step's loss (same in every process)."""
+    if args.model == "transformer":
+        shape = Shape(args.depth, args.width, args.heads, args.batch, args.seq)
+        model, (batch,) = build(shape, 1)
+        return model, lambda m: m(*batch)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sizes = {"hidden_size": args.width, "intermediate_size": args.width * 8 // 3}
+    sizes |= {"num_attention_heads": args.heads, "num_key_value_heads": args.heads}
+    config = LlamaConfig(
+        vocab_size=args.vocab, num_hidden_layers=args.depth, **sizes,
+        max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator())
+    return (
+        model,
+        lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss,
+    )  # as HF does under checkpointing
+
+
+def saved_bytes(model: torch.nn.Module, loss_of: Any) -> int:
+    """Bytes of the distinct storages one step saves for backward, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_of(model).backward()
+    model.zero_grad(set_to_none=True)
+    return sum(storages.values())
+
+
+# -- one mode's process ------------------------------------------------------------------
+
+
+def _mode_context(
+    mode: str, model: torch.nn.Module, folder: str, budget: int, chunk: int | None
+) -> Any:
+    from prefetch_offload import offload_context
+    from prefetch_offload.blocks import WrappedBlocks, find_blocks
+
+    if mode in ("full", "selective"):
+        fn = None
+        if mode == "selective":
+            policy = save_list_policy(CheckpointPolicy.MUST_SAVE)
+            fn = functools.partial(create_selective_checkpoint_contexts, policy)
+        restore = contextlib.ExitStack()
+        restore.callback(WrappedBlocks(find_blocks(model), fn).restore)
+        return restore
+    recompute: Any = None
+    if mode == "full_offload":
+        recompute = "full"
+    elif mode == "selective_offload":
+        recompute = save_list_policy(CheckpointPolicy.MUST_CPU_OFFLOAD)
+    elif mode.startswith("auto"):
+        recompute = "auto"
+    kw: dict[str, Any] = {"model": model, "recompute": recompute} if recompute else {}
+    if chunk:
+        kw["chunk_bytes"] = chunk
+    return offload_context("disk", folder, device_budget=budget, **kw)
+
+
+class Lane:
+    """One mode's training in this process: model, optimizer, and the mode's context."""
+
+    def __init__(self, mode: str, args: argparse.Namespace, budget: int, folder: str) -> None:
+        self.model, self.loss_of = build_model(args)
+        self.params = list(self.model.parameters())
+        self.stack = contextlib.ExitStack()
+        self.engine = None
+        if mode != "none":
+            where = os.path.join(folder, mode)
+            ctx = _mode_context(mode, self.model, where, budget, args.chunk_bytes)
+            handle = self.stack.enter_context(ctx)
+            self.engine = handle if hasattr(handle, "stats") else None
+        import torch._dynamo  # noqa: F401  # a first checkpoint imports it: not activations
+
+        self.base = read_rss_bytes()
+
+    def step(self) -> dict[str, Any]:
+        before = self.engine.stats() if self.engine is not None else None
+        exact = reset_peak_rss()
+        t0 = time.perf_counter()
+        loss = self.loss_of(self.model)
+        loss.backward()
+        _sgd_step(self.params)  # what torch.optim.SGD does, without importing dynamo
+        seconds = time.perf_counter() - t0
+        peak = max(peak_rss_bytes() if exact else 0, read_rss_bytes()) - self.base
+        out = {"seconds": seconds, "peak": peak, "loss": loss.item(), "moved": 0}
+        if self.engine is not None and before is not None:
+            s = self.engine.stats()
+            out["moved"] = s.bytes_offloaded - before.bytes_offloaded
+            for k in ("step_bytes_kept", "step_bytes_offloaded", "step_bytes_recomputed"):
+                out[k] = getattr(s, k, None)
+        return out
+
+    def plan(self) -> str | None:
+        plan = getattr(self.engine, "recompute_plan", lambda: None)()
+        return None if plan is None else str(plan)
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+def _serve(conn: Any, mode: str, args: argparse.Namespace, budget: int, folder: str) -> None:
+    """A mode's process: answers "step", "plan" and "close" calls with (ok, value)."""
+    torch.set_num_threads(TORCH_THREADS)
+    from prefetch_offload.testing import warm_up_unary_ops
+
+    warm_up_unary_ops()  # NOTE [first unary call]: modes compare their losses
+    try:
+        if args.cgroup:
+            Path(args.cgroup, "cgroup.procs").write_text(str(os.getpid()))
+        lane = Lane(mode, args, budget, folder)
+        conn.send((True, "ready"))
+        while (call := conn.recv()) != "close":
+            conn.send((True, getattr(lane, call)()))
+        lane.close()
+        conn.send((True, None))
+    except BaseException:
+        conn.send((False, traceback.format_exc()))
+
+
+class ProcessLane:
+    """A :class:`Lane` in a spawned process; a failure there raises RuntimeError here."""
+
+    def __init__(self, mode: str, args: argparse.Namespace, budget: int, folder: str) -> None:
+        ctx = multiprocessing.get_context("forkserver")  # torch imported once, not per mode
+        ctx.set_forkserver_preload(["torch", "torch._dynamo", "prefetch_offload", "recompute"])
+        self.mode, (self.conn, child) = mode, ctx.Pipe()
+        serve = __import__("recompute")._serve  # the child imports it from bench/
+        self.proc = ctx.Process(target=serve, args=(child, mode, args, budget, folder))
+        self.proc.start()
+        child.close()
+
+    def call(self, name: str) -> Any:
+        if name != "ready":
+            self.conn.send(name)
+        try:
+            ok, value = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"mode {self.mode!r}: its process died") from None
+        if not ok:
+            raise RuntimeError(f"mode {self.mode!r} failed in its process:\n{value}")
+        return value
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.proc.is_alive():
+                self.call("close")
+        self.proc.join(timeout=60)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+@contextlib.contextmanager
+def throttled(folder: str, mbps: int | None) -> Any:
+    """A blkio cgroup (v1) capping the disk under ``folder`` at ``mbps`` MB/s each way."""
+    if not mbps:
+        yield None
+        return
+    dev = os.stat(folder).st_dev
+    sys_dev = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if (sys_dev / "partition").exists():  # throttle the whole disk
+        sys_dev = sys_dev.resolve().parent
+    disk = (sys_dev / "dev").read_text().strip()
+    group = Path(f"/sys/fs/cgroup/blkio/prefetch-offload-bench-{os.getpid()}")
+    group.mkdir()
+    try:
+        for kind in ("read", "write"):
+            (group / f"blkio.throttle.{kind}_bps_device").write_text(f"{disk} {mbps * 10**6}")
+        yield str(group)
+    finally:
+        for _ in range(50):  # the lanes' processes leave it as they end
+            with contextlib.suppress(OSError):
+                group.rmdir()
+                break
+            time.sleep(0.1)
+
+
+# -- the run -----------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace, header: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(TORCH_THREADS)
+    model, loss_of = build_model(args)
+    saved = saved_bytes(model, loss_of)
+    del model
+    log(f"{args.model}: {saved / MB:.1f} MiB saved for backward per step")
+    with scratch_folder(args.save_dir, prefix="bench-recompute-") as folder:
+        with throttled(folder, args.throttle_mbps) as group:
+            args.cgroup = group
+            lanes = {
+                m: ProcessLane(m, args, round(saved * BUDGETS.get(m, 0)), folder)
+                for m in args.modes
+            }
+            try:
+                for lane in lanes.values():
+                    lane.call("ready")
+                log(f"{len(lanes)} mode processes ready")
+                samples: dict[str, list[dict[str, Any]]] = {m: [] for m in args.modes}
+                for r in range(args.warmup + args.steps):
+                    progress(f"round {r + 1}/{args.warmup + args.steps}")
+                    for m in round_order(list(args.modes), r):
+                        out = lanes[m].call("step")
+                        if r >= args.warmup:
+                            samples[m].append(out)
+                plans = {m: lanes[m].call("plan") for m in args.modes}
+            finally:
+                for lane in lanes.values():
+                    lane.close()
+    rows = []
+    for m in args.modes:
+        s = samples[m]
+        rows.append(
+            {
+                "mode": m,
+                "label": MODES[m],
+                "budget_bytes": round(saved * BUDGETS[m]) if m in BUDGETS else None,
+                "step_seconds": [x["seconds"] for x in s],
+                "step_peak_bytes": [x["peak"] for x in s],
+                "losses": [x["loss"] for x in s],
+                "median_step_s": statistics.median(x["seconds"] for x in s),
+                "peak_bytes": max(x["peak"] for x in s),
+                "moved_per_step": statistics.fmean(x["moved"] for x in s),
+                **{k: s[-1][k] for k in s[-1] if k.startswith("step_bytes_")},
+            }
+        )
+    doc = {**header, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}  # fmt: skip  # noqa: E501
+    doc.update(model=args.model, saved_bytes=saved, rows=rows, plans=plans)
+    doc["targets"] = targets(rows, saved)
+    ref = next((r["losses"] for r in rows if r["mode"] == "none"), None)
+    doc["loss_mismatch"] = [r["mode"] for r in rows if ref is not None and r["losses"] != ref]
+    return doc
+
+
+def targets(rows: list[dict[str, Any]], saved: int) -> dict[str, Any]:
+    """Issue 23's targets for each auto budget, and the verdicts."""
+    by = {r["mode"]: r for r in rows}
+    none = by.get("none")
+    out: dict[str, Any] = {"per_budget": [], "met": {}}
+    for mode in (m for m in BUDGETS if m.startswith("auto") and m in by):
+        auto, share = by[mode], BUDGETS[mode]
+        t: dict[str, Any] = {"mode": mode, "budget_share": share}
+        if none is not None:
+            beside = none["peak_bytes"] - saved
+            t["peak_limit"] = auto["budget_bytes"] + beside + PEAK_SLACK * saved
+            t["peak_met"] = auto["peak_bytes"] <= t["peak_limit"]
+        at_or_below = [r for r in rows if r["peak_bytes"] <= auto["peak_bytes"]]
+        others = [r for r in at_or_below if not r["mode"].startswith("auto")]
+        best = min(others, key=lambda r: r["median_step_s"], default=None)
+        t["fastest_at_or_below"] = best and best["mode"]
+        t["time_ratio"] = best and auto["median_step_s"] / best["median_step_s"]
+        t["time_met"] = best is None or t["time_ratio"] <= TIME_LIMIT
+        offload = by.get(f"offload{round(share * 100)}")
+        if offload is not None and offload["moved_per_step"] > 0:
+            t["moved_ratio"] = auto["moved_per_step"] / offload["moved_per_step"]
+            t["moved_met"] = t["moved_ratio"] <= 1 - MOVE_CUT
+        out["per_budget"].append(t)
+    per = out["per_budget"]
+    if per:
+        out["met"]["peak"] = all(t.get("peak_met", False) for t in per)
+        win = any(t["time_ratio"] is not None and t["time_ratio"] <= TIME_WIN for t in per)
+        out["met"]["time"] = all(t["time_met"] for t in per) and win
+        out["met"]["moved"] = all(t.get("moved_met", False) for t in per)
+    return out
+
+
+# -- the report --------------------------------------------------------------------------
+
+
+def _f(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The curve and the targets as markdown tables (what docs/benchmarks.md shows)."""
+    by = {r["mode"]: r for r in doc["rows"]}
+    none = by.get("none")
+    head = ["mode", "what", "budget MiB", "peak MiB", "step s", "vs none", "moved MiB/step"]
+    lines = ["| " + " | ".join(head) + " |", "| --- | --- |" + " --: |" * 5]
+    for r in doc["rows"]:
+        ratio = none and r["median_step_s"] / none["median_step_s"]
+        cells = [r["mode"], r["label"], _f(r["budget_bytes"] and r["budget_bytes"] / MB, ".1f")]
+        cells += [f"{r['peak_bytes'] / MB:.1f}", f"{r['median_step_s']:.3f}", _f(ratio, ".2f")]
+        cells += [f"{r['moved_per_step'] / MB:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "| auto | peak MiB (limit) | step vs fastest at or below | moved vs offload only |",
+    ]
+    lines.append("| --- | --- | --- | --- |")
+    for t in doc["targets"]["per_budget"]:
+        a = by[t["mode"]]
+        peak = f"{a['peak_bytes'] / MB:.1f} ({_f(t.get('peak_limit', 0) / MB, '.1f')}) "
+        peak += _ok(t.get("peak_met"))
+        best = t["fastest_at_or_below"]
+        tm = (
+            f"{t['time_ratio']:.2f}x {best} {_ok(t['time_met'])}" if best else "no mode at or below"
+        )
+        mv = f"{t['moved_ratio']:.2f}x {_ok(t['moved_met'])}" if "moved_ratio" in t else "n/a"
+        lines.append(f"| {t['mode']} | {peak} | {tm} | {mv} |")
+    met = doc["targets"]["met"]
+    lines += ["", "Targets: " + ", ".join(f"{k} {_ok(v)}" for k, v in met.items()) + "."]
+    return "\n".join(lines)
+
+
+def _ok(flag: bool | None) -> str:
+    return "met" if flag else "**not met**"
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """x: peak MiB, y: step seconds, one point per mode, the budget series joined."""
+    try:
+        from _plot import _pyplot, _save
+    except ImportError:
+        log("matplotlib is not installed: no plot")
+        return
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    rows = {r["mode"]: r for r in doc["rows"]}
+    for kind in ("offload", "auto"):
+        pts = [rows[m] for m in BUDGETS if m.startswith(kind) and m in rows]
+        ax.plot([r["peak_bytes"] / MB for r in pts], [r["median_step_s"] for r in pts], "-o")
+    for m, r in rows.items():
+        x, y = r["peak_bytes"] / MB, r["median_step_s"]
+        ax.plot([x], [y], "ko", ms=3)
+        ax.annotate(m, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("peak activation memory, MiB (peak RSS over a step above the RSS before)")
+    ax.set_ylabel("step time, s (median)")
+    ax.set_title(f"Keep, offload or recompute: {doc['model']}")
+    ax.grid(alpha=0.3)
+    _save(fig, path, dpi=110, bbox_inches="tight")
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench/recompute.py", description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=("transformer", "llama"), default="transformer")
+    p.add_argument("--modes", default=",".join(MODES), help="comma list (default: all)")
+    for name, default, what in (
+        ("depth", None, "blocks (default: transformer 24, llama 8)"),
+        ("width", 256, "model width"),
+        ("heads", 4, "attention heads"),
+        ("batch", 8, "sequences per batch"),
+        ("seq", 256, "tokens per sequence"),
+        ("vocab", 2048, "llama's vocabulary"),
+        ("warmup", 2, "uncounted rounds first (>= 2)"),
+        ("steps", 5, "timed rounds"),
+        ("throttle-mbps", None, "cap the scratch disk's reads and writes at MB/s (root)"),
+        ("chunk-bytes", None, "the engine's chunk_bytes (default: its own)"),
+    ):
+        p.add_argument(f"--{name}", type=int, default=default, help=what)
+    p.add_argument("--save-dir", default=None, help="scratch parent (default ./.scratch)")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None, help="PNG of the curve (matplotlib)")
+    p.add_argument("--markdown", type=Path, default=None, help="print a JSON's tables; no run")
+    args = p.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if bad := [m for m in args.modes if m not in MODES]:
+        p.error(f"unknown modes {bad}; choose from {', '.join(MODES)}")
+    if args.warmup < 2 or args.steps < 1:
+        p.error("--warmup must be >= 2 (auto warms up, then profiles) and --steps >= 1")
+    args.depth = args.depth or (24 if args.model == "transformer" else 8)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = _parse_args(words)
+    if args.markdown is not None:
+        print(markdown(json.loads(args.markdown.read_text())))
+        return 0
+    header = json_header("recompute.py", words, machine_info())
+    doc = run(args, header)
+    print(header["machine_line"])
+    print(f"{args.model}: {doc['saved_bytes'] / MB:.1f} MiB saved per step")
+    for mode, plan in doc["plans"].items():
+        if plan and mode.startswith("auto"):
+            print(f"{mode}: {plan}")
+    print(markdown(doc))
+    print("targets:", json.dumps(doc["targets"]["met"]))
+    if doc["loss_mismatch"]:
+        print("losses differ from none's:", ", ".join(doc["loss_mismatch"]))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    if args.plot is not None:
+        plot(doc, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Smoke test of bench/recompute.py: every mode runs at a tiny size and writes sane JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+# Activations of 128 KiB (over min_offload_bytes) and write batches small enough for them to
+# reach the disk, so that the engine modes move bytes.
+TINY = "--depth 2 --width 64 --heads 2 --batch 4 --seq 128 --warmup 2 --steps 1".split()
+TINY += ["--chunk-bytes", "16384"]
+ENGINE_MODES = {"offload10", "offload25", "offload50", "full_offload", "selective_offload"}
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("_bench_recompute", BENCH / "recompute.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    saved = list(sys.path)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module
+
+
+@pytest.mark.slow
+def test_every_mode_writes_positive_numbers(tmp_path: Path) -> None:
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    cmd = [sys.executable, str(BENCH / "recompute.py"), *TINY, "--save-dir", str(tmp_path)]
+    cmd += ["--json", str(out), "--plot", str(png)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "targets:" in proc.stdout
+    doc = json.loads(out.read_text())
+    mod = _load()
+    assert [r["mode"] for r in doc["rows"]] == list(mod.MODES)
+    assert doc["saved_bytes"] > 0
+    for row in doc["rows"]:
+        assert row["median_step_s"] > 0 and row["peak_bytes"] > 0, row["mode"]
+        assert len(row["step_seconds"]) == 1
+        assert row["moved_per_step"] > 0 if row["mode"] in ENGINE_MODES else True, row["mode"]
+        assert row["moved_per_step"] >= 0
+    assert [t["mode"] for t in doc["targets"]["per_budget"]] == ["auto10", "auto25", "auto50"]
+    assert set(doc["targets"]["met"]) == {"peak", "time", "moved"}
+    assert all("recompute plan (auto)" in doc["plans"][m] for m in ("auto10", "auto25", "auto50"))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("bench-recompute-")]
+    md = subprocess.run(
+        [sys.executable, str(BENCH / "recompute.py"), "--markdown", str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert md.count("| auto") >= 6 and "Targets:" in md
+    pytest.importorskip("matplotlib")
+    assert png.stat().st_size > 0
+
+
+def _row(mode: str, peak: float, step: float, moved: float, budget: int | None = None) -> dict:
+    return {
+        "mode": mode,
+        "peak_bytes": peak,
+        "median_step_s": step,
+        "moved_per_step": moved,
+        "budget_bytes": budget,
+    }
+
+
+def test_targets_are_judged_as_the_issue_states() -> None:
+    mod = _load()
+    saved = 1000
+    rows = [
+        _row("none", 1500, 1.0, 0),  # holds 500 beside its 1000 saved bytes
+        _row("full", 600, 1.5, 0),
+        _row("offload10", 700, 1.6, 900, 100),
+        _row("offload50", 1100, 1.4, 500, 500),
+        _row("auto10", 640, 1.2, 300, 100),  # within 100 + 500 + 50; fastest at or below: full
+        _row("auto50", 1200, 1.2, 400, 500),  # over its limit; 0.86x offload50; moved 0.8x
+    ]
+    t = mod.targets(rows, saved)
+    a10, a50 = t["per_budget"]
+    assert a10["peak_limit"] == 650 and a10["peak_met"]
+    assert a10["fastest_at_or_below"] == "full" and a10["time_ratio"] == pytest.approx(1.2 / 1.5)
+    assert a10["moved_ratio"] == pytest.approx(1 / 3) and a10["moved_met"]
+    assert a50["fastest_at_or_below"] == "offload50" and a50["time_met"]
+    assert not a50["moved_met"]
+    assert not a50["peak_met"]  # 1200 > 500 + 500 + 50
+    assert t["met"] == {"peak": False, "time": True, "moved": False}
