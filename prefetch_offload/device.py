@@ -225,7 +225,9 @@ class SpanCopyDevice(DeviceLayer):
                 streams = CudaStreams(device, max_inflight_bytes=self.max_inflight_bytes)
             else:
                 streams = ThreadStreams(
-                    delay=self.twin_delay, max_inflight_bytes=self.max_inflight_bytes
+                    delay=self.twin_delay,
+                    max_inflight_bytes=self.max_inflight_bytes,
+                    device=device,
                 )
             streams = self._streams.setdefault(device, streams)
         return streams

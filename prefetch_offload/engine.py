@@ -319,7 +319,10 @@ class OffloadEngine:
 
     def flush(self) -> None:
         """Block until every copy off the device and every queued write has finished (what
-        the tiers hold is then in host memory or on disk); raise a stored worker error."""
+        the tiers hold is then in host memory or on disk); raise a stored worker error.
+
+        Under a CUDA graph capture it returns at once: waiting would query events, which
+        invalidates the capture (NOTE [capture mode])."""
         self._wait_offloads()
         self._raise_pending()
 

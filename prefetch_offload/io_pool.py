@@ -26,6 +26,8 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from .streams import isolate_from_captures
+
 __all__ = ["READ", "WRITE", "IOFuture", "IOPool", "InlineIOPool", "ThreadIOPool"]
 
 T = TypeVar("T")
@@ -172,7 +174,12 @@ class InlineAfterShutdown(IOPool):
 
 
 class ThreadIOPool(IOPool):
-    """``workers`` daemon threads pulling jobs from one priority queue."""
+    """``workers`` daemon threads pulling jobs from one priority queue.
+
+    Jobs make CUDA calls (copy events, copies to the device, pinned blocks), so each
+    thread runs in thread-local capture mode from its first job on: a CUDA graph
+    captured by another thread never sees them (NOTE [capture mode] in streams.py).
+    """
 
     def __init__(self, workers: int, name: str = "prefetch_offload-io") -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -196,6 +203,7 @@ class ThreadIOPool(IOPool):
         return fut
 
     def _work(self) -> None:
+        isolated = False
         while True:
             with self._cond:
                 while not self._heap and not self._stopping:
@@ -203,6 +211,8 @@ class ThreadIOPool(IOPool):
                 if not self._heap:
                     return
                 _, _, fut = heapq.heappop(self._heap)
+            if not isolated:  # NOTE [capture mode]: until CUDA is initialized, every job
+                isolated = isolate_from_captures()
             if fut.claim():
                 fut.run()
             del fut  # an idle worker must not keep the last result (a read buffer) alive

@@ -66,17 +66,40 @@ each copy with a :class:`Fence` that says when it has finished.
 # and query events. The host waits on a fence only in an IO thread (a write
 # needs the host copy), at the cap above, at close, and in the CPU twin's
 # ``use`` (where the hook thread is the compute stream).
+#
+# NOTE [capture mode]
+# A CUDA graph capture (``torch.cuda.graph``, ``make_graphed_callables``) runs
+# in the "global" mode by default: while it runs, an event query or
+# synchronize, a ``cudaMalloc`` or a pinned allocation from any thread still in
+# the default (global) mode fails and invalidates the capture, and so does one
+# from the capturing thread itself (bench/gpu_preflight.py's ``capture``
+# section measures each case). The engine keeps out of a capture's way twice:
+# - The hooks and ``flush`` ask ``capturing()`` before anything else: a tensor
+#   saved under capture stays where it is, whatever its device, and ``flush``
+#   under capture returns at once (settling copies queries events, enforcing a
+#   budget issues copies).
+# - The IO threads, which wait on copy events (a write needs its host copy),
+#   copy host bytes to the device (a read job's ``to_device``: events, a
+#   device allocation, the copy) and pin host blocks, run in thread-local
+#   capture mode (``isolate_from_captures``: ``cudaThreadExchangeStreamCaptureMode``,
+#   as c10d's NCCL watchdog thread does). A thread in that mode is stopped only
+#   by a capture of its own, never by another thread's, and its calls leave
+#   other threads' captures intact. ``flush`` and ``aflush`` wait in that mode
+#   too (``capture_isolated``), since ``aflush`` waits in a thread it borrows.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
+import functools
+import os
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -84,11 +107,118 @@ import torch
 from .config import DEFAULT_INFLIGHT_COPY_BYTES
 from .errors import OffloadError
 
-__all__ = ["CopyStreams", "CudaStreams", "Fence", "ThreadStreams", "chunk_bytes"]
+__all__ = [
+    "CopyStreams",
+    "CudaStreams",
+    "Fence",
+    "ThreadStreams",
+    "capture_isolated",
+    "capturing",
+    "chunk_bytes",
+    "isolate_from_captures",
+]
+
+# cudaStreamCaptureModeThreadLocal (NOTE [capture mode]).
+_CAPTURE_MODE_THREAD_LOCAL = 1
+
+
+@functools.cache
+def _cudart() -> Any | None:
+    """The CUDA runtime library torch loaded into this process, or None (a CPU build,
+    or none found): calls torch does not expose (NOTE [capture mode]) go to it."""
+    if not torch.backends.cuda.is_built():
+        return None
+    candidates = []
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and os.path.basename(parts[5]).startswith("libcudart"):
+                    candidates.append(parts[5].strip())
+    except OSError:
+        pass
+    major = (torch.version.cuda or "").split(".")[0]
+    candidates += [f"libcudart.so.{major}", "libcudart.so"]
+    for name in dict.fromkeys(candidates):
+        try:
+            lib = ctypes.CDLL(name)
+            create = lib.cudaStreamCreateWithFlags
+            exchange = lib.cudaThreadExchangeStreamCaptureMode
+        except (OSError, AttributeError):
+            continue
+        create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        create.restype = ctypes.c_int
+        exchange.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        exchange.restype = ctypes.c_int
+        return lib
+    return None
+
+
+def _cuda_ready() -> bool:
+    """Whether this process has initialized CUDA (no capture can run before it has)."""
+    return torch.cuda.is_initialized()
+
+
+def capturing() -> bool:
+    """Whether the calling thread's current CUDA stream is capturing a graph (NOTE
+    [capture mode]). Never initializes CUDA."""
+    return _cuda_ready() and torch.cuda.is_current_stream_capturing()
+
+
+def _exchange_capture_mode(mode: int) -> int | None:
+    """Set the calling thread's capture mode; the previous one (None: no CUDA runtime)."""
+    lib = _cudart()
+    if lib is None:
+        return None
+    value = ctypes.c_int(mode)
+    if lib.cudaThreadExchangeStreamCaptureMode(ctypes.byref(value)) != 0:
+        return None
+    return value.value
+
+
+_thread = threading.local()
+
+
+def isolate_from_captures() -> bool:
+    """Put the calling thread in thread-local capture mode for good, once (NOTE
+    [capture mode]): for threads the library owns, before their CUDA work.
+
+    Returns:
+        False while that cannot be done yet (CUDA is built but not initialized: call
+        again before the next job); True once done, or where no CUDA will come.
+    """
+    if getattr(_thread, "isolated", False):
+        return True
+    if _cudart() is None:
+        return True  # no CUDA runtime in this process: nothing can capture
+    if not _cuda_ready():
+        return False
+    _exchange_capture_mode(_CAPTURE_MODE_THREAD_LOCAL)
+    _thread.isolated = True
+    return True
+
+
+@contextlib.contextmanager
+def capture_isolated() -> Iterator[None]:
+    """Thread-local capture mode for the ``with`` body, then the thread's own mode
+    again: for waits on copies in a thread the library does not own (NOTE [capture
+    mode])."""
+    if getattr(_thread, "isolated", False) or not _cuda_ready():
+        yield
+        return
+    before = _exchange_capture_mode(_CAPTURE_MODE_THREAD_LOCAL)
+    try:
+        yield
+    finally:
+        if before is not None:
+            _exchange_capture_mode(before)
 
 
 class Fence:
     """The end of one asynchronous copy."""
+
+    #: The device whose copy stream runs the copy: fences of one device end in order.
+    device: torch.device | None = None
 
     def done(self) -> bool:
         """Whether the copy has finished (never blocks)."""
@@ -123,11 +253,12 @@ class _CudaFence(Fence):
 
 
 class _ThreadFence(Fence):
-    __slots__ = ("_error", "_event")
+    __slots__ = ("_error", "_event", "device")
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self._event = threading.Event()
         self._error: BaseException | None = None
+        self.device = device
 
     def set(self, error: BaseException | None = None) -> None:
         self._error = error
@@ -192,10 +323,11 @@ class _Inflight:
 class _Joined(Fence):
     """The end of a copy issued in chunks: done when every chunk is (NOTE [copy chunks])."""
 
-    __slots__ = ("_fences",)
+    __slots__ = ("_fences", "device")
 
     def __init__(self, fences: list[Fence]) -> None:
         self._fences = fences
+        self.device = fences[-1].device
 
     def done(self) -> bool:
         return all(f.done() for f in reversed(self._fences))
@@ -482,12 +614,18 @@ class ThreadStreams(CopyStreams):
     Args:
         delay: seconds each copy waits before it runs, to make races visible in tests.
         max_inflight_bytes: cap on D2H bytes in flight (NOTE [copies keep their buffers]).
+        device: the device its fences name (:attr:`Fence.device`).
     """
 
     def __init__(
-        self, *, delay: float = 0.0, max_inflight_bytes: int = DEFAULT_INFLIGHT_COPY_BYTES
+        self,
+        *,
+        delay: float = 0.0,
+        max_inflight_bytes: int = DEFAULT_INFLIGHT_COPY_BYTES,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__(max_inflight_bytes=max_inflight_bytes)
+        self.device = device if device is not None else torch.device("cpu")
         self._d2h_worker = _Worker("prefetch_offload-twin-d2h", delay)
         self._h2d_worker = _Worker("prefetch_offload-twin-h2d", delay)
         # Streams dropped without close() (an engine built directly) still stop their
@@ -496,7 +634,7 @@ class ThreadStreams(CopyStreams):
             weakref.finalize(self, worker.close, wait=False)
 
     def _d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Fence | None) -> Fence:
-        fence = _ThreadFence()
+        fence = _ThreadFence(self.device)
         self._d2h_worker.put(_copy_job(weakref.ref(dst), weakref.ref(src), fence, after))
         return fence
 
@@ -505,7 +643,7 @@ class ThreadStreams(CopyStreams):
         raw = torch.empty((pad + src.numel() + 512,), dtype=torch.uint8)
         lead = (-raw.data_ptr()) % 512
         out = raw[lead : lead + pad + src.numel()]
-        fence = _ThreadFence()
+        fence = _ThreadFence(self.device)
         # The destination is the caller's new tensor (stream-ordered on CUDA): held.
         self._h2d_worker.put(_copy_job(out[pad:], weakref.ref(src), fence, after))
         return out, fence

@@ -10,6 +10,7 @@ import copy
 import gc
 import shutil
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -246,6 +247,51 @@ def test_cuda_graph_capture_keeps_saved_tensors_in_memory(save_dir: Path) -> Non
     loss.backward()
     torch.cuda.synchronize()
     assert torch.equal(x.grad, 2 * (x.detach() * 2).cos())
+
+
+def test_cuda_graph_capture_while_writes_are_queued(save_dir: Path) -> None:
+    """NOTE [capture mode]: target disk; an eager forward leaves writes queued behind
+    busy IO threads, then a graph is captured (global mode, the default) while those
+    threads write (each waits on its copy's event) and a CPU tensor is saved under it;
+    flush() inside returns at once. capture_end succeeds and the graph replays."""
+    from prefetch_offload.io_pool import WRITE
+
+    x = torch.randn(1 << 20, device="cuda", requires_grad=True)
+    w = torch.randn(1 << 16, device="cuda", requires_grad=True)
+    c = torch.randn(1 << 12, requires_grad=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture, as CUDA graphs require
+        (w * 2).sin().sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+
+    def eager_step() -> torch.Tensor:
+        return sum(((x * (i + 2)).sin() * (i + 1)).sum() for i in range(4))
+
+    eager_step().backward()
+    expected, x.grad = x.grad, None
+    gate = threading.Event()
+    graph = torch.cuda.CUDAGraph()
+    kw = {"save_dir": str(save_dir), "min_offload_bytes": 0, "chunk_bytes": 1 << 20}
+    with offload_context("disk", **kw) as engine:
+        for _ in range(engine.config.io_workers):  # the writes start inside the capture
+            engine._pool.submit(gate.wait, WRITE)
+        eager = eager_step()
+        try:
+            with torch.cuda.graph(graph):
+                out = (w * 2).sin().sum()
+                (c * 2).sin().sum()  # a CPU tensor saved under the capture
+                gate.set()
+                engine._wait_writes()  # the IO threads wait on copy events meanwhile
+                engine.flush()
+        finally:
+            gate.set()
+            torch.cuda.set_stream(torch.cuda.default_stream())  # if capture_end raised
+        eager.backward()
+    assert torch.equal(x.grad, expected)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, (w.detach() * 2).sin().sum())
 
 
 @pytest.mark.parametrize("target", ["cpu", "disk"])

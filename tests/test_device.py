@@ -108,7 +108,7 @@ def test_twin_copy_made_at_a_later_pack_waits_for_the_mark_of_its_own(
         a = (x * 2).sin()  # sin saves x * 2: one record of 16 KiB, within the budget
         loss = (a * 3).sin().sum()  # saves a * 3: over budget, the first record is copied
         assert len(marks) == 2 and engine.stats().bytes_demoted_to_host == 4096 * 4
-        fence = engine._copying[0][0]
+        fence = next(iter(engine._copying.values()))[0][0]
         time.sleep(0.05)
         assert not fence.done()  # the copy waits for the first record's own mark
         marks[0].set()
@@ -444,3 +444,50 @@ def test_twin_host_block_off_the_page_start_is_reserved_again(
     assert stats.tensors_offloaded > 0 and stats.bytes_read > 0
     assert len(calls) >= 2 * stats.tensors_offloaded  # the guess, then the real alignment
     assert all(torch.equal(a, b) for a, b in zip(_grads(model), _grads(ref), strict=True))
+
+
+class _TwoFakeDevices(SpanCopyDevice):
+    """The twin with two fake devices: a storage whose address is in ``second`` is
+    copied off on cpu:1's side stream, every other one on cpu:0's."""
+
+    def __init__(self, *, second_delay: float) -> None:
+        super().__init__("cpu")
+        self.second: set[int] = set()
+        self.lanes = [
+            ThreadStreams(device=torch.device("cpu", 0)),
+            ThreadStreams(delay=second_delay, device=torch.device("cpu", 1)),
+        ]
+        for lane in self.lanes:  # poll() and close() reach them
+            self._streams[lane.device] = lane
+
+    def to_host(
+        self, storage: torch.UntypedStorage, base: int, nbytes: int, after: Any = None
+    ) -> Any:
+        lane = self.lanes[storage.data_ptr() in self.second]
+        host, region = self.pool.lease(nbytes)
+        region.release()
+        src = torch.empty((0,), dtype=torch.uint8).set_(storage, base, (nbytes,), (1,))
+        return host.untyped_storage(), 0, lane.d2h(host[:nbytes], src, after)
+
+
+def test_twin_copies_settle_per_device() -> None:
+    """NOTE [version check]: one device's copies end in order, another's need not. A
+    copy still running on cpu:1 must not keep cpu:0's finished records holding their
+    device memory (they drop it at the next pack)."""
+    layer = _TwoFakeDevices(second_delay=0.5)
+    engine = OffloadEngine(
+        OffloadConfig(target="cpu", min_offload_bytes=0), device=RoutingDevice([layer])
+    )
+    try:
+        slow = torch.randn(4096)
+        layer.second.add(slow.untyped_storage().data_ptr())
+        fast = [torch.randn(4096) for _ in range(3)]
+        handles = [engine.pack(t) for t in (slow, *fast)]  # cpu:1's copy is the oldest
+        for h in handles[1:]:
+            h.record.source[2].wait()  # cpu:0's copies have ended
+        engine.pack(torch.randn(16))  # the next pack settles what has ended
+        assert [h.record.saved is None for h in handles] == [False, True, True, True]
+        engine.flush()
+        assert handles[0].record.saved is None
+    finally:
+        engine.close()
