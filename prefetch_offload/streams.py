@@ -5,7 +5,8 @@ and host-to-device copies (prefetch and unpack) on two side streams of their
 own, so that neither waits behind the other or behind compute, and answers
 each copy with a :class:`Fence` that says when it has finished.
 
-- :class:`CudaStreams`: two ``torch.cuda.Stream`` objects and CUDA events.
+- :class:`CudaStreams`: two CUDA streams of the process's own (NOTE [side
+  streams]) and CUDA events.
 - :class:`ThreadStreams`: the CPU twin. Each side stream is a worker thread
   that runs its copies in order, optionally after a delay; fences are
   thread events. The hook thread plays the compute stream: its work is done
@@ -98,6 +99,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -105,7 +107,7 @@ from typing import Any
 import torch
 
 from .config import DEFAULT_INFLIGHT_COPY_BYTES
-from .errors import OffloadError
+from .errors import OffloadError, OffloadFallbackWarning
 
 __all__ = [
     "CopyStreams",
@@ -118,6 +120,8 @@ __all__ = [
     "isolate_from_captures",
 ]
 
+# cudaStreamNonBlocking: a stream that never waits for the legacy default stream.
+_STREAM_NON_BLOCKING = 0x01
 # cudaStreamCaptureModeThreadLocal (NOTE [capture mode]).
 _CAPTURE_MODE_THREAD_LOCAL = 1
 
@@ -125,7 +129,8 @@ _CAPTURE_MODE_THREAD_LOCAL = 1
 @functools.cache
 def _cudart() -> Any | None:
     """The CUDA runtime library torch loaded into this process, or None (a CPU build,
-    or none found): calls torch does not expose (NOTE [capture mode]) go to it."""
+    or none found): the two calls torch does not expose (NOTE [side streams], [capture
+    mode]) go to it."""
     if not torch.backends.cuda.is_built():
         return None
     candidates = []
@@ -440,14 +445,32 @@ class CopyStreams:
 
 # NOTE [side streams]
 # ``torch.cuda.Stream()`` hands out PyTorch's pooled streams in turn (32 per
-# device and priority), the pool NCCL's and FSDP's streams come from too. Two
-# new ones per engine would, after a few contexts, be the very streams of
-# collectives or user work: copies would wait behind them, and a missing wait
-# could hide in tests. So the process takes one pair per device, once, and
-# every engine's copies use it (engines alive at once share it: their copies
-# only queue behind each other's).
+# device and priority), and NCCL process groups, FSDP and users' own side
+# streams come from the same pool. Copies on a pooled stream could share it
+# with collectives or user work, chunk by chunk behind them: still correct
+# (every wait is an event), but the overlap with compute would be lost. So the
+# copy streams are the process's own: one D2H and one H2D stream per device,
+# made once with ``cudaStreamCreateWithFlags(cudaStreamNonBlocking)`` (as the
+# pool makes its streams: they never wait for the legacy default stream),
+# wrapped in ``torch.cuda.ExternalStream`` and never destroyed. No other
+# library is handed them; engines alive at once share them (their copies only
+# queue behind each other's). Where the CUDA runtime cannot be reached through
+# ctypes, the pair comes from the pool instead, with a warning.
 _SIDE_STREAMS: dict[torch.device, tuple[Any, Any]] = {}
 _SIDE_STREAMS_LOCK = threading.Lock()
+
+
+def _dedicated_stream(device: torch.device) -> Any:
+    """A new non-blocking CUDA stream on ``device`` that is in no pool (NOTE [side streams])."""
+    lib = _cudart()
+    if lib is None:
+        raise OSError("the CUDA runtime library (libcudart) was not found in this process")
+    handle = ctypes.c_void_p()
+    with torch.cuda.device(device):
+        err = lib.cudaStreamCreateWithFlags(ctypes.byref(handle), _STREAM_NON_BLOCKING)
+    if err != 0 or not handle.value:
+        raise OSError(f"cudaStreamCreateWithFlags failed with CUDA error {err}")
+    return torch.cuda.ExternalStream(handle.value, device=device)
 
 
 def _side_streams(device: torch.device) -> tuple[Any, Any]:
@@ -455,7 +478,19 @@ def _side_streams(device: torch.device) -> tuple[Any, Any]:
     with _SIDE_STREAMS_LOCK:
         pair = _SIDE_STREAMS.get(device)
         if pair is None:
-            pair = _SIDE_STREAMS[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            try:
+                pair = (_dedicated_stream(device), _dedicated_stream(device))
+            except OSError as exc:
+                warnings.warn(
+                    f"prefetch_offload: could not create dedicated copy streams on {device} "
+                    f"({exc}); the copies use two of PyTorch's pooled streams, which NCCL, "
+                    "FSDP or other side streams may share, so they can queue behind that "
+                    "work. Check that this torch build's libcudart is loadable.",
+                    OffloadFallbackWarning,
+                    stacklevel=4,
+                )
+                pair = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            _SIDE_STREAMS[device] = pair
         return pair
 
 

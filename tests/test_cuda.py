@@ -11,6 +11,7 @@ import gc
 import shutil
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -292,6 +293,28 @@ def test_cuda_graph_capture_while_writes_are_queued(save_dir: Path) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, (w.detach() * 2).sin().sum())
+
+
+def test_cuda_side_streams_are_dedicated_and_non_blocking() -> None:
+    """NOTE [side streams]: the copy streams are in no pool (no torch.cuda.Stream() is
+    one of them), and do not wait for work queued on the default stream."""
+    from prefetch_offload import streams
+
+    assert streams._cudart() is not None, "libcudart not found: pooled streams in use"
+    device = torch.device("cuda", torch.cuda.current_device())
+    copies = streams.CudaStreams(device, max_inflight_bytes=1 << 20)
+    ours = {copies._d2h_stream.cuda_stream, copies._h2d_stream.cuda_stream}
+    pooled = {torch.cuda.Stream(priority=p).cuda_stream for p in (0, -1) for _ in range(40)}
+    assert len(ours) == 2 and not ours & pooled
+    torch.cuda.synchronize()
+    torch.cuda.default_stream().synchronize()
+    with torch.cuda.stream(torch.cuda.default_stream()):
+        torch.cuda._sleep(500_000_000)  # long work on the default stream
+    event = torch.cuda.Event()
+    event.record(copies._d2h_stream)
+    time.sleep(0.05)
+    assert event.query(), "the copy stream waited for the default stream"
+    torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("target", ["cpu", "disk"])

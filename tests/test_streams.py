@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from prefetch_offload import OffloadError
+from prefetch_offload import OffloadError, OffloadFallbackWarning
 from prefetch_offload import streams as streams_module
 from prefetch_offload.streams import CudaStreams, ThreadStreams
 
@@ -166,23 +166,66 @@ def test_a_failed_chunk_fails_the_whole_copy(monkeypatch: pytest.MonkeyPatch) ->
             streams.close()
 
 
-def test_engines_share_one_pair_of_side_streams_per_device(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """NOTE [side streams]: PyTorch's pooled streams come round again after 16 pairs, as
-    the streams of collectives; the process takes one pair per device, once."""
-    made: list[torch.device] = []
+class _FakeCudart:
+    """``cudaStreamCreateWithFlags`` as libcudart answers it: a new handle per call."""
+
+    def __init__(self) -> None:
+        self.flags: list[int] = []
+
+    def cudaStreamCreateWithFlags(self, out: Any, flags: int) -> int:
+        self.flags.append(flags)
+        out._obj.value = 0x1000 + len(self.flags)  # ctypes.byref(c_void_p) -> its object
+        return 0
+
+
+def _fake_cuda_streams(
+    monkeypatch: pytest.MonkeyPatch, cudart: _FakeCudart | None
+) -> tuple[list[torch.device], list[tuple[int, torch.device]]]:
+    """Pooled streams (torch.cuda.Stream) and wrapped ones (ExternalStream) made from now."""
+    pooled: list[torch.device] = []
+    wrapped: list[tuple[int, torch.device]] = []
 
     class FakeStream:
         def __init__(self, device: torch.device) -> None:
-            made.append(device)
+            pooled.append(device)
+
+    class FakeExternalStream:
+        def __init__(self, ptr: int, device: torch.device) -> None:
+            wrapped.append((ptr, device))
 
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", FakeExternalStream)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(streams_module, "_cudart", lambda: cudart)
     monkeypatch.setattr(streams_module, "_SIDE_STREAMS", {})
+    return pooled, wrapped
+
+
+def test_side_streams_are_dedicated_not_pooled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [side streams]: PyTorch's pooled streams are handed to NCCL, FSDP and user
+    streams too; the copy streams are made with cudaStreamCreateWithFlags(non-blocking),
+    one pair per device for the whole process, and never come from the pool."""
+    cudart = _FakeCudart()
+    pooled, wrapped = _fake_cuda_streams(monkeypatch, cudart)
     cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
     first = [CudaStreams(cuda0, max_inflight_bytes=1 << 20) for _ in range(20)]
-    assert made == [cuda0, cuda0]
+    assert pooled == []
+    assert cudart.flags == [streams_module._STREAM_NON_BLOCKING] * 2
+    assert [device for _, device in wrapped] == [cuda0, cuda0]
+    assert len({ptr for ptr, _ in wrapped}) == 2  # two streams, not one shared
     assert len({(s._d2h_stream, s._h2d_stream) for s in first}) == 1
     assert first[0]._d2h_stream is not first[0]._h2d_stream
     CudaStreams(cuda1, max_inflight_bytes=1 << 20)
-    assert made == [cuda0, cuda0, cuda1, cuda1]
+    assert [device for _, device in wrapped] == [cuda0, cuda0, cuda1, cuda1]
+    assert pooled == []
+
+
+def test_side_streams_fall_back_to_the_pool_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a reachable libcudart the copies still run, on pooled streams, and say so."""
+    pooled, wrapped = _fake_cuda_streams(monkeypatch, None)
+    cuda0 = torch.device("cuda", 0)
+    with pytest.warns(OffloadFallbackWarning, match="pooled streams"):
+        CudaStreams(cuda0, max_inflight_bytes=1 << 20)
+    assert pooled == [cuda0, cuda0] and wrapped == []
