@@ -19,12 +19,16 @@ limit still leaves what it measured) and printed as one line:
   from an ordinary mapping, in GB/s, or the error the kernel gave. ``disk_ok``:
   both pinned rates (without CUDA: the mapping's) reach ``--disk-min-gbps``; the
   suite runs its disk stage only then.
-- ``capture``: CUDA calls the engine's threads might make while another thread
-  captures a CUDA graph (issue 14, item 1): an event query in the capturing
-  thread and in another thread, an event synchronize and a pinned allocation in
-  another thread (global capture mode), and an event query from another thread
-  in thread_local mode. For each, whether the call raised and whether the capture
-  survived. It runs last: a broken capture may leave the context unusable.
+- ``capture``: CUDA calls the engine's threads might make while a thread
+  captures a CUDA graph (NOTE [capture mode] in prefetch_offload/streams.py), one
+  case of ``CAPTURE_CASES`` at a time: the call, in the capturing thread, in
+  another thread, or in another thread that ``isolate_from_captures`` put in
+  thread-local capture mode (the engine's IO threads), under a capture in the
+  global or thread_local mode. For each, whether the call raised, whether the
+  capture survived, and whether that is what CUDA documents (``as_expected``).
+  Each case is written as soon as it ends, and a failed capture leaves its
+  thread on the default stream again before the next case. It runs last: a
+  broken capture may leave the context unusable.
 
 Without CUDA only ``env`` and ``direct_io`` (from an ordinary mapping) run: the
 suite's twin mode and a smoke check use that.
@@ -57,8 +61,29 @@ from prefetch_offload.arena import host_memory_limit, pin_block
 from prefetch_offload.buffers import mapped_block
 from prefetch_offload.device import direct_io_roundtrip
 from prefetch_offload.slab import direct_io_supported
+from prefetch_offload.streams import _cudart, isolate_from_captures
 
 GiB, MiB = 1 << 30, 1 << 20
+# Seconds a case's call in another thread may take before the case says it hung.
+_THREAD_JOIN_S = 5.0
+
+# What a graph capture allows, as CUDA documents it (cudaStreamBeginCapture,
+# cudaThreadExchangeStreamCaptureMode): an event query or synchronize, or a pinned
+# allocation, invalidates a capture in the global mode when the capturing thread
+# makes it, or another thread still in the global mode; not when the capture runs
+# in the thread_local mode, nor when the calling thread is in thread-local mode.
+# The capture section measures every case; tests/test_capture.py's twin of a
+# capture follows this table. Names: call, thread, capture mode.
+CAPTURE_CASES: dict[str, bool] = {  # name: whether the capture survives the call
+    "query_same_thread_global": False,
+    "query_other_thread_global": False,
+    "synchronize_other_thread_global": False,
+    "pin_other_thread_global": False,
+    "query_other_thread_thread_local": True,
+    "query_isolated_thread_global": True,
+    "synchronize_isolated_thread_global": True,
+    "pin_isolated_thread_global": True,
+}
 
 
 class Report:
@@ -74,11 +99,23 @@ class Report:
             result = check()
         except Exception as exc:  # recorded: the next check still runs
             result = {"error": f"{type(exc).__name__}: {exc}"}
+        # What the check published as it went (``part``) stays, under its result.
+        result = {**self.data.get(name, {}), **result}
         result["seconds"] = round(time.perf_counter() - start, 3)
         self.data[name] = result
         self.write()
         print(f"preflight {name}: {json.dumps(result)}", flush=True)
         return result
+
+    def part(self, name: str) -> Callable[[str, Any], None]:
+        """A callback that writes one entry of check ``name`` at once: a run killed by
+        its time limit keeps the entries written before."""
+
+        def publish(key: str, value: Any) -> None:
+            self.data.setdefault(name, {})[key] = value
+            self.write()
+
+        return publish
 
     def write(self) -> None:
         if self.path is None:
@@ -288,44 +325,70 @@ def _in_thread(fn: Callable[[], object]) -> str:
     result: list[str] = []
     th = threading.Thread(target=lambda: result.append(_attempt(fn)), daemon=True)
     th.start()
-    th.join(10)
-    return result[0] if result else "still running after 10 s"
+    th.join(_THREAD_JOIN_S)
+    return result[0] if result else f"still running after {_THREAD_JOIN_S:g} s"
 
 
-def check_capture() -> dict[str, Any]:
-    x = torch.ones(1 << 20, device="cuda")
-    event = torch.cuda.Event()
-    event.record()
-    torch.cuda.synchronize()
-    cases: dict[str, tuple[str, Callable[[], str]]] = {
-        "query_same_thread_global": ("global", lambda: _attempt(event.query)),
-        "query_other_thread_global": ("global", lambda: _in_thread(event.query)),
-        "synchronize_other_thread_global": ("global", lambda: _in_thread(event.synchronize)),
-        "pin_other_thread_global": (
-            "global",
-            lambda: _in_thread(
-                lambda: torch.empty(3 * MiB + 4096, dtype=torch.uint8, pin_memory=True).numel()
-            ),
-        ),
-        "query_other_thread_thread_local": ("thread_local", lambda: _in_thread(event.query)),
-    }
-    out: dict[str, Any] = {}
-    for name, (mode, call) in cases.items():
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        outcome: dict[str, str] = {}
-        try:
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode=mode):
-                y = x * 2
-                outcome["call"] = call()
-                y = y + 1
-            outcome["capture"] = "ok"
-        except Exception as exc:
-            outcome["capture"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        outcome["after"] = _attempt(lambda: float((torch.ones(4, device="cuda") * 2).sum()))
+def _capture_call(name: str, event: Any) -> Callable[[], str]:
+    """The call of case ``name`` of CAPTURE_CASES, made where the name says."""
+    what, where = name.split("_")[:2]
+    call: Callable[[], object] = {
+        "query": lambda: event.query(),
+        "synchronize": lambda: event.synchronize(),
+        "pin": lambda: torch.empty(3 * MiB + 4096, dtype=torch.uint8, pin_memory=True).numel(),
+    }[what]
+    if where == "same":
+        return lambda: _attempt(call)
+    if where == "isolated":  # as the engine's IO threads run (NOTE [capture mode])
+        return lambda: _in_thread(lambda: (isolate_from_captures(), call())[1])
+    return lambda: _in_thread(call)
+
+
+def _capture_case(x: torch.Tensor, mode: str, call: Callable[[], str]) -> dict[str, str]:
+    """Capture ``x * 2 + 1`` in ``mode`` with ``call`` made in the middle."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    outcome: dict[str, str] = {}
+    try:
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode=mode):
+            y = x * 2
+            outcome["call"] = call()
+            y = y + 1
+        outcome["capture"] = "ok"
+    except Exception as exc:
+        outcome["capture"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        # torch.cuda.graph leaves the capture stream current when capture_end raises:
+        # the next case must start where the first one did.
+        torch.cuda.set_stream(torch.cuda.default_stream())
+    outcome["after"] = _attempt(lambda: float((x[:4] * 2).sum()))
+    del graph
+    return outcome
+
+
+def check_capture(
+    publish: Callable[[str, Any], None],
+    *,
+    run_case: Callable[[torch.Tensor, str, Callable[[], str]], dict[str, str]] = _capture_case,
+) -> dict[str, Any]:
+    """Every case of CAPTURE_CASES, each published (written) as soon as it ends."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: tests, with run_case
+    x = torch.ones(1 << 20, device=device)
+    event = None
+    if device == "cuda":
+        event = torch.cuda.Event()
+        event.record()
+        torch.cuda.synchronize()
+    out: dict[str, Any] = {"cudart_found": _cudart() is not None}
+    publish("cudart_found", out["cudart_found"])
+    for name, survives in CAPTURE_CASES.items():
+        mode = "thread_local" if name.endswith("_thread_local") else "global"
+        outcome: dict[str, Any] = dict(run_case(x, mode, _capture_call(name, event)))
+        outcome["expected"] = "capture ok" if survives else "capture fails"
+        outcome["as_expected"] = (outcome.get("capture") == "ok") == survives
         out[name] = outcome
-        del graph
+        publish(name, outcome)
+    out["all_as_expected"] = all(out[name]["as_expected"] for name in CAPTURE_CASES if name in out)
     return out
 
 
@@ -352,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if cuda:
         pinned.tensor = None
-        report.run("capture", check_capture)
+        report.run("capture", lambda: check_capture(report.part("capture")))
     report.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     report.write()
     failed = [k for k, v in report.data.items() if isinstance(v, dict) and "error" in v]
