@@ -119,6 +119,10 @@ class Decider(Protocol):
 
     def observe(self, key: OpKey, func: Any, out: Any, seconds: float, policy: Any) -> None: ...
 
+    def recomputing(self) -> None:
+        """A checkpoint's recompute begins (the step's backward has started)."""
+        ...
+
     def consumed(self, key: OpKey) -> None: ...
 
 
@@ -146,6 +150,9 @@ class PolicyDecider:
         return False
 
     def observe(self, key: OpKey, func: Any, out: Any, seconds: float, policy: Any) -> None:
+        pass
+
+    def recomputing(self) -> None:
         pass
 
     def consumed(self, key: OpKey) -> None:
@@ -302,6 +309,7 @@ class _Restoring(TorchDispatchMode):
     def __enter__(self) -> _Restoring:
         self.counts.clear()
         self.stats.recompute_ran()
+        self.decider.recomputing()
         return super().__enter__()  # type: ignore[no-any-return]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

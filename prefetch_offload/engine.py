@@ -59,7 +59,6 @@ import contextlib
 import functools
 import logging
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -887,21 +886,14 @@ class OffloadEngine:
     def pack_output(self, t: torch.Tensor, *, must: bool) -> Any:
         """Pack a checkpointed op's output (checkpointing.OffloadHooks); with ``must``
         it leaves the device whatever ``device_budget`` allows (``MUST_CPU_OFFLOAD``)."""
-        start = time.perf_counter()
         packed = self.pack(t)
         if must and isinstance(packed, Handle):
             self._demote_own(packed.record, force=True)
-        if isinstance(self._decider, AutoDecider):
-            self._decider.pack_seconds(time.perf_counter() - start)
         return packed
 
     def unpack_output(self, packed: Any) -> torch.Tensor:
         """Unpack what :meth:`pack_output` returned, for the recompute."""
-        start = time.perf_counter()
-        t = self.unpack(packed)
-        if isinstance(self._decider, AutoDecider):
-            self._decider.unpack_seconds(time.perf_counter() - start)
-        return t
+        return self.unpack(packed)
 
     def _raise_pending(self) -> None:
         err = self._errors.take()

@@ -7,19 +7,25 @@
 # automatic policy measures, then decides once per op position (the n-th op of
 # an overload in a block class: NOTE [op keys] in checkpointing.py):
 #
-# - Profiling step (the second one, after a step that warms up, and the first
-#   after an op position it has no decision for appears): every output is
-#   offloaded, and each op is timed (on CUDA, synchronized around the op). It also
-#   measures the engine's side over the step: the seconds the compute thread spent
-#   in pack and unpack per byte (``k``), the bytes the engine moved (``O0``), the
-#   forward and backward stalls on writes and reads (``Ef``, ``Eb``), the read
-#   bandwidth ``R`` of the IO threads and the forward and backward wall times
-#   (``Tf``, ``Tb``).
-# - Model: moving O bytes costs ``k*O`` on the compute thread plus what compute
-#   cannot hide, ``max(0, O/W - Hf) + max(0, O/R - Hb)``, with ``Hf = Tf - Ef``,
-#   ``Hb = Tb - Eb`` plus the recompute time chosen, and ``W = O0/Tf`` (the
-#   writes took all of forward when it stalled, and at least kept up when it
-#   did not; either way the model gives the measured stall at ``O0``).
+# - Profiling: after one step that warms up (first calls, allocator growth),
+#   one step stores every output through the engine and times each op (on CUDA,
+#   synchronized around it), then one step recomputes every output (times its
+#   ops too, so the timing's own cost cancels). Measured: each position's
+#   output bytes, compute seconds and whether the recompute read it back; the
+#   bytes the engine moved (``O0``), the forward and backward stalls on writes
+#   and reads (``Ef``, ``Eb``), the IO threads' read bandwidth ``R``, the
+#   offload-all step's forward and backward times (``Tf``, ``Tb``) and both
+#   whole steps (``Sa``, ``Sr``, each from its first checkpointed op to the
+#   next step's).
+# - Model: moving O bytes costs ``k*O`` plus what compute cannot hide,
+#   ``max(0, O/W - Hf) + max(0, O/R - Hb)``, with ``Hf = Tf - Ef``, ``Hb = Tb -
+#   Eb`` plus the recompute time chosen, and ``W = O0/Tf`` (the writes took all
+#   of forward when it stalled, and at least kept up when it did not). ``k`` is
+#   what moving cost the offload-all step beyond the stalls: ``(Sa - (Sr - C) -
+#   Ef - Eb) / O0``, ``C`` the compute the recompute-all step spent on what the
+#   other read back. On a CPU it carries the IO threads' share of the cores and
+#   the page faults of memory given back and reused; on a GPU the copies run on
+#   their own engines and it is near zero.
 # - Decision: positions in order of recompute seconds per byte, cheapest first;
 #   each is recomputed when its measured compute time is below what its bytes
 #   cost to move (the drop in the model's cost when they stay out of it), else
@@ -230,8 +236,11 @@ class _Recorded:
     def observe(self, key: OpKey, func: Any, out: Any, seconds: float, policy: Any) -> None:
         pass
 
-    def consumed(self, key: OpKey) -> None:
+    def recomputing(self) -> None:
         self._recorder._consumed()
+
+    def consumed(self, key: OpKey) -> None:
+        pass
 
 
 def _bytes_of(out: Any) -> int:
@@ -254,8 +263,16 @@ class _Obs:
     fixed: str | None = None  # "alias" or "random": recomputed whatever the cost
 
 
+_WARM, _OFFLOAD_ALL, _RECOMPUTE_ALL, _PLANNED = range(4)
+
+
 class AutoDecider:
-    """``recompute="auto"``: profile a step, then decide per op position.
+    """``recompute="auto"``: profile two steps, then decide per op position.
+
+    Steps: one warms up (everything offloaded), one offloads every output and
+    times each op, one recomputes every output, then the plan holds (NOTE [keep,
+    offload, recompute]). A step starts at the first checkpointed forward op
+    after a recompute began.
 
     Args:
         stats: the engine's counters now (bytes moved, stalls, read bandwidth).
@@ -277,15 +294,14 @@ class AutoDecider:
         self._plan: dict[Position, CheckpointPolicy] = {}
         self._reasons: dict[Position, tuple[str, float, float]] = {}
         self._obs: dict[Position, _Obs] = {}
-        # The first step warms up (first calls, allocator growth) and the second profiles.
-        self._warming = True
-        self._profiling = True
-        self._stale = False  # an unplanned position appeared: profile the next step
+        self._phase = _WARM
+        self._stale = False  # an unplanned position appeared: profile again
         self._in_backward = False
-        self._t0 = self._t_bwd = self._t_last = 0.0
+        # The offload-all step: its start, its first recompute, its last consumed
+        # output, the counters at its start; the recompute-all step's start.
+        self._t_start = self._t_bwd = self._t_last = self._t_second = 0.0
         self._s0: OffloadStats | None = None
-        self._pack_seconds = 0.0
-        self._unpack_seconds = 0.0
+        self._s1: OffloadStats | None = None
         self._block_bytes: collections.Counter[tuple[str, int]] = collections.Counter()
         self._warned = False
         self.plans_made = 0
@@ -298,33 +314,25 @@ class AutoDecider:
         with self._lock:
             if self._in_backward:
                 self._step_started()
-            pos: Position = (key[0], func, key[3])
-            if self._profiling:
-                if _SEEDED in func.tags or _aliases(func):
-                    return CheckpointPolicy.PREFER_RECOMPUTE
+            fixed = _SEEDED in func.tags or _aliases(func)
+            if self._phase == _RECOMPUTE_ALL or fixed:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            if self._phase != _PLANNED:
                 return CheckpointPolicy.PREFER_CPU_OFFLOAD
-            policy = self._plan.get(pos)
-            if policy is None:  # NOTE [keep, offload, recompute]: profile the next step
+            policy = self._plan.get((key[0], func, key[3]))
+            if policy is None:  # NOTE [keep, offload, recompute]: profile again
                 self._stale = True
-                fixed = _SEEDED in func.tags or _aliases(func)
-                return (
-                    CheckpointPolicy.PREFER_RECOMPUTE
-                    if fixed
-                    else CheckpointPolicy.PREFER_CPU_OFFLOAD
-                )
+                return CheckpointPolicy.PREFER_CPU_OFFLOAD
             return policy
 
     def timing(self) -> bool:
-        return self._profiling and not self._warming
+        # Both profiling steps time their ops: the timing's own cost cancels out.
+        return self._phase in (_OFFLOAD_ALL, _RECOMPUTE_ALL)
 
     def observe(self, key: OpKey, func: Any, out: Any, seconds: float, policy: Any) -> None:
         with self._lock:
-            if not self._profiling or self._warming:
+            if self._phase != _OFFLOAD_ALL:
                 return
-            now = self._clock()
-            if self._s0 is None:
-                self._s0 = self._stats()
-                self._t0 = now - seconds
             pos: Position = (key[0], func, key[3])
             obs = self._obs.get(pos)
             if obs is None:
@@ -339,57 +347,57 @@ class AutoDecider:
             obs.calls += 1
             self._block_bytes[(key[0], key[1])] += nbytes
 
-    def consumed(self, key: OpKey) -> None:
+    def recomputing(self) -> None:
         with self._lock:
-            now = self._clock()
             if not self._in_backward:
                 self._in_backward = True
-                if self._profiling and self._s0 is not None and not self._t_bwd:
-                    self._t_bwd = now
-            self._t_last = now
-            if self._profiling:
+                if self._phase == _OFFLOAD_ALL and not self._t_bwd:
+                    self._t_bwd = self._clock()
+
+    def consumed(self, key: OpKey) -> None:
+        with self._lock:
+            self.recomputing()
+            if self._phase == _OFFLOAD_ALL:
+                self._t_last = self._clock()
                 obs = self._obs.get((key[0], key[2], key[3]))
                 if obs is not None:
                     obs.consumed += 1
 
-    # -- timing of the engine's side, from the hooks ----------------------------------------
-
-    def pack_seconds(self, seconds: float) -> None:
-        if self._profiling and not self._warming:
-            self._pack_seconds += seconds
-
-    def unpack_seconds(self, seconds: float) -> None:
-        if self._profiling and not self._warming:
-            self._unpack_seconds += seconds
-
     # -- planning ---------------------------------------------------------------------------
 
     def _step_started(self) -> None:
-        """The first forward op after a backward: plan if this was a profiling step."""
+        """The first forward op after a recompute: the next phase."""
         self._in_backward = False
-        if self._warming:
-            self._warming = False
+        now = self._clock()
+        if self._phase == _WARM:
             self._reset_profile()
-        elif self._profiling and self._s0 is not None and self._t_bwd:
-            self._make_plan()
-            self._profiling = False
+            self._phase = _OFFLOAD_ALL
+            self._t_start, self._s0 = now, self._stats()
+        elif self._phase == _OFFLOAD_ALL:
+            self._phase = _RECOMPUTE_ALL
+            self._t_second, self._s1 = now, self._stats()
+        elif self._phase == _RECOMPUTE_ALL:
+            self._make_plan(now)
+            self._phase = _PLANNED
         elif self._stale:
             self._stale = False
-            self._profiling = True
             self._reset_profile()
+            self._phase = _OFFLOAD_ALL
+            self._t_start, self._s0 = now, self._stats()
 
     def _reset_profile(self) -> None:
         self._obs.clear()
         self._block_bytes.clear()
-        self._s0 = None
-        self._t0 = self._t_bwd = self._t_last = 0.0
-        self._pack_seconds = self._unpack_seconds = 0.0
+        self._s0 = self._s1 = None
+        self._t_start = self._t_bwd = self._t_last = self._t_second = 0.0
 
-    def _make_plan(self) -> None:
-        s0, s1 = self._s0, self._stats()
-        assert s0 is not None
-        t_fwd = max(self._t_bwd - self._t0, 1e-9)
+    def _make_plan(self, now: float) -> None:
+        s0, s1 = self._s0, self._s1
+        assert s0 is not None and s1 is not None
+        t_fwd = max(self._t_bwd - self._t_start, 1e-9)
         t_bwd = max(self._t_last - self._t_bwd, 1e-9)
+        step_offload = self._t_second - self._t_start  # the whole step, everything stored
+        step_recompute = now - self._t_second  # the whole step, nothing stored
         moved = s1.bytes_offloaded - s0.bytes_offloaded
         e_fwd = (s1.pack_wait_seconds - s0.pack_wait_seconds) + (
             s1.copy_wait_seconds - s0.copy_wait_seconds
@@ -398,10 +406,14 @@ class AutoDecider:
         read = s1.bytes_read - s0.bytes_read
         read_s = s1.read_seconds - s0.read_seconds
         stored = sum(o.nbytes for o in self._obs.values() if o.fixed is None)
+        # What the recompute-all step recomputed that the offload-all step read back.
+        recomputed_s = sum(o.seconds for o in self._obs.values() if o.fixed is None and o.consumed)
         write_bw = moved / t_fwd if moved else math.inf
         read_bw = read / read_s if read and read_s > 0 else math.inf
-        per_byte = (self._pack_seconds + self._unpack_seconds - e_fwd - e_bwd) / max(stored, 1)
-        per_byte = max(per_byte, 0.0)
+        # Moving `moved` bytes cost the offload-all step this much beyond the compute the
+        # recompute-all step spent instead, less the stalls the exposure terms model.
+        move_cost = step_offload - (step_recompute - recomputed_s)
+        per_byte = max(move_cost - e_fwd - e_bwd, 0.0) / moved if moved else 0.0
         hide_f = max(t_fwd - e_fwd, 0.0)
         hide_b = max(t_bwd - e_bwd, 0.0)
         # The bytes the engine moves once `cut` bytes of outputs are no longer stored.
@@ -447,6 +459,10 @@ class AutoDecider:
         self._reasons.update(reasons)
         self.plans_made += 1
         self.measured = {
+            "step_offload_all_s": step_offload,
+            "step_recompute_all_s": step_recompute,
+            "recompute_s": recomputed_s,
+            "move_s_per_GB": per_byte * 1e9,
             "forward_s": t_fwd,
             "backward_s": t_bwd,
             "moved_MiB": moved / _MiB,
@@ -454,7 +470,6 @@ class AutoDecider:
             "backward_stall_s": e_bwd,
             "write_GBps": write_bw / 1e9 if math.isfinite(write_bw) else math.inf,
             "read_GBps": read_bw / 1e9 if math.isfinite(read_bw) else math.inf,
-            "hook_s_per_GB": per_byte * 1e9,
         }
         self._last = self._summarize()
         self._warn_budget()
@@ -516,5 +531,5 @@ class AutoDecider:
 
     @property
     def profiling(self) -> bool:
-        """Whether the current (or next) step profiles."""
-        return self._profiling
+        """Whether the current step warms up or profiles (no plan acts yet)."""
+        return self._phase != _PLANNED
