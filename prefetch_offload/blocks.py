@@ -34,6 +34,14 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 # on inside ``train()``, after the context is entered, so the check runs at
 # forward time, not at enter.
 #
+# NOTE [kv cache]
+# A Hugging Face model with ``use_cache`` on fills a key/value cache in
+# forward; a checkpointed layer's recompute appends to it again, so its
+# attention sees twice the keys (a wrong gradient, or a recompute that runs
+# other ops than its forward). Hugging Face turns the cache off under its own
+# checkpointing; so does the wrapping: every ``config.use_cache`` in the model
+# is false while the blocks are wrapped, and set back on restore.
+#
 # NOTE [compiled blocks]
 # A block compiled on its own (``block.compile()``, regional compilation) runs
 # its forward inside the compiled graph, where ops are fused and no dispatch
@@ -182,6 +190,8 @@ class WrappedBlocks:
         context_fn: the checkpoint's ``context_fn`` in eager mode (None: plain).
         compiled: the ``context_fn`` while torch.compile traces the block, or
             ``SKIP`` to leave a compiled block unchecked (NOTE [compiled blocks]).
+        model: the model the blocks are from; its ``config.use_cache`` is off while
+            they are wrapped (NOTE [kv cache]).
     """
 
     def __init__(
@@ -190,10 +200,15 @@ class WrappedBlocks:
         context_fn: ContextFn | None,
         *,
         compiled: ContextFn | str | None = None,
+        model: nn.Module | None = None,
     ) -> None:
         self.blocks = blocks
         self._saved: list[tuple[nn.Module, bool, Any]] = []
+        self._caches: list[Any] = []  # NOTE [kv cache]: configs whose use_cache was on
         try:
+            for config in _configs_with_cache(model, blocks):
+                config.use_cache = False
+                self._caches.append(config)
             for index, (name, module) in enumerate(blocks):
                 own = "forward" in module.__dict__
                 self._saved.append((module, own, module.__dict__.get("forward")))
@@ -209,12 +224,27 @@ class WrappedBlocks:
 
     def restore(self) -> None:
         """Put every block's ``forward`` back as it was (idempotent)."""
+        while self._caches:
+            self._caches.pop().use_cache = True
         while self._saved:
             module, own, previous = self._saved.pop()
             if own:
                 module.forward = previous  # type: ignore[method-assign]
             else:
                 module.__dict__.pop("forward", None)
+
+
+def _configs_with_cache(model: nn.Module | None, blocks: list[tuple[str, nn.Module]]) -> list[Any]:
+    """The distinct ``config`` objects in the model (or the blocks) with use_cache on."""
+    modules = list(model.modules()) if model is not None else []
+    for _, block in blocks:
+        modules.extend(block.modules())
+    found: dict[int, Any] = {}
+    for module in modules:
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "use_cache", False) is True:
+            found.setdefault(id(config), config)
+    return list(found.values())
 
 
 # The block running now, for the contexts a checkpoint's context_fn makes

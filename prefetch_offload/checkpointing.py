@@ -23,7 +23,8 @@ learned prefetch order brings it back ahead of the recompute that needs it.
 # draw again, in the same order, for a later random op to see the same state
 # (and a later dropout the same mask). A random op whose output was saved or
 # offloaded therefore still runs in the recompute; its result is dropped and
-# the stored output returned.
+# the stored output returned. An attention kernel tagged so for its dropout
+# does not draw when its ``dropout_p`` is 0, and is treated as any other op.
 #
 # NOTE [cache entry mutation]
 # As in torch's modes, a stored output that is modified in place before the
@@ -54,6 +55,7 @@ __all__ = [
     "Decider",
     "OffloadHooks",
     "PolicyDecider",
+    "draws_random",
     "op_kind",
     "selective_contexts",
 ]
@@ -74,6 +76,19 @@ OpKey = tuple[str, int, Any, int]
 def op_kind(func: Any) -> str:
     """A readable name for an op overload, e.g. ``"aten.mm.default"``."""
     return str(func)
+
+
+def draws_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this call of ``func`` draws from the RNG (NOTE [random ops]): tagged
+    ``nondeterministic_seeded``, and not an op whose ``dropout_p`` is 0 (attention
+    kernels carry the tag for their dropout)."""
+    if _SEEDED not in func.tags:
+        return False
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "dropout_p":
+            value = kwargs.get("dropout_p", args[i] if i < len(args) else arg.default_value)
+            return bool(value)
+    return True
 
 
 def _nbytes(out: Any) -> int:
@@ -335,7 +350,7 @@ class _Restoring(TorchDispatchMode):
         self.storage[(func, count)] = _CONSUMED
         block = self.block()
         self.decider.consumed((block[0], block[1], func, count))
-        if _SEEDED in func.tags:  # NOTE [random ops]
+        if draws_random(func, args, kwargs):  # NOTE [random ops]
             func(*args, **kwargs)
         if entry.mode == 1:
             hooks = self.hooks

@@ -190,7 +190,7 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
     blocks = find_blocks(config.model, config.recompute_blocks)
     recompute = config.recompute
     if recompute == "full":
-        return WrappedBlocks(blocks, None)
+        return WrappedBlocks(blocks, None, model=config.model)
     stats = engine._ckpt_stats
     compiled: Any
     if recompute == "auto":
@@ -210,7 +210,7 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
     def context_fn() -> tuple[Any, Any]:
         return selective_contexts(decider, engine, stats)
 
-    return WrappedBlocks(blocks, context_fn, compiled=compiled)
+    return WrappedBlocks(blocks, context_fn, compiled=compiled, model=config.model)
 
 
 def _saving_offloads(policy: Callable[..., Any]) -> Callable[..., Any]:

@@ -62,13 +62,12 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .checkpointing import OFFLOAD, RECOMPUTE, OpKey, PolicyDecider, op_kind
+from .checkpointing import OFFLOAD, RECOMPUTE, OpKey, PolicyDecider, draws_random, op_kind
 from .errors import OffloadFallbackWarning
 from .stats import OffloadStats
 
 __all__ = ["AutoDecider", "OpDecision", "RecomputePlan", "RecordingDecider"]
 
-_SEEDED = torch.Tag.nondeterministic_seeded
 _MiB = 1 << 20
 
 # An op position: (block class, op overload, count in the block).
@@ -294,6 +293,9 @@ class AutoDecider:
         self._plan: dict[Position, CheckpointPolicy] = {}
         self._reasons: dict[Position, tuple[str, float, float]] = {}
         self._obs: dict[Position, _Obs] = {}
+        # Positions recomputed whatever they cost: "alias" or "random" (decide() sees
+        # the arguments that tell an attention kernel's dropout_p).
+        self._fixed: dict[Position, str] = {}
         self._phase = _WARM
         self._stale = False  # an unplanned position appeared: profile again
         self._in_backward = False
@@ -314,12 +316,16 @@ class AutoDecider:
         with self._lock:
             if self._in_backward:
                 self._step_started()
-            fixed = _SEEDED in func.tags or _aliases(func)
+            pos: Position = (key[0], func, key[3])
+            random = draws_random(func, args, kwargs)
+            fixed = random or _aliases(func)
+            if fixed and self._phase == _OFFLOAD_ALL:
+                self._fixed[pos] = "random" if random else "alias"
             if self._phase == _RECOMPUTE_ALL or fixed:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             if self._phase != _PLANNED:
                 return CheckpointPolicy.PREFER_CPU_OFFLOAD
-            policy = self._plan.get((key[0], func, key[3]))
+            policy = self._plan.get(pos)
             if policy is None:  # NOTE [keep, offload, recompute]: profile again
                 self._stale = True
                 return CheckpointPolicy.PREFER_CPU_OFFLOAD
@@ -336,11 +342,7 @@ class AutoDecider:
             pos: Position = (key[0], func, key[3])
             obs = self._obs.get(pos)
             if obs is None:
-                obs = self._obs[pos] = _Obs(func)
-                if _SEEDED in func.tags:
-                    obs.fixed = "random"
-                elif _aliases(func):
-                    obs.fixed = "alias"
+                obs = self._obs[pos] = _Obs(func, fixed=self._fixed.get(pos))
             nbytes = _bytes_of(out)
             obs.nbytes += nbytes
             obs.seconds += seconds
@@ -387,6 +389,7 @@ class AutoDecider:
 
     def _reset_profile(self) -> None:
         self._obs.clear()
+        self._fixed.clear()
         self._block_bytes.clear()
         self._s0 = self._s1 = None
         self._t_start = self._t_bwd = self._t_last = self._t_second = 0.0

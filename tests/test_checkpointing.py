@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from prefetch_offload import OffloadError, offload_context
+from prefetch_offload.checkpointing import draws_random
 from prefetch_offload.testing import TinyTransformer, make_batch, warm_up_unary_ops
 
 P = CheckpointPolicy
@@ -299,3 +300,15 @@ def test_a_model_with_recompute_full_offloads_block_inputs_only(tmp_path: Path) 
     assert 4 <= stats.tensors_offloaded < 40
     model_copy = copy.deepcopy(model)
     assert all("forward" not in b.__dict__ for b in model_copy.blocks)
+
+
+def test_attention_with_dropout_p_zero_does_not_count_as_random() -> None:
+    """NOTE [random ops]: the CPU's fused attention carries the seeded tag for its
+    dropout; at dropout_p=0 it draws nothing, so a stored output is not run again."""
+    q = torch.randn(1, 2, 8, 4)
+    sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert not draws_random(sdpa, (q, q, q, 0.0), {})
+    assert not draws_random(sdpa, (q, q, q), {})  # the default, 0
+    assert draws_random(sdpa, (q, q, q), {"dropout_p": 0.1})
+    assert draws_random(torch.ops.aten.bernoulli.default, (q,), {})
+    assert not draws_random(torch.ops.aten.mm.default, (q, q), {})

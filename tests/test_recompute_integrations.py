@@ -105,6 +105,36 @@ def test_trainer_gradient_checkpointing_and_recompute_are_refused(tmp_path: Path
         _trainer_run(tmp_path, "full", hf_checkpointing=True)
 
 
+@pytest.mark.parametrize("recompute", ["full", "policy"])
+def test_a_kv_cache_is_off_while_blocks_are_wrapped(tmp_path: Path, recompute: str) -> None:
+    """NOTE [kv cache]: with use_cache on, a recompute would append to the cache again;
+    the wrapping turns it off and back on, and gradients match."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    assert model.config.use_cache
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    mode = matmuls_offloaded if recompute == "policy" else recompute
+    with offload_context("disk", str(tmp_path), model=model, recompute=mode):
+        assert not model.config.use_cache
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert model.config.use_cache
+    for a, p in zip(ref, model.parameters(), strict=True):
+        assert torch.equal(a, p.grad)
+
+
 # -- regional torch.compile -------------------------------------------------------------------
 
 
