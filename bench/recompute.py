@@ -4,8 +4,8 @@ Every mode trains its own copy of one model (same weights, same batch) in a
 process of its own (its peak RSS is its own heap's), stepped one at a time, one
 step of each mode per round in a balanced Latin square's order (as ``bench/ab.py
 --isolate``); each mode's ``offload_context`` or checkpoint wrapping stays
-entered over all its steps. ``--warmup`` rounds (>= 2: ``recompute="auto"``
-warms up a step, then profiles one), then ``--steps`` timed rounds.
+entered over all its steps. ``--warmup`` rounds (>= 3: ``recompute="auto"``
+warms up a step, then profiles two), then ``--steps`` timed rounds.
 
 Per mode: ``peak MiB`` is the largest peak RSS (``VmHWM``, reset before each
 timed step) over the timed steps minus the process's RSS before its first
@@ -456,7 +456,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("batch", 8, "sequences per batch"),
         ("seq", 256, "tokens per sequence"),
         ("vocab", 2048, "llama's vocabulary"),
-        ("warmup", 2, "uncounted rounds first (>= 2)"),
+        ("warmup", 3, "uncounted rounds first (>= 3)"),
         ("steps", 5, "timed rounds"),
         ("throttle-mbps", None, "cap the scratch disk's reads and writes at MB/s (root)"),
         ("chunk-bytes", None, "the engine's chunk_bytes (default: its own)"),
@@ -470,8 +470,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if bad := [m for m in args.modes if m not in MODES]:
         p.error(f"unknown modes {bad}; choose from {', '.join(MODES)}")
-    if args.warmup < 2 or args.steps < 1:
-        p.error("--warmup must be >= 2 (auto warms up, then profiles) and --steps >= 1")
+    if args.warmup < 3 or args.steps < 1:
+        p.error("--warmup must be >= 3 (auto warms up, profiles two steps); --steps >= 1")
     args.depth = args.depth or (24 if args.model == "transformer" else 8)
     return args
 
