@@ -15,8 +15,8 @@
 #   bytes the engine moved (``O0``), the forward and backward stalls on writes
 #   and reads (``Ef``, ``Eb``), the IO threads' read bandwidth ``R``, the
 #   offload-all step's forward and backward times (``Tf``, ``Tb``) and both
-#   whole steps (``Sa``, ``Sr``, each from its first checkpointed op to the
-#   next step's).
+#   steps (``Sa``, ``Sr``, each from its first checkpointed op to the start of
+#   its last recompute, so that what runs between steps is left out).
 # - Model: moving O bytes costs ``k*O`` plus what compute cannot hide,
 #   ``max(0, O/W - Hf) + max(0, O/R - Hb)``, with ``Hf = Tf - Ef``, ``Hb = Tb -
 #   Eb`` plus the recompute time chosen, and ``W = O0/Tf`` (the writes took all
@@ -302,6 +302,7 @@ class AutoDecider:
         # The offload-all step: its start, its first recompute, its last consumed
         # output, the counters at its start; the recompute-all step's start.
         self._t_start = self._t_bwd = self._t_last = self._t_second = 0.0
+        self._t_recompute = self._span_offload = 0.0
         self._s0: OffloadStats | None = None
         self._s1: OffloadStats | None = None
         self._block_bytes: collections.Counter[tuple[str, int]] = collections.Counter()
@@ -351,6 +352,7 @@ class AutoDecider:
 
     def recomputing(self) -> None:
         with self._lock:
+            self._t_recompute = self._clock()  # the step's span ends at its last recompute
             if not self._in_backward:
                 self._in_backward = True
                 if self._phase == _OFFLOAD_ALL and not self._t_bwd:
@@ -377,9 +379,10 @@ class AutoDecider:
             self._t_start, self._s0 = now, self._stats()
         elif self._phase == _OFFLOAD_ALL:
             self._phase = _RECOMPUTE_ALL
+            self._span_offload = self._t_recompute - self._t_start
             self._t_second, self._s1 = now, self._stats()
         elif self._phase == _RECOMPUTE_ALL:
-            self._make_plan(now)
+            self._make_plan(self._t_recompute)
             self._phase = _PLANNED
         elif self._stale:
             self._stale = False
@@ -399,8 +402,10 @@ class AutoDecider:
         assert s0 is not None and s1 is not None
         t_fwd = max(self._t_bwd - self._t_start, 1e-9)
         t_bwd = max(self._t_last - self._t_bwd, 1e-9)
-        step_offload = self._t_second - self._t_start  # the whole step, everything stored
-        step_recompute = now - self._t_second  # the whole step, nothing stored
+        # Each step from its first checkpointed op to its last recompute's start: what
+        # runs between steps (the optimizer, data, other work) is left out.
+        step_offload = self._span_offload  # everything stored
+        step_recompute = now - self._t_second  # nothing stored
         moved = s1.bytes_offloaded - s0.bytes_offloaded
         e_fwd = (s1.pack_wait_seconds - s0.pack_wait_seconds) + (
             s1.copy_wait_seconds - s0.copy_wait_seconds

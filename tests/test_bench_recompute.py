@@ -46,8 +46,10 @@ def test_every_mode_writes_positive_numbers(tmp_path: Path) -> None:
     for row in doc["rows"]:
         assert row["median_step_s"] > 0 and row["peak_bytes"] > 0, row["mode"]
         assert len(row["step_seconds"]) == 1
-        assert row["moved_per_step"] > 0 if row["mode"] in ENGINE_MODES else True, row["mode"]
         assert row["moved_per_step"] >= 0
+    # Bytes reach the disk in the offloading modes; which ones is timing at this size
+    # (the write tail keeps what is still queued when backward starts, NOTE [write tail]).
+    assert sum(r["moved_per_step"] for r in doc["rows"] if r["mode"] in ENGINE_MODES) > 0
     assert [t["mode"] for t in doc["targets"]["per_budget"]] == ["auto10", "auto25", "auto50"]
     assert set(doc["targets"]["met"]) == {"peak", "time", "moved"}
     assert all("recompute plan (auto)" in doc["plans"][m] for m in ("auto10", "auto25", "auto50"))

@@ -65,6 +65,7 @@ def _step(
     fake.now = start + forward_s
     decider.recomputing()
     fake.now = start + step_s - 0.1
+    decider.recomputing()  # the last block's recompute (block 0)
     for func, _, _ in ops:
         stored = decisions[func] is not P.PREFER_RECOMPUTE
         if stored and (consumed is None or func in consumed):
