@@ -57,6 +57,7 @@ __all__ = [
     "PolicyDecider",
     "draws_random",
     "op_kind",
+    "output_bytes",
     "selective_contexts",
 ]
 
@@ -91,17 +92,13 @@ def draws_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bo
     return True
 
 
-def _nbytes(out: Any) -> int:
-    total = 0
-
-    def add(x: Any) -> Any:
-        nonlocal total
-        if isinstance(x, torch.Tensor):
-            total += x.numel() * x.element_size()
-        return x
-
-    tree_map(add, out)
-    return total
+def output_bytes(out: Any) -> int:
+    """Bytes of the tensors in an op's output (a tensor, or a tree of them)."""
+    return sum(
+        x.numel() * x.element_size()
+        for x in torch.utils._pytree.tree_leaves(out)
+        if isinstance(x, torch.Tensor)
+    )
 
 
 def _detach(x: Any) -> Any:
@@ -184,7 +181,6 @@ class CheckpointStats:
     def __init__(self) -> None:
         self.current = [0, 0, 0]  # kept, offloaded, recomputed
         self.last = [0, 0, 0]
-        self.total = [0, 0, 0]
         self._recomputed_since = False
 
     def forward_op(self, which: int, nbytes: int) -> None:
@@ -193,7 +189,6 @@ class CheckpointStats:
             self.last = self.current
             self.current = [0, 0, 0]
         self.current[which] += nbytes
-        self.total[which] += nbytes
 
     def recompute_ran(self) -> None:
         self._recomputed_since = True
@@ -221,8 +216,9 @@ class _Entry:
         self.versions = versions
 
 
-class _Saving(TorchDispatchMode):
-    """Forward: run each op, then keep, offload or mark for recompute its output."""
+class _Mode(TorchDispatchMode):
+    """What both modes of one checkpoint call share: the storage, keyed by op (NOTE [op
+    keys]), the decider, the engine's hooks and the stats."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -241,6 +237,19 @@ class _Saving(TorchDispatchMode):
         self.storage = storage
         self.stats = stats
         self.counts: collections.Counter[Any] = collections.Counter()
+
+
+class _Saving(_Mode):
+    """Forward: run each op, then keep, offload or mark for recompute its output."""
+
+    def __init__(
+        self,
+        decider: Decider,
+        hooks: OffloadHooks | None,
+        storage: dict[Any, Any],
+        stats: CheckpointStats,
+    ) -> None:
+        super().__init__(decider, hooks, storage, stats)
         self.block = current_block() or ("", -1)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -259,7 +268,7 @@ class _Saving(TorchDispatchMode):
         self.counts[func] = count + 1
         key: OpKey = (self.block[0], self.block[1], func, count)
         policy = self.decider.decide(key, func, args, kwargs, out)
-        nbytes = _nbytes(out)
+        nbytes = output_bytes(out)
         if timing:
             self.decider.observe(key, func, out, seconds, policy)
         if policy in OFFLOAD and self.hooks is not None:
@@ -296,12 +305,8 @@ def _sync(out: Any) -> None:
             return
 
 
-class _Restoring(TorchDispatchMode):
+class _Restoring(_Mode):
     """Recompute: return stored outputs, run the ops marked for recompute."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
 
     def __init__(
         self,
@@ -312,14 +317,9 @@ class _Restoring(TorchDispatchMode):
         block: Callable[[], tuple[str, int]],
         allow_cache_entry_mutation: bool,
     ) -> None:
-        super().__init__()
-        self.decider = decider
-        self.hooks = hooks
-        self.storage = storage
-        self.stats = stats
+        super().__init__(decider, hooks, storage, stats)
         self.block = block
         self.allow_mutation = allow_cache_entry_mutation
-        self.counts: collections.Counter[Any] = collections.Counter()
 
     def __enter__(self) -> _Restoring:
         self.counts.clear()

@@ -59,10 +59,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .checkpointing import OFFLOAD, RECOMPUTE, OpKey, PolicyDecider, draws_random, op_kind
+from .checkpointing import (
+    OFFLOAD,
+    RECOMPUTE,
+    OpKey,
+    PolicyDecider,
+    draws_random,
+    op_kind,
+    output_bytes,
+)
 from .errors import OffloadFallbackWarning
 from .stats import OffloadStats
 
@@ -178,7 +185,7 @@ class RecordingDecider:
             if self._recomputed:  # a new step: the first forward op after a recompute
                 self._recomputed = False
                 self._last, self._bytes = self._bytes, collections.Counter()
-            self._bytes[(kind, _choice_name(policy))] += _bytes_of(out)
+            self._bytes[(kind, _choice_name(policy))] += output_bytes(out)
             self._positions[kind].add((key[0], func, key[3]))
 
     def _consumed(self) -> None:
@@ -242,14 +249,6 @@ class _Recorded:
         pass
 
 
-def _bytes_of(out: Any) -> int:
-    return sum(
-        x.numel() * x.element_size()
-        for x in torch.utils._pytree.tree_leaves(out)
-        if isinstance(x, torch.Tensor)
-    )
-
-
 @dataclass
 class _Obs:
     """One op position's measurements over a profiling step."""
@@ -257,7 +256,6 @@ class _Obs:
     func: Any
     nbytes: int = 0
     seconds: float = 0.0
-    calls: int = 0
     consumed: int = 0
     fixed: str | None = None  # "alias" or "random": recomputed whatever the cost
 
@@ -344,10 +342,9 @@ class AutoDecider:
             obs = self._obs.get(pos)
             if obs is None:
                 obs = self._obs[pos] = _Obs(func, fixed=self._fixed.get(pos))
-            nbytes = _bytes_of(out)
+            nbytes = output_bytes(out)
             obs.nbytes += nbytes
             obs.seconds += seconds
-            obs.calls += 1
             self._block_bytes[(key[0], key[1])] += nbytes
 
     def recomputing(self) -> None:
