@@ -1,24 +1,23 @@
-"""The text around the benchmarks' tables: cells, aligned columns, the machine line, the
-keys every JSON begins with, and progress lines on stderr.
+"""The text around the benchmarks' tables: the step benchmark's columns, cells, aligned
+columns, the machine line, the keys every JSON begins with, and progress lines on stderr.
 
 Nothing here imports torch, so that ``bench/report.py`` can use it too.
 """
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import shutil
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "COLUMNS",
+    "cells",
     "end_progress",
     "fmt",
     "format_table",
-    "json_args",
     "json_header",
     "log",
     "machine_line",
@@ -36,6 +35,33 @@ def fmt(
     if text.startswith("-") and float(text) == 0:  # "-0%" reads like a loss
         text = text[1:]
     return text + suffix
+
+
+_MIB = 1 / float(1 << 20)
+# The step benchmark's columns: (header, row key[, format spec, scale, suffix]); the
+# first two are text (the lane and what it runs).
+COLUMNS: tuple[tuple[Any, ...], ...] = (
+    ("lane", "name"),
+    ("what", "label"),
+    ("step s", "step_s", ".3f"),
+    ("vs none", "ratio", ".2f", 1.0, "x"),
+    ("faults/step", "faults", ".0f"),
+    ("peak MiB", "peak", ".1f", _MIB),
+    ("live MiB", "live", ".1f", _MIB),
+    ("act MiB", "act", ".1f", _MIB),
+    ("act cut", "act_cut", ".0f", 100.0, "%"),
+    ("written MiB/step", "offloaded", ".1f", _MIB),
+    ("hit rate", "hit_rate", ".0f", 100.0, "%"),
+    ("stall s/step", "stall", ".3f"),
+    ("trims/step", "trims", ".1f"),
+)
+
+
+def cells(row: dict[str, Any], none: str = "n/a") -> list[str]:
+    """A step benchmark row's cells, in the order of :data:`COLUMNS`."""
+    return [
+        str(row[c[1]]) if len(c) == 2 else fmt(row.get(c[1]), *c[2:], none=none) for c in COLUMNS
+    ]
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
@@ -78,11 +104,6 @@ def json_header(script: str, words: Sequence[str], machine: dict[str, Any]) -> d
         "machine": machine,
         "machine_line": machine_line(prog, machine),
     }
-
-
-def json_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The parsed arguments, JSON-ready (paths as text)."""
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
 
 
 def log(msg: str) -> None:

@@ -10,13 +10,11 @@
 #      thread's stack, and pytest-timeout (if this python has it) fails it at 90 s; the
 #      stage's own limit sends SIGABRT, which faulthandler also answers with the stacks.
 #      Without pytest the stage is recorded as skipped and the others run.
-#   3. fp32, compute-bound: none, cpu, save_on_cpu, ondemand (90 s); then one more step
-#      per mode with torch.cuda.memory_allocated sampled every 2 ms, kept in
-#      gpu_fp32.json and drawn to memory_fp32.png where matplotlib is installed
-#      (elsewhere: python bench/gpu.py --replot gpu_fp32.json --plot memory_fp32.png);
-#      bf16: none, cpu, budget, copybudget (90 s): cpu against none, and budget
-#      (device_budget half the saved bytes) against its budget, cpu and copybudget, a
-#      bare side stream moving the same bytes
+#   3. the step benchmark on the GPU (bench/step.py --device cuda), every lane in one
+#      process: fp32, compute-bound: none, cpu, save_on_cpu (90 s), then one more step
+#      per lane with allocated memory sampled every 10 ms, kept in gpu_fp32.json and
+#      drawn to memory_fp32.png where matplotlib is installed; bf16: none, cpu, budget
+#      (device_budget half the saved bytes) (90 s)
 #   4. disk, only if the preflight measured O_DIRECT through pinned memory at 1 GB/s or
 #      more (60 s)
 #   5. keep / offload / recompute (60 s): issue 23's comparison (bench/recompute.py), once
@@ -175,34 +173,34 @@ else
 fi
 
 if [ "$twin" = 1 ]; then
-  size=(--twin --width 32 --depth 2 --heads 2 --vocab 64 --seq 16 --batch 2 --steps 2
-        --warmup 1 --min-offload-bytes 0 --chunk-bytes 16384)
-  fp32=("${size[@]}"); bf16=("${size[@]}"); disk=("${size[@]}" --disk-probe-mb 8)
+  size=(--device twin --width 32 --depth 2 --heads 2 --vocab 64 --seq 16 --batch 2 --steps 2
+        --warmup 1 --knobs '{"min_offload_bytes": 0, "chunk_bytes": 16384}')
+  fp32=("${size[@]}"); bf16=("${size[@]}"); disk=("${size[@]}")
   recompute=(--twin)
 else
-  fp32=(--attention sdpa --width 4096 --depth 4 --heads 32 --seq 1024 --batch 4 --steps 5
-        --warmup 2)
-  bf16=(--attention sdpa --width 2048 --depth 4 --heads 16 --seq 2048 --batch 4 --steps 5
-        --warmup 2)
-  disk=("${bf16[@]}" --disk-probe-mb 1024)
+  # Explicit attention: fused attention kernels may use atomics, which no offload can make
+  # reproducible, and the parameters are compared bit for bit.
+  fp32=(--device cuda --width 4096 --depth 4 --heads 32 --vocab 8192 --seq 1024 --batch 4
+        --steps 5 --warmup 2)
+  bf16=(--device cuda --width 2048 --depth 4 --heads 16 --vocab 8192 --seq 2048 --batch 4
+        --steps 5 --warmup 2)
+  disk=("${bf16[@]}")
   recompute=()
 fi
 
-stage "fp32, compute-bound: none, cpu, save_on_cpu, ondemand"
+stage "fp32, compute-bound: none, cpu, save_on_cpu"
 if want fp32 gpu_fp32; then
-  step gpu_fp32 90 $py -X faulthandler bench/gpu.py --dtype fp32 "${fp32[@]}" \
-    --modes none,cpu,save_on_cpu,ondemand --json "$work/gpu_fp32.json" \
-    --plot "$work/memory_fp32.png"
+  step gpu_fp32 90 $py -X faulthandler bench/step.py --shared --dtype fp32 "${fp32[@]}" \
+    --modes none,cpu,save_on_cpu --json "$work/gpu_fp32.json" --plot "$work/memory_fp32.png"
 fi
 
-stage "bf16: none, cpu, budget, copybudget"
+stage "bf16: none, cpu, budget"
 if want bf16 gpu_bf16; then
-  # The limit is an estimate (no GPU has run this stage): 4 modes x (1 + warmup + steps)
-  # steps of well under 0.2 s at this size (about 2.7 GB saved), the link probe, the
-  # budget engine's pinned arena and copybudget's buffers (saved - budget bytes on the
-  # GPU and pinned).
-  step gpu_bf16 90 $py -X faulthandler bench/gpu.py --dtype bf16 "${bf16[@]}" \
-    --modes none,cpu,budget,copybudget --json "$work/gpu_bf16.json"
+  # The limit is an estimate (no GPU has run this stage): 3 lanes x (warmup + steps)
+  # steps of well under 0.2 s at this size (about 2.7 GB saved) and the engines' pinned
+  # arenas.
+  step gpu_bf16 90 $py -X faulthandler bench/step.py --shared --dtype bf16 "${bf16[@]}" \
+    --modes none,cpu,budget --json "$work/gpu_bf16.json"
 fi
 
 stage "disk (only with O_DIRECT at 1 GB/s or more)"
@@ -210,7 +208,7 @@ if ! want disk gpu_disk; then
   :
 elif $py -c "import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))['direct_io']['disk_ok'] else 1)" \
     "$work/preflight.json" 2>/dev/null; then
-  step gpu_disk 60 $py -X faulthandler bench/gpu.py --dtype bf16 "${disk[@]}" \
+  step gpu_disk 60 $py -X faulthandler bench/step.py --shared --dtype bf16 "${disk[@]}" \
     --modes none,cpu,disk --json "$work/gpu_disk.json"
 else
   echo "skipped: the preflight did not measure O_DIRECT at 1 GB/s or more (see direct_io)"

@@ -21,6 +21,20 @@ Rows are interleaved (raw, engine, raw, engine, ...) and repeated; the table
 shows medians and the engine/raw ratio. Example::
 
     python bench/io.py --total-mib 512 --tensor-mib 4 --requests 1,8 --workers 1,2,4
+
+``--cost`` measures instead what a disk request costs the machine in CPU: for
+O_DIRECT writes and reads of ``--total-mib`` in 8 MiB requests, GB/s, the
+guest CPU (user + system) this process spends per GB, and the CPU the
+hypervisor takes per GB (``steal`` in ``/proc/stat``, all CPUs, less its rate
+with the same load and no IO); from two buffer kinds, ``4k`` (ordinary pages,
+as activations are) and ``huge`` (2 MiB-aligned mappings asking for huge pages,
+the engine's read and staging buffers: NOTE [huge pages]); once with the other
+CPUs idle and once with one busy-looping process per CPU (``loaded``: what a
+training step sees). On a VM the host does its side of every disk request on
+physical CPUs: while the guest idles that costs it nothing, while training
+keeps every CPU busy it is taken from the guest. Example::
+
+    python bench/io.py --cost --total-mib 1024 --json docs/results/hostcost.json
 """
 
 from __future__ import annotations
@@ -28,21 +42,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from prefetch_offload import OffloadConfig, OffloadEngine
+from prefetch_offload.buffers import mapped_block
 from prefetch_offload.probe import raw_bandwidth
-from prefetch_offload.slab import direct_io_supported
+from prefetch_offload.slab import direct_io_supported, open_scratch_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ is not a package
-from _common import scratch_folder
+from _common import machine_info, ordinary_pages, scratch_folder, steal_seconds
+from _text import format_table, json_header
 
 MiB = 1 << 20
 
@@ -116,6 +134,61 @@ def engine_bandwidth(
     return nbytes / wt / 1e9, nbytes / rt / 1e9
 
 
+def host_cost(
+    folder: str, total: int, loaded: bool, request: int = 8 * MiB
+) -> list[dict[str, Any]]:
+    """``--cost``: write then read ``total`` bytes per buffer kind; one row per
+    (kind, op): GB/s, guest CPU ms per GB, steal ms per GB (None without steal)."""
+    nbytes = max(1, total // request) * request
+    fd = open_scratch_file(folder, direct=direct_io_supported(folder))
+    spin = [sys.executable, "-c", "while True: pass"]
+    spinners = [subprocess.Popen(spin) for _ in range(os.cpu_count() or 1)] if loaded else []
+    rows = []
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        time.sleep(0.5 if loaded else 0.0)  # let the spinners reach their loops
+        b0, bt = steal_seconds(), time.perf_counter()
+        time.sleep(1.0)  # the steal that comes with no IO (other tenants, the spinners)
+        b1 = steal_seconds()
+        base = 0.0 if b0 is None or b1 is None else (b1 - b0) / (time.perf_counter() - bt)
+        for kind in ("4k", "huge"):
+            block = mapped_block(request) if kind == "huge" else None
+            buf = memoryview(block.buffer)[:request] if block else ordinary_pages(request)
+            for op in ("write", "read"):
+                r0, s0, t0 = (
+                    resource.getrusage(resource.RUSAGE_SELF),
+                    steal_seconds(),
+                    time.perf_counter(),
+                )
+                for off in range(0, nbytes, request):
+                    n = os.pwritev(fd, [buf], off) if op == "write" else os.preadv(fd, [buf], off)
+                    if n != request:
+                        raise OSError(f"short {op} at offset {off}")
+                dt, gb = time.perf_counter() - t0, nbytes / 1e9
+                r1, s1 = resource.getrusage(resource.RUSAGE_SELF), steal_seconds()
+                cpu = r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
+                steal = None if s0 is None or s1 is None else (s1 - s0 - base * dt) / gb * 1e3
+                rows.append(
+                    {
+                        "load": "loaded" if loaded else "idle",
+                        "buffer": kind,
+                        "op": op,
+                        "gbps": gb / dt,
+                        "cpu_ms_per_gb": cpu / gb * 1e3,
+                        "steal_ms_per_gb": steal,
+                    }
+                )
+            del buf
+            if block is not None:
+                block.release()
+    finally:
+        for s in spinners:
+            s.kill()
+            s.wait()
+        os.close(fd)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--save-dir", help="folder to test, in a temp subfolder (default: .scratch/)")
@@ -125,10 +198,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", default="1,2,4", help="IO worker counts, comma separated")
     p.add_argument("--prefetch-depth", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cost", action="store_true", help="CPU and steal per GB instead (above)")
     p.add_argument("--json", help="write the rows to this file")
-    args = p.parse_args(argv)
-
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(words)
+    header = json_header("io.py", words, machine_info())
     total = args.total_mib * MiB
+    if args.cost:
+        with scratch_folder(args.save_dir, "io-") as folder:
+            cost = host_cost(folder, total, False) + host_cost(folder, total, True)
+        keys = ("load", "buffer", "op", "gbps", "cpu_ms_per_gb", "steal_ms_per_gb")
+        cells = [
+            [str(c[k]) if isinstance(c[k], str) else f"{c[k] or 0:.2f}" for k in keys] for c in cost
+        ]
+        print(format_table(keys, cells, left=3))
+        print(header["machine_line"])
+        if args.json:
+            Path(args.json).write_text(json.dumps({**header, "cost": cost}, indent=1) + "\n")
+        return 0
     requests = [int(x) * MiB for x in args.requests.split(",")]
     worker_counts = [int(x) for x in args.workers.split(",")]
     rows: list[IORow] = []
@@ -166,13 +253,12 @@ def main(argv: list[str] | None = None) -> int:
                     )
 
     print(
-        f"# {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"folder {'O_DIRECT' if direct else 'buffered'}, "
+        f"# {header['machine_line']}; folder {'O_DIRECT' if direct else 'buffered'}, "
         f"{args.total_mib} MiB per measurement, {args.tensor_mib} MiB tensors, "
         f"median of {args.repeats}"
     )
-    header = f"{'kind':<7} {'req MiB':>7} {'workers':>7} {'write GB/s':>10} {'read GB/s':>9} "
-    print(header + f"{'write/raw':>9} {'read/raw':>8}")
+    cols = f"{'kind':<7} {'req MiB':>7} {'workers':>7} {'write GB/s':>10} {'read GB/s':>9} "
+    print(cols + f"{'write/raw':>9} {'read/raw':>8}")
     for r in rows:
         print(
             f"{r.kind:<7} {r.request_mib:>7} {r.workers:>7} {r.write_gbps:>10.2f} "
@@ -180,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         out = [asdict(r) | {"write_ratio": r.write_ratio, "read_ratio": r.read_ratio} for r in rows]
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        Path(args.json).write_text(json.dumps({**header, "rows": out}, indent=1) + "\n")
     bad = [r for r in rows if not (r.write_gbps > 0 and r.read_gbps > 0)]
     if bad:
         print(f"error: non-positive throughput in {bad}", file=sys.stderr)

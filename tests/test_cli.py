@@ -153,9 +153,8 @@ def test_bench_script_is_found_in_the_checkout() -> None:
 
 def test_bench_runs_step_py(tmp_path: Path) -> None:
     step_args = ["--steps", "1", "--warmup", "0", "--width", "32", "--depth", "2"]
-    step_args += ["--heads", "2", "--batch", "2", "--seq", "16", "--min-offload-bytes", "0"]
-    step_args += ["--modes", "none,disk", "--no-mem-probe"]
-    step_args += ["--pending-sweep", ""]
+    step_args += ["--heads", "2", "--batch", "2", "--seq", "16", "--modes", "none,disk"]
+    step_args += ["--knobs", '{"min_offload_bytes": 0}', "--shared"]
     proc = subprocess.run(
         [sys.executable, "-m", "prefetch_offload", "bench", "--", *step_args],
         cwd=tmp_path,
