@@ -27,9 +27,9 @@ lifetimes and the errors that IO threads report.
 # checkpointing: it recomputes a segment there and its inner backward unpacks
 # the segment's tensors at once, so moving them would cost a write and a read
 # each for nothing (on
-# bench/step.py's transformer, every block checkpointed, about what forward
-# saves without checkpointing, 248.6 MiB per step, against the 15-17 MB forward
-# saves with it: docs/results/step-checkpoint.json, ab-checkpoint.json). With
+# bench/step.py's transformer at 6 blocks, every block checkpointed, about what
+# forward saves without checkpointing, 248.6 MiB per step, against the 15-17 MB
+# forward saves with it: docs/results/step-checkpoint.json). With
 # non-reentrant checkpointing the recompute never reaches these hooks, so it
 # stays in memory there too. A backward that keeps its graph (``create_graph``,
 # ``retain_graph=True``) saves for a later backward, the next derivative's
