@@ -155,6 +155,9 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": TORCH_THREADS,
         "python": platform.python_version(),
+        # Runnable threads over the last minute when the run started (a shared machine's
+        # other work slows every lane alike, but every step too).
+        "load_average": round(os.getloadavg()[0], 1),
     }
 
 

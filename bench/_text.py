@@ -91,6 +91,8 @@ def machine_line(prog: str, machine: dict[str, Any]) -> str:
         parts.append(str(machine["system"]))
     parts.append(f"torch {machine['torch']} ({machine['torch_threads']} threads)")
     parts.append(f"python {machine['python']}")
+    if machine.get("load_average") is not None:
+        parts.append(f"load average {machine['load_average']:g} at the start")
     return f"{prog} on {machine['host']}: " + ", ".join(parts)
 
 

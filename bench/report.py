@@ -6,15 +6,19 @@ measured in no row left out) and its targets; ``sweep.py`` one row per cell;
 ``io.py`` engine against raw bandwidth, or with ``--cost`` the CPU per GB;
 ``recompute.py`` its own tables (``bench/recompute.py``'s ``markdown``).
 Nothing is measured here, so a doc that pastes the tables cannot drift from the
-files it cites. Example::
+files it cites. ``--update FILE`` rewrites, in a markdown file, every block between
+``<!-- report.py PATH -->`` and ``<!-- end report.py -->`` with the tables of the
+JSON at PATH (relative to the working directory). Examples::
 
     python bench/report.py docs/results/*.json
+    python bench/report.py --update docs/benchmarks.md
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
 from _text import COLUMNS, cells
 
-__all__ = ["main", "markdown_table", "render"]
+__all__ = ["main", "markdown_table", "render", "update"]
 
 MiB = float(1 << 20)
 
@@ -98,6 +102,7 @@ def _io(doc: dict[str, Any]) -> list[str]:
 
 
 def _recompute(doc: dict[str, Any]) -> list[str]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # however report was loaded
     import recompute
 
     return ["", recompute.markdown(doc)]
@@ -115,10 +120,27 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+_BLOCK = re.compile(r"(<!-- report\.py (\S+) -->\n).*?(<!-- end report\.py -->)", re.S)
+
+
+def update(path: Path) -> None:
+    """Regenerate every marked block of the markdown file ``path`` (see above)."""
+    text = path.read_text(encoding="utf-8")
+
+    def block(m: re.Match[str]) -> str:
+        doc = json.loads(Path(m.group(2)).read_text(encoding="utf-8"))
+        return m.group(1) + render(doc) + m.group(3)
+
+    path.write_text(_BLOCK.sub(block, text), encoding="utf-8")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/report.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("files", nargs="+", type=Path, help="JSON written by a benchmark's --json")
+    p.add_argument("files", nargs="*", type=Path, help="JSON written by a benchmark's --json")
+    p.add_argument("--update", type=Path, default=None, metavar="MARKDOWN")
     args = p.parse_args(argv)
+    if args.update is not None:
+        update(args.update)
     status = 0
     for path in args.files:
         try:

@@ -82,8 +82,8 @@ from prefetch_offload.testing import warm_up_unary_ops
 __all__ = ["BUDGET_FRACTION", "headline", "main", "run_lanes", "summarize"]
 
 BUDGET_FRACTION = 0.5
-# The lanes --plot draws, by kind (with every --config lane).
-PLOT_KINDS = ("none", "disk", "budget", "cpu")
+# The lanes --plot draws, by name.
+PLOT_LANES = ("none", "disk", "budget", "cpu")
 # Engine counters reported per timed step (all running totals).
 _COUNTERS = (
     "bytes_offloaded",
@@ -255,7 +255,7 @@ def run_lanes(
         timelines = {}
         if trace:
             for spec in specs:
-                if spec.kind in PLOT_KINDS or spec.name != spec.kind:
+                if spec.name in PLOT_LANES:
                     progress(f"tracing one step of {spec.name}")
                     timelines[spec.name] = lanes[spec.name].trace(rounds, SAMPLE_INTERVAL_S)
     except BaseException:

@@ -121,7 +121,7 @@ def test_step_isolated_lanes_measure_their_own_memory_and_plot_it(
     lanes = {lane["name"]: lane for lane in doc["lanes"]}
     assert lanes["notrim"]["knobs"]["heap_trim_bytes"] is None
     assert lanes["notrim"]["env"] == config["env"]
-    assert set(doc["timelines"]) == {"none", "disk", "notrim"}
+    assert set(doc["timelines"]) == {"none", "disk"}
     for line in doc["timelines"].values():
         assert len(line["t_s"]) == len(line["rss_bytes"]) == len(line["live_bytes"]) >= 1
         assert 0 < line["backward_s"] < line["end_s"] and line["interval_s"] >= 0.01
@@ -395,3 +395,15 @@ def test_report_rejects_other_json(tmp_path: Path, capsys: pytest.CaptureFixture
     path.write_text('{"rows": []}')
     assert _load("report").main([str(path)]) == 1
     assert "not the JSON of any of: bench/step.py" in capsys.readouterr().err
+
+
+def test_report_update_fills_the_marked_blocks(tmp_path: Path, cwd: Path) -> None:
+    """--update regenerates what lies between a block's markers, and nothing else."""
+    doc = json.loads((RESULTS / "recompute-llama.json").read_text())
+    md = tmp_path / "doc.md"
+    marker = f"<!-- report.py {RESULTS / 'recompute-llama.json'} -->"
+    md.write_text(f"intro\n\n{marker}\nstale table\n<!-- end report.py -->\n\noutro\n")
+    assert _load("report").main(["--update", str(md)]) == 0
+    text = md.read_text()
+    assert "stale table" not in text and text.startswith("intro\n\n") and text.endswith("outro\n")
+    assert f"- Command: `{doc['command']}`" in text and "| auto10 |" in text
