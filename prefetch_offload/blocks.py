@@ -50,13 +50,23 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 # torch.compile traces a block, the wrapper uses a second ``context_fn`` the
 # caller gives (``compiled``), or none at all (``SKIP``): the engine then
 # offloads what the compiled graph saves, as without ``recompute``.
+#
+# NOTE [block modes]
+# A caller may choose, per block and per call, how the block runs
+# (:class:`BlockModes`): ``SELECTIVE`` (the checkpoint with the ``context_fn``:
+# its dispatch modes see every op), ``PLAIN`` (``torch.utils.checkpoint``
+# without a ``context_fn``: the block is recomputed whole, with no Python per
+# op) or ``WHOLE`` (not checkpointed: autograd saves what it saves, through
+# whatever saved-tensor hooks are active). It is told when each block's forward
+# starts and ends, and, through a gradient hook on the block's first output
+# that requires grad, when backward reaches the block (before its recompute).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -64,7 +74,17 @@ from torch.utils.checkpoint import checkpoint
 
 from .errors import OffloadError
 
-__all__ = ["SKIP", "BlockSpec", "WrappedBlocks", "current_block", "find_blocks"]
+__all__ = [
+    "PLAIN",
+    "SELECTIVE",
+    "SKIP",
+    "WHOLE",
+    "BlockModes",
+    "BlockSpec",
+    "WrappedBlocks",
+    "current_block",
+    "find_blocks",
+]
 
 # Module classes, or qualified module names as named_modules() gives them.
 BlockSpec = Sequence[type[nn.Module] | str]
@@ -181,6 +201,32 @@ def find_blocks(model: nn.Module, blocks: BlockSpec | None = None) -> list[tuple
 # checkpoint with this context_fn (None: a plain checkpoint), or SKIP the checkpoint.
 SKIP = "skip"
 
+# How a block runs in eager mode (NOTE [block modes]).
+SELECTIVE, PLAIN, WHOLE = "selective", "plain", "whole"
+
+
+class BlockModes(Protocol):
+    """Chooses how each block runs, and hears when it runs (NOTE [block modes]).
+
+    ``kind`` is the block's class name, ``index`` its position among the wrapped blocks.
+    """
+
+    def mode(self, kind: str, index: int) -> str:
+        """``SELECTIVE``, ``PLAIN`` or ``WHOLE`` for this call of the block."""
+        ...
+
+    def entered(self, kind: str, index: int) -> None:
+        """The block's forward starts (grad enabled, not compiling)."""
+        ...
+
+    def exited(self, kind: str, index: int) -> None:
+        """The block's forward returned."""
+        ...
+
+    def backward(self, kind: str, index: int) -> None:
+        """Backward reached the block's output (before the block's own backward)."""
+        ...
+
 
 class WrappedBlocks:
     """Blocks whose forward runs under a checkpoint; :meth:`restore` undoes it exactly.
@@ -192,6 +238,8 @@ class WrappedBlocks:
             ``SKIP`` to leave a compiled block unchecked (NOTE [compiled blocks]).
         model: the model the blocks are from; its ``config.use_cache`` is off while
             they are wrapped (NOTE [kv cache]).
+        modes: chooses per call how each block runs (NOTE [block modes]); None:
+            always the checkpoint with ``context_fn``.
     """
 
     def __init__(
@@ -201,6 +249,7 @@ class WrappedBlocks:
         *,
         compiled: ContextFn | str | None = None,
         model: nn.Module | None = None,
+        modes: BlockModes | None = None,
     ) -> None:
         self.blocks = blocks
         self._saved: list[tuple[nn.Module, bool, Any]] = []
@@ -212,7 +261,7 @@ class WrappedBlocks:
             for index, (name, module) in enumerate(blocks):
                 own = "forward" in module.__dict__
                 self._saved.append((module, own, module.__dict__.get("forward")))
-                module.forward = _checkpointed(module, name, index, context_fn, compiled)  # type: ignore[method-assign]
+                module.forward = _checkpointed(module, name, index, context_fn, compiled, modes)  # type: ignore[method-assign]
         except BaseException:
             self.restore()
             raise
@@ -265,6 +314,7 @@ def _checkpointed(
     index: int,
     context_fn: ContextFn | None,
     compiled: ContextFn | str | None,
+    modes: BlockModes | None = None,
 ) -> Callable[..., Any]:
     inner = type(module).forward.__get__(module)
     if "forward" in module.__dict__:
@@ -283,18 +333,42 @@ def _checkpointed(
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
         fn = context_fn
+        how = SELECTIVE
         if torch.compiler.is_compiling():  # NOTE [compiled blocks]
             if compiled == SKIP:
                 return inner(*args, **kwargs)
             fn = compiled  # type: ignore[assignment]
+        elif modes is not None:  # NOTE [block modes]
+            how = modes.mode(kind, index)
+            modes.entered(kind, index)
         extra: dict[str, Any] = {}
-        if fn is not None:
+        if fn is not None and how == SELECTIVE:
             extra["context_fn"] = fn
         stack = _local.__dict__.setdefault("stack", [])
         stack.append((kind, index))  # for context_fn, which checkpoint calls first
         try:
-            return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+            if how == WHOLE:
+                out = inner(*args, **kwargs)
+            else:
+                out = checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
         finally:
             stack.pop()
+        if modes is not None and not torch.compiler.is_compiling():
+            modes.exited(kind, index)
+            _hook_backward(out, lambda: modes.backward(kind, index))
+        return out
 
     return forward
+
+
+def _hook_backward(out: Any, call: Callable[[], None]) -> None:
+    """Call ``call`` when backward reaches the first tensor of ``out`` that requires
+    grad (NOTE [block modes])."""
+    for x in torch.utils._pytree.tree_leaves(out):
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+
+            def hook(grad: torch.Tensor) -> None:
+                call()
+
+            x.register_hook(hook)
+            return

@@ -210,7 +210,8 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
     def context_fn() -> tuple[Any, Any]:
         return selective_contexts(decider, engine, stats)
 
-    return WrappedBlocks(blocks, context_fn, compiled=compiled, model=config.model)
+    modes = decider if recompute == "auto" else None  # NOTE [block modes]
+    return WrappedBlocks(blocks, context_fn, compiled=compiled, model=config.model, modes=modes)
 
 
 def _saving_offloads(policy: Callable[..., Any]) -> Callable[..., Any]:

@@ -52,6 +52,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import statistics
 import threading
 import time
 import warnings
@@ -61,6 +62,7 @@ from typing import Any
 
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .blocks import PLAIN, SELECTIVE, WHOLE
 from .checkpointing import (
     OFFLOAD,
     RECOMPUTE,
@@ -136,6 +138,13 @@ class RecomputePlan:
             f"{self.bytes_offloaded / _MiB:.1f} MiB offloaded, "
             f"{self.bytes_kept / _MiB:.1f} MiB kept"
         ]
+        if "blocks_whole" in self.measured:
+            m = self.measured
+            lines.append(
+                f"  blocks: {m['blocks_whole']:.0f} whole (within device_budget), "
+                f"{m['blocks_plain']:.0f} checkpointed plainly, "
+                f"{m['blocks_selective']:.0f} selectively (the ops below)"
+            )
         if self.measured:
             lines.append(
                 "  measured: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(self.measured.items()))
@@ -251,29 +260,55 @@ class _Recorded:
 
 @dataclass
 class _Obs:
-    """One op position's measurements over a profiling step."""
+    """One op position's measurements over the profiling steps."""
 
     func: Any
-    nbytes: int = 0
-    seconds: float = 0.0
+    nbytes: int = 0  # output bytes over the offload-all step (every block)
+    calls: int = 0  # calls in the offload-all step (one per block)
+    seconds: list[float] = dataclasses.field(default_factory=list)  # per call, both steps
     consumed: int = 0
     fixed: str | None = None  # "alias" or "random": recomputed whatever the cost
 
+    @property
+    def total_s(self) -> float:
+        """Compute seconds over a step: the median call, as often as the step calls it."""
+        return statistics.median(self.seconds) * self.calls if self.seconds else 0.0
 
-_WARM, _OFFLOAD_ALL, _RECOMPUTE_ALL, _PLANNED = range(4)
+
+@dataclass
+class _Span:
+    """One block's forward (start, end), when backward reached it, and (whole-block
+    step) the bytes it handed to the engine."""
+
+    start: float = 0.0
+    end: float = 0.0
+    grad: float | None = None
+    saved: int = 0
+
+
+# The profiling steps, then the plan (NOTE [keep, offload, recompute]).
+_WHOLE_ALL, _OFFLOAD_ALL, _RECOMPUTE_ALL, _PLAIN_ALL, _PLANNED = range(5)
+_PHASE_MODE = {_WHOLE_ALL: WHOLE, _OFFLOAD_ALL: SELECTIVE, _RECOMPUTE_ALL: SELECTIVE}
+# (_PLAIN_ALL: even blocks plain, odd ones selective, both recomputing everything.)
+
+
+def _live_bytes(s: OffloadStats) -> int:
+    return s.device_tier_bytes + s.host_tier_bytes + s.disk_tier_bytes
 
 
 class AutoDecider:
-    """``recompute="auto"``: profile two steps, then decide per op position.
+    """``recompute="auto"``: profile four steps, then decide per block and per op position.
 
-    Steps: one warms up (everything offloaded), one offloads every output and
-    times each op, one recomputes every output, then the plan holds (NOTE [keep,
-    offload, recompute]). A step starts at the first checkpointed forward op
-    after a recompute began.
+    Steps (NOTE [keep, offload, recompute]): every block whole (the bytes each saves),
+    every op output offloaded and timed, every output recomputed and timed, every
+    block checkpointed plainly; then the plan holds. A step starts at the first block
+    forward after backward reached a block. Implements both
+    :class:`~prefetch_offload.checkpointing.Decider` and
+    :class:`~prefetch_offload.blocks.BlockModes`.
 
     Args:
-        stats: the engine's counters now (bytes moved, stalls, read bandwidth).
-        device_budget: the engine's ``device_budget`` (the warning's threshold).
+        stats: the engine's counters now (bytes moved, stalls, read bandwidth, tiers).
+        device_budget: the engine's ``device_budget``: what whole blocks may hold.
         clock: time source (tests pass a fake one).
     """
 
@@ -290,17 +325,17 @@ class AutoDecider:
         self._lock = threading.RLock()
         self._plan: dict[Position, CheckpointPolicy] = {}
         self._reasons: dict[Position, tuple[str, float, float]] = {}
+        self._modes: dict[tuple[str, int], str] = {}  # per block, once planned
         self._obs: dict[Position, _Obs] = {}
         # Positions recomputed whatever they cost: "alias" or "random" (decide() sees
         # the arguments that tell an attention kernel's dropout_p).
         self._fixed: dict[Position, str] = {}
-        self._phase = _WARM
-        self._stale = False  # an unplanned position appeared: profile again
+        self._spans: dict[int, dict[tuple[str, int], _Span]] = {}
+        self._ends: dict[int, float] = {}  # each profiling step's end: the next one's start
+        self._phase = _WHOLE_ALL
+        self._stale = False  # an unplanned block or position appeared: profile again
         self._in_backward = False
-        # The offload-all step: its start, its first recompute, its last consumed
-        # output, the counters at its start; the recompute-all step's start.
-        self._t_start = self._t_bwd = self._t_last = self._t_second = 0.0
-        self._t_recompute = self._span_offload = 0.0
+        # The engine's counters at the start and the end of the offload-all step.
         self._s0: OffloadStats | None = None
         self._s1: OffloadStats | None = None
         self._block_bytes: collections.Counter[tuple[str, int]] = collections.Counter()
@@ -309,18 +344,57 @@ class AutoDecider:
         self.measured: dict[str, float] = {}
         self._last = RecomputePlan("auto")
 
+    # -- BlockModes -------------------------------------------------------------------------
+
+    def mode(self, kind: str, index: int) -> str:
+        with self._lock:
+            if self._in_backward:
+                self._step_started()
+            if self._phase == _PLAIN_ALL:  # the dispatch modes' cost, paired in one step
+                return SELECTIVE if index % 2 else PLAIN
+            if self._phase != _PLANNED:
+                return _PHASE_MODE[self._phase]
+            how = self._modes.get((kind, index))
+            if how is None:  # a block the profile did not see: profile again
+                self._stale = True
+                return PLAIN
+            return how
+
+    def entered(self, kind: str, index: int) -> None:
+        with self._lock:
+            if self._phase == _PLANNED:
+                return
+            span = self._spans.setdefault(self._phase, {}).setdefault((kind, index), _Span())
+            if self._phase == _WHOLE_ALL:
+                span.saved = -_live_bytes(self._stats())
+            span.start = self._clock()
+
+    def exited(self, kind: str, index: int) -> None:
+        with self._lock:
+            span = self._spans.get(self._phase, {}).get((kind, index))
+            if span is None or self._phase == _PLANNED:
+                return
+            span.end = self._clock()
+            if self._phase == _WHOLE_ALL:
+                span.saved += _live_bytes(self._stats())
+
+    def backward(self, kind: str, index: int) -> None:
+        with self._lock:
+            self._in_backward = True
+            span = self._spans.get(self._phase, {}).get((kind, index))
+            if span is not None and span.grad is None:
+                span.grad = self._clock()
+
     # -- Decider ----------------------------------------------------------------------------
 
     def decide(self, key: OpKey, func: Any, args: Any, kwargs: Any, out: Any) -> CheckpointPolicy:
         with self._lock:
-            if self._in_backward:
-                self._step_started()
             pos: Position = (key[0], func, key[3])
             random = draws_random(func, args, kwargs)
             fixed = random or _aliases(func)
             if fixed and self._phase == _OFFLOAD_ALL:
                 self._fixed[pos] = "random" if random else "alias"
-            if self._phase == _RECOMPUTE_ALL or fixed:
+            if self._phase in (_RECOMPUTE_ALL, _PLAIN_ALL) or fixed:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             if self._phase != _PLANNED:
                 return CheckpointPolicy.PREFER_CPU_OFFLOAD
@@ -331,35 +405,33 @@ class AutoDecider:
             return policy
 
     def timing(self) -> bool:
-        # Both profiling steps time their ops: the timing's own cost cancels out.
+        # Both selective profiling steps time their ops: twice the samples per position.
         return self._phase in (_OFFLOAD_ALL, _RECOMPUTE_ALL)
 
     def observe(self, key: OpKey, func: Any, out: Any, seconds: float, policy: Any) -> None:
         with self._lock:
-            if self._phase != _OFFLOAD_ALL:
+            if self._phase not in (_OFFLOAD_ALL, _RECOMPUTE_ALL):
                 return
             pos: Position = (key[0], func, key[3])
             obs = self._obs.get(pos)
             if obs is None:
-                obs = self._obs[pos] = _Obs(func, fixed=self._fixed.get(pos))
-            nbytes = output_bytes(out)
-            obs.nbytes += nbytes
-            obs.seconds += seconds
-            self._block_bytes[(key[0], key[1])] += nbytes
+                obs = self._obs[pos] = _Obs(func)
+            obs.seconds.append(seconds)
+            if self._phase == _OFFLOAD_ALL:
+                nbytes = output_bytes(out)
+                obs.fixed = self._fixed.get(pos)
+                obs.nbytes += nbytes
+                obs.calls += 1
+                self._block_bytes[(key[0], key[1])] += nbytes
 
     def recomputing(self) -> None:
         with self._lock:
-            self._t_recompute = self._clock()  # the step's span ends at its last recompute
-            if not self._in_backward:
-                self._in_backward = True
-                if self._phase == _OFFLOAD_ALL and not self._t_bwd:
-                    self._t_bwd = self._clock()
+            self._in_backward = True
 
     def consumed(self, key: OpKey) -> None:
         with self._lock:
-            self.recomputing()
+            self._in_backward = True
             if self._phase == _OFFLOAD_ALL:
-                self._t_last = self._clock()
                 obs = self._obs.get((key[0], key[2], key[3]))
                 if obs is not None:
                     obs.consumed += 1
@@ -367,42 +439,80 @@ class AutoDecider:
     # -- planning ---------------------------------------------------------------------------
 
     def _step_started(self) -> None:
-        """The first forward op after a recompute: the next phase."""
+        """The first block forward after backward began: the next phase."""
         self._in_backward = False
-        now = self._clock()
-        if self._phase == _WARM:
-            self._reset_profile()
-            self._phase = _OFFLOAD_ALL
-            self._t_start, self._s0 = now, self._stats()
+        if self._phase == _PLANNED:
+            if self._stale:
+                self._stale = False
+                self._reset_profile()
+                self._phase = _WHOLE_ALL
+            return
+        self._ends[self._phase] = self._clock()
+        if self._phase == _WHOLE_ALL:
+            self._s0 = self._stats()
         elif self._phase == _OFFLOAD_ALL:
-            self._phase = _RECOMPUTE_ALL
-            self._span_offload = self._t_recompute - self._t_start
-            self._t_second, self._s1 = now, self._stats()
-        elif self._phase == _RECOMPUTE_ALL:
-            self._make_plan(self._t_recompute)
-            self._phase = _PLANNED
-        elif self._stale:
-            self._stale = False
+            self._s1 = self._stats()
+        elif self._phase == _PLAIN_ALL:
+            self._make_plan()
             self._reset_profile()
-            self._phase = _OFFLOAD_ALL
-            self._t_start, self._s0 = now, self._stats()
+            self._phase = _PLANNED
+            return
+        self._phase += 1
 
     def _reset_profile(self) -> None:
         self._obs.clear()
         self._fixed.clear()
+        self._spans.clear()
+        self._ends.clear()
         self._block_bytes.clear()
         self._s0 = self._s1 = None
-        self._t_start = self._t_bwd = self._t_last = self._t_second = 0.0
 
-    def _make_plan(self, now: float) -> None:
+    def _block_times(self, phase: int, parity: int | None = None) -> tuple[float, float, int]:
+        """The median block's forward and backward seconds in a profiling step (of the
+        blocks whose index has ``parity``, if given), and the blocks it ran. A block's
+        backward runs from backward reaching its output to backward reaching the block
+        before it (the first block: to the next step)."""
+        spans = sorted(self._spans.get(phase, {}).items(), key=lambda kv: kv[0][1])
+        fwd, bwd = [], []
+        later = self._ends.get(phase, 0.0)
+        for (_, index), s in spans:  # by index: the block before ends this one's backward
+            mine = parity is None or index % 2 == parity
+            if mine and s.end:
+                fwd.append(s.end - s.start)
+            if s.grad is not None:
+                if mine and later >= s.grad:
+                    bwd.append(later - s.grad)
+                later = s.grad
+        med = statistics.median
+        return (med(fwd) if fwd else 0.0), (med(bwd) if bwd else 0.0), len(spans)
+
+    def _make_plan(self) -> None:
         s0, s1 = self._s0, self._s1
         assert s0 is not None and s1 is not None
-        t_fwd = max(self._t_bwd - self._t_start, 1e-9)
-        t_bwd = max(self._t_last - self._t_bwd, 1e-9)
-        # Each step from its first checkpointed op to its last recompute's start: what
-        # runs between steps (the optimizer, data, other work) is left out.
-        step_offload = self._span_offload  # everything stored
-        step_recompute = now - self._t_second  # nothing stored
+        f_off, b_off, n = self._block_times(_OFFLOAD_ALL)
+        f_rec, b_rec, _ = self._block_times(_RECOMPUTE_ALL)
+        # The paired step: even blocks plain, odd ones under the dispatch modes.
+        f_plain, b_plain, _ = self._block_times(_PLAIN_ALL, 0)
+        f_sac, b_sac, _ = self._block_times(_PLAIN_ALL, 1)
+        if not f_sac:  # one block: against the recompute-all step
+            f_sac, b_sac = f_rec, b_rec
+        n = max(n, 1)
+        # Whole blocks: the newest whose saved bytes the budget keeps anyway.
+        whole: list[tuple[str, int]] = []
+        held = 0
+        for key, span in sorted(self._spans.get(_WHOLE_ALL, {}).items(), key=lambda kv: -kv[0][1]):
+            # A block whose saved tensors never reached the engine's tiers (nothing
+            # measured) is not known to fit.
+            if span.saved <= 0 or held + span.saved > self._budget:
+                break
+            held += span.saved
+            whole.append(key)
+        rest = n - len(whole)
+        share = rest / n  # of the profiled bytes and seconds, the blocks still checkpointed
+        t_fwd, t_bwd = max(n * f_off, 1e-9), max(n * b_off, 1e-9)
+        step_offload, step_recompute = n * (f_off + b_off), n * (f_rec + b_rec)
+        # The dispatch modes' own cost per block, both recomputing everything.
+        overhead = max((f_sac + b_sac) - (f_plain + b_plain), 0.0)
         moved = s1.bytes_offloaded - s0.bytes_offloaded
         e_fwd = (s1.pack_wait_seconds - s0.pack_wait_seconds) + (
             s1.copy_wait_seconds - s0.copy_wait_seconds
@@ -412,7 +522,7 @@ class AutoDecider:
         read_s = s1.read_seconds - s0.read_seconds
         stored = sum(o.nbytes for o in self._obs.values() if o.fixed is None)
         # What the recompute-all step recomputed that the offload-all step read back.
-        recomputed_s = sum(o.seconds for o in self._obs.values() if o.fixed is None and o.consumed)
+        recomputed_s = sum(o.total_s for o in self._obs.values() if o.fixed is None and o.consumed)
         write_bw = moved / t_fwd if moved else math.inf
         read_bw = read / read_s if read and read_s > 0 else math.inf
         # Moving `moved` bytes cost the offload-all step this much beyond the compute the
@@ -421,11 +531,11 @@ class AutoDecider:
         per_byte = max(move_cost - e_fwd - e_bwd, 0.0) / moved if moved else 0.0
         hide_f = max(t_fwd - e_fwd, 0.0)
         hide_b = max(t_bwd - e_bwd, 0.0)
-        # The bytes the engine moves once `cut` bytes of outputs are no longer stored.
-        left_on_device = max(stored - moved, 0)
+        # The bytes the budget keeps of the outputs, less what the whole blocks take of it.
+        left_on_device = max(stored - moved - held, 0)
 
-        def cost(cut: int, recompute_s: float) -> float:
-            out = max(stored - cut - left_on_device, 0)
+        def cost(cut: float, recompute_s: float) -> float:
+            out = max(stored * share - cut - left_on_device, 0)
             return (
                 per_byte * out
                 + max(0.0, out / write_bw - hide_f)
@@ -440,32 +550,52 @@ class AutoDecider:
             if obs.fixed is not None:
                 plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
                 why = "aliases another tensor" if obs.fixed == "alias" else "draws random numbers"
-                reasons[pos] = (why, obs.seconds, 0.0)
+                reasons[pos] = (why, obs.total_s, 0.0)
             elif obs.consumed == 0 or obs.nbytes == 0:
                 plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
                 reasons[pos] = ("never needed by the recompute", 0.0, 0.0)
                 free.append(pos)
             else:
-                candidates.append((obs.seconds / obs.nbytes, pos))
-        cut = sum(self._obs[p].nbytes for p in free)
-        recompute_s = 0.0
+                candidates.append((obs.total_s / obs.nbytes, pos))
+        cut = sum(self._obs[p].nbytes for p in free) * share
+        recompute_s = gain = 0.0
         for _, pos in sorted(candidates, key=lambda c: c[0]):
             obs = self._obs[pos]
-            move = cost(cut, recompute_s) - cost(cut + obs.nbytes, recompute_s + obs.seconds)
-            if obs.seconds < move:
+            nbytes, seconds = obs.nbytes * share, obs.total_s * share
+            move = cost(cut, recompute_s) - cost(cut + nbytes, recompute_s + seconds)
+            if seconds < move:
                 plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
-                reasons[pos] = ("recompute is cheaper than moving", obs.seconds, move)
-                cut += obs.nbytes
-                recompute_s += obs.seconds
+                reasons[pos] = ("recompute is cheaper than moving", seconds, move)
+                cut += nbytes
+                recompute_s += seconds
             else:
                 plan[pos] = CheckpointPolicy.PREFER_CPU_OFFLOAD
-                reasons[pos] = ("moving is cheaper than recompute", obs.seconds, move)
+                reasons[pos] = ("moving is cheaper than recompute", seconds, move)
+                gain += seconds - move
+        # Selective only where its offloads save more than its dispatch modes cost.
+        selective = gain > overhead * rest
+        if not selective:
+            plain = "block checkpointed plainly: selective would save less than its dispatch costs"
+            for pos in plan:
+                if plan[pos] in OFFLOAD:
+                    plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
+                    reasons[pos] = (plain, reasons[pos][1], reasons[pos][2])
+        profiled = {key for spans in self._spans.values() for key in spans}
+        self._modes = dict.fromkeys(profiled, SELECTIVE if selective else PLAIN)
+        self._modes.update(dict.fromkeys(whole, WHOLE))
         self._plan.update(plan)
         self._reasons.update(reasons)
         self.plans_made += 1
         self.measured = {
+            "blocks_whole": len(whole),
+            "blocks_selective": rest if selective else 0,
+            "blocks_plain": 0 if selective else rest,
+            "whole_MiB": held / _MiB,
+            "dispatch_s_per_block": overhead,
+            "selective_gain_s": gain,
             "step_offload_all_s": step_offload,
             "step_recompute_all_s": step_recompute,
+            "step_plain_s": n * (f_plain + b_plain),
             "recompute_s": recomputed_s,
             "move_s_per_GB": per_byte * 1e9,
             "forward_s": t_fwd,
@@ -476,27 +606,33 @@ class AutoDecider:
             "write_GBps": write_bw / 1e9 if math.isfinite(write_bw) else math.inf,
             "read_GBps": read_bw / 1e9 if math.isfinite(read_bw) else math.inf,
         }
-        self._last = self._summarize()
+        self._last = self._summarize(share)
         self._warn_budget()
-        self._reset_profile()
 
     def _warn_budget(self) -> None:
         if self._warned or self._budget <= 0 or not self._block_bytes:
             return
-        floor = max(self._block_bytes.values())
+        # What one block's recompute holds at once: what it saves for backward (the
+        # whole-block step), else (nothing reached the engine's tiers) its op outputs.
+        saved = [s.saved for s in self._spans.get(_WHOLE_ALL, {}).values() if s.saved > 0]
+        floor, what = (
+            (max(saved), "what the largest block saves for backward")
+            if saved
+            else (max(self._block_bytes.values()), "the largest block's op outputs")
+        )
         if floor > self._budget:
             self._warned = True
             warnings.warn(
                 f"prefetch_offload: device_budget={self._budget} bytes is below what one "
-                f"block's recompute holds at once ({floor} bytes, the largest block's op "
-                f"outputs): no plan reaches it; the smallest reachable is about {floor} bytes "
-                "plus the tensors saved outside the blocks. Raise device_budget to at least "
-                "that, or split the blocks (recompute_blocks=) finer.",
+                f"block's recompute holds at once ({floor} bytes, {what}): no plan reaches "
+                f"it; the smallest reachable is about {floor} bytes plus the tensors saved "
+                "outside the blocks. Raise device_budget to at least that, or split the "
+                "blocks (recompute_blocks=) finer.",
                 OffloadFallbackWarning,
                 stacklevel=2,
             )
 
-    def _summarize(self) -> RecomputePlan:
+    def _summarize(self, share: float) -> RecomputePlan:
         per: dict[str, list[Position]] = collections.defaultdict(list)
         for pos in self._obs:
             per[op_kind(pos[1])].append(pos)
@@ -504,9 +640,9 @@ class AutoDecider:
         totals: collections.Counter[str] = collections.Counter()
         for kind, positions in per.items():
             choices = {_choice_name(self._plan[p]) for p in positions}
-            nbytes = sum(self._obs[p].nbytes for p in positions)
+            nbytes = round(sum(self._obs[p].nbytes for p in positions) * share)
             for p in positions:
-                totals[_choice_name(self._plan[p])] += self._obs[p].nbytes
+                totals[_choice_name(self._plan[p])] += round(self._obs[p].nbytes * share)
             reasons = sorted({self._reasons[p][0] for p in positions})
             ops.append(
                 OpDecision(
@@ -514,7 +650,7 @@ class AutoDecider:
                     choices.pop() if len(choices) == 1 else "mixed",
                     nbytes,
                     len(positions),
-                    seconds_per_step=sum(self._obs[p].seconds for p in positions),
+                    seconds_per_step=sum(self._obs[p].total_s for p in positions) * share,
                     move_seconds_per_step=sum(self._reasons[p][2] for p in positions),
                     reason="; ".join(reasons),
                 )

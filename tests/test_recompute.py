@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from prefetch_offload import OffloadFallbackWarning, OffloadStats, offload_context
+from prefetch_offload.blocks import PLAIN, SELECTIVE, WHOLE
 from prefetch_offload.recompute import AutoDecider
 from prefetch_offload.testing import TinyTransformer, make_batch, warm_up_unary_ops
 
@@ -39,6 +40,10 @@ class _Fake:
     def snapshot(self) -> OffloadStats:
         return self.stats
 
+    def add(self, **counters: float) -> None:
+        values = {f: getattr(self.stats, f) + v for f, v in counters.items()}
+        self.stats = OffloadStats(**{**self.stats.__dict__, **values})
+
 
 def _out(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes // 4, device="meta")
@@ -51,28 +56,45 @@ def _step(
     *,
     step_s: float,
     forward_s: float = 1.0,
+    blocks: int = 1,
+    saved: int = 0,
     consumed: set[Any] | None = None,
+    slow: int | None = None,
     **counters: float,
 ) -> dict[Any, CheckpointPolicy]:
-    """One step of one block: forward decides each op; the recompute reads back what was
-    stored (``consumed``: which of those it asks for; None: all)."""
+    """One step through ``blocks`` blocks, each taking ``forward_s`` forward and
+    ``step_s - forward_s`` backward, as the wrapper and the dispatch modes report it: a
+    selective block decides each op, and its recompute reads back what was stored
+    (``consumed``: which of those it asks for; None: all); a whole block hands
+    ``saved`` bytes to the engine; block ``slow`` takes a second longer forward."""
     decisions = {}
-    start = fake.now
-    for func, nbytes, seconds in ops:
-        decisions[func] = decider.decide(("Block", 0, func, 0), func, (), {}, _out(nbytes))
-        fake.now += seconds
-        decider.observe(("Block", 0, func, 0), func, _out(nbytes), seconds, decisions[func])
-    fake.now = start + forward_s
-    decider.recomputing()
-    fake.now = start + step_s - 0.1
-    decider.recomputing()  # the last block's recompute (block 0)
-    for func, _, _ in ops:
-        stored = decisions[func] is not P.PREFER_RECOMPUTE
-        if stored and (consumed is None or func in consumed):
-            decider.consumed(("Block", 0, func, 0))
-    fake.now = start + step_s
-    values = {f: getattr(fake.stats, f) + v for f, v in counters.items()}
-    fake.stats = OffloadStats(**{**fake.stats.__dict__, **values})
+    modes = []
+    for b in range(blocks):
+        mode = decider.mode("Block", b)
+        modes.append(mode)
+        start = fake.now
+        decider.entered("Block", b)
+        if mode == SELECTIVE:
+            for func, nbytes, seconds in ops:
+                key = ("Block", b, func, 0)
+                decisions[func] = decider.decide(key, func, (), {}, _out(nbytes))
+                if decider.timing():
+                    decider.observe(key, func, _out(nbytes), seconds, decisions[func])
+        elif mode == WHOLE:
+            fake.add(device_tier_bytes=saved)
+        fake.now = start + forward_s + (1.0 if b == slow else 0.0)
+        decider.exited("Block", b)
+    for b in reversed(range(blocks)):
+        start = fake.now
+        decider.backward("Block", b)
+        if modes[b] == SELECTIVE:
+            decider.recomputing()
+            for func, _, _ in ops:
+                stored = decisions[func] is not P.PREFER_RECOMPUTE
+                if stored and (consumed is None or func in consumed):
+                    decider.consumed(("Block", b, func, 0))
+        fake.now = start + step_s - forward_s
+    fake.add(**counters)
     return decisions
 
 
@@ -83,34 +105,52 @@ _NEEDED = {MM, GELU, VIEW}
 _RECOMPUTED_S = _MM_S + 0.01
 
 
-def _plan(offload_all_s: float, recompute_all_s: float, **profile: float) -> AutoDecider:
+def _plan(
+    offload_all_s: float,
+    recompute_all_s: float,
+    plain_s: float | None = None,
+    *,
+    blocks: int = 1,
+    budget: int = 0,
+    saved: int = 0,
+    **profile: float,
+) -> AutoDecider:
+    """The four profiling steps (NOTE [keep, offload, recompute]), each block's share of
+    the given step times, then the first planned step (``decider.decisions``)."""
     fake = _Fake()
-    decider = AutoDecider(fake.snapshot, 0, clock=fake.clock)
-    warm = _step(decider, fake, _OPS, step_s=3.0)
-    assert warm[MM] is P.PREFER_CPU_OFFLOAD and warm[VIEW] is P.PREFER_RECOMPUTE
-    assert not decider.timing()
-    first = _step(decider, fake, _OPS, step_s=offload_all_s, consumed=_NEEDED, **profile)
-    assert first[MM] is P.PREFER_CPU_OFFLOAD and decider.timing()
-    second = _step(decider, fake, _OPS, step_s=recompute_all_s)
+    decider = AutoDecider(fake.snapshot, budget, clock=fake.clock)
+    per = {"blocks": blocks, "forward_s": 1.0 / blocks}
+    whole = _step(decider, fake, _OPS, step_s=3.0 / blocks, saved=saved, **per)  # type: ignore[arg-type]
+    assert not whole and not decider.timing()  # every block whole: no op seen
+    first = _step(
+        decider, fake, _OPS, step_s=offload_all_s / blocks, consumed=_NEEDED, **per, **profile
+    )  # type: ignore[arg-type]
+    assert first[MM] is P.PREFER_CPU_OFFLOAD and first[VIEW] is P.PREFER_RECOMPUTE
+    second = _step(decider, fake, _OPS, step_s=recompute_all_s / blocks, **per)  # type: ignore[arg-type]
     assert set(second.values()) == {P.PREFER_RECOMPUTE} and decider.profiling
+    plain = recompute_all_s - 0.01 if plain_s is None else plain_s
+    paired = _step(decider, fake, _OPS, step_s=plain / blocks, **per)  # type: ignore[arg-type]
+    assert set(paired.values()) <= {P.PREFER_RECOMPUTE}  # odd blocks: the dispatch modes
     assert decider.plan().plans_made == 0
-    decider.decisions = _step(decider, fake, _OPS, step_s=3.0)  # type: ignore[attr-defined]
+    decider.decisions = _step(decider, fake, _OPS, step_s=3.0 / blocks, **per)  # type: ignore[arg-type, attr-defined]
     assert decider.plan().plans_made == 1 and not decider.profiling
     return decider
+
+
+_SLOW_LINK = {
+    "bytes_offloaded": 1.25 * GB,
+    "pack_wait_seconds": 1.0,
+    "bytes_read": 1.25 * GB,
+    "read_seconds": 4.0,
+}
 
 
 def test_a_slow_link_recomputes_what_is_cheap_per_byte_and_offloads_the_rest() -> None:
     # Forward stalled 1 s on writes of 1.25 GB; reads took 4 s for as many bytes; the
     # step that stored everything took 3 s, the one that recomputed everything 2.5 s.
-    decider = _plan(
-        3.0,
-        2.5,
-        bytes_offloaded=1.25 * GB,
-        pack_wait_seconds=1.0,
-        bytes_read=1.25 * GB,
-        read_seconds=4.0,
-    )
+    decider = _plan(3.0, 2.5, **_SLOW_LINK)
     decisions = decider.decisions  # type: ignore[attr-defined]
+    assert decider.mode("Block", 0) == SELECTIVE
     assert decisions[GELU] is P.PREFER_RECOMPUTE  # 0.01 s for 0.5 GB
     assert decisions[MM] is P.PREFER_CPU_OFFLOAD  # 1 s: more than moving its bytes costs
     assert decisions[VIEW] is P.PREFER_RECOMPUTE  # aliases its input
@@ -119,6 +159,57 @@ def test_a_slow_link_recomputes_what_is_cheap_per_byte_and_offloads_the_rest() -
     # Moving cost 3 - (2.5 - 1.01) = 1.51 s, 1 s of it the forward stall: 0.41 s/GB.
     assert measured["move_s_per_GB"] == pytest.approx(0.51 / 1.25)
     assert measured["forward_stall_s"] == 1.0
+    assert measured["dispatch_s_per_block"] == pytest.approx(0.01)
+
+
+def test_selective_that_saves_less_than_its_dispatch_costs_checkpoints_plainly() -> None:
+    """The same link, but the plain step was 0.5 s faster than the recompute-all one:
+    offloading the matmul saves less than the dispatch modes cost, so the block is
+    checkpointed without them and every op is recomputed."""
+    decider = _plan(3.0, 2.5, 2.0, **_SLOW_LINK)
+    assert decider.mode("Block", 0) == PLAIN
+    assert decider.decisions == {}  # type: ignore[attr-defined]  # no dispatch mode ran
+    plan = decider.plan()
+    assert plan.bytes_offloaded == 0 and "checkpointed plainly" in str(plan)
+    assert plan.measured["dispatch_s_per_block"] == pytest.approx(0.5)
+
+
+def test_the_newest_blocks_the_budget_keeps_anyway_run_whole() -> None:
+    """Three blocks saving 100 bytes each, a budget of 250: the two newest run
+    unchecked (the engine keeps what they save), the oldest is checkpointed."""
+    decider = _plan(3.0, 2.5, 2.0, blocks=3, budget=250, saved=100, **_SLOW_LINK)
+    modes = [decider.mode("Block", b) for b in range(3)]
+    assert modes[0] != WHOLE and modes[1:] == [WHOLE, WHOLE]
+    plan = decider.plan()
+    assert plan.measured["blocks_whole"] == 2 and "2 whole" in str(plan)
+
+
+def test_profile_times_are_medians_over_blocks() -> None:
+    """One block of four was slow in the offload-all step (another process had the
+    cores): the median block leaves it out."""
+    fake = _Fake()
+    decider = AutoDecider(fake.snapshot, 0, clock=fake.clock)
+    for step_s, slow in ((3.0, None), (1.0, 2), (1.0, None), (0.9, None), (1.0, None)):
+        _step(decider, fake, _OPS, step_s=step_s / 4, forward_s=0.1, blocks=4, slow=slow)
+    assert decider.plan().measured["step_offload_all_s"] == pytest.approx(1.0)
+    measured = decider.plan().measured
+    assert measured["step_recompute_all_s"] == pytest.approx(1.0)
+    assert measured["step_plain_s"] == pytest.approx(0.9)
+
+
+def test_a_fast_link_offloads_everything_the_recompute_needs() -> None:
+    # Storing was free: the recompute-all step was slower by exactly its recompute.
+    decider = _plan(
+        2.0,
+        2.0 + _RECOMPUTED_S,
+        bytes_offloaded=1.25 * GB,
+        bytes_read=1.25 * GB,
+        read_seconds=0.1,
+    )
+    decisions = decider.decisions  # type: ignore[attr-defined]
+    assert decisions[GELU] is P.PREFER_CPU_OFFLOAD
+    assert decisions[MM] is P.PREFER_CPU_OFFLOAD
+    assert decisions[ADD] is P.PREFER_RECOMPUTE  # never needed: free either way
 
 
 def test_moving_that_costs_the_step_time_without_any_stall_is_counted() -> None:
@@ -126,20 +217,9 @@ def test_moving_that_costs_the_step_time_without_any_stall_is_counted() -> None:
     that recomputed everything by more than the recompute: the difference is the move's
     (IO threads sharing the cores, page faults), and the cheap ops are recomputed."""
     decider = _plan(4.0, 2.5, bytes_offloaded=1.25 * GB, bytes_read=1.25 * GB, read_seconds=0.1)
-    decisions = decider.decisions  # type: ignore[attr-defined]
-    assert decisions[GELU] is P.PREFER_RECOMPUTE
+    choices = {d.op: d.choice for d in decider.plan().ops}
+    assert choices["aten.gelu.default"] == "recompute"
     assert decider.plan().measured["move_s_per_GB"] == pytest.approx(2.51 / 1.25)
-
-
-def test_a_fast_link_offloads_everything_the_recompute_needs() -> None:
-    # Storing was free: the recompute-all step was slower by exactly its recompute.
-    decider = _plan(
-        2.0, 2.0 + _RECOMPUTED_S, bytes_offloaded=1.25 * GB, bytes_read=1.25 * GB, read_seconds=0.1
-    )
-    decisions = decider.decisions  # type: ignore[attr-defined]
-    assert decisions[GELU] is P.PREFER_CPU_OFFLOAD
-    assert decisions[MM] is P.PREFER_CPU_OFFLOAD
-    assert decisions[ADD] is P.PREFER_RECOMPUTE  # never needed: free either way
 
 
 def test_the_plan_says_what_and_why() -> None:
@@ -148,6 +228,22 @@ def test_the_plan_says_what_and_why() -> None:
     assert "aten.gelu.default" in text and "recompute is cheaper than moving" in text
     assert "aliases another tensor" in text and "never needed by the recompute" in text
     assert decider.plan().measured["moved_MiB"] > 900
+
+
+def test_an_unplanned_block_or_op_profiles_again_once() -> None:
+    decider = _plan(3.0, 2.5, **_SLOW_LINK)
+    assert decider.mode("Block", 0) == SELECTIVE
+    sigmoid = torch.ops.aten.sigmoid.default
+    key = ("Block", 0, sigmoid, 0)
+    assert decider.decide(key, sigmoid, (), {}, _out(8)) is P.PREFER_CPU_OFFLOAD
+    decider.backward("Block", 0)
+    assert decider.mode("Block", 0) == WHOLE and decider.profiling  # the profile again
+    decider = _plan(3.0, 2.5, **_SLOW_LINK)
+    fake = _Fake()
+    decider._clock, decider._stats = fake.clock, fake.snapshot  # type: ignore[method-assign]
+    assert decider.mode("Block", 7) == PLAIN and decider._stale  # not profiled
+    decider.backward("Block", 7)
+    assert decider.mode("Block", 0) == WHOLE and decider.profiling  # the profile again
 
 
 def _grads(model: nn.Module, steps: int, seq: int | list[int] = 16) -> list[list[torch.Tensor]]:
@@ -224,7 +320,7 @@ def test_a_new_structure_is_planned_once_more_then_kept(tmp_path: Path) -> None:
             grads.append(x.grad)
         return grads
 
-    extras = [False, False, False, True, True, False, True, False]
+    extras = [False] * 5 + [True] * 5 + [False, True]  # four profiling steps each plan
     ref = steps(ref_model, extras)
     with offload_context(
         "disk", str(tmp_path), model=model, recompute="auto", min_offload_bytes=0
@@ -232,7 +328,11 @@ def test_a_new_structure_is_planned_once_more_then_kept(tmp_path: Path) -> None:
         got = steps(model, extras)
         plan = engine.recompute_plan()
     assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
-    assert plan is not None and plan.plans_made == 2  # the first, and the one with sigmoid
+    assert plan is not None and plan.plans_made in (1, 2)
+    # A block checkpointed plainly has no per-op plan to go stale; a selective one
+    # profiles once more when sigmoid first runs (and never again).
+    if plan.measured["blocks_selective"]:
+        assert plan.plans_made == 2
 
 
 def test_a_budget_no_plan_can_reach_warns_once(tmp_path: Path) -> None:
@@ -245,3 +345,17 @@ def test_a_budget_no_plan_can_reach_warns_once(tmp_path: Path) -> None:
             _grads(model, 5)
     hits = [w for w in caught if issubclass(w.category, OffloadFallbackWarning)]
     assert len(hits) == 1 and "smallest reachable" in str(hits[0].message)
+
+
+def test_the_dispatch_cost_is_paired_within_one_step() -> None:
+    """The fourth profiling step runs even blocks plainly and odd ones under the dispatch
+    modes, both recomputing everything: their difference is the dispatch's cost, whatever
+    else slowed that step as a whole."""
+    fake = _Fake()
+    decider = AutoDecider(fake.snapshot, 0, clock=fake.clock)
+    for step_s in (3.0, 2.0, 2.0):
+        _step(decider, fake, _OPS, step_s=step_s / 2, forward_s=0.1, blocks=2)
+    assert [decider.mode("Block", b) for b in range(2)] == [PLAIN, SELECTIVE]
+    _step(decider, fake, _OPS, step_s=5.0, forward_s=0.1, blocks=2, slow=1)  # all slow
+    decider.mode("Block", 0)  # the next step: the plan
+    assert decider.plan().measured["dispatch_s_per_block"] == pytest.approx(1.0)
