@@ -4,8 +4,9 @@ Every mode trains its own copy of one model (same weights, same batch) in a
 process of its own (its peak RSS is its own heap's), stepped one at a time, one
 step of each mode per round in a balanced Latin square's order (as ``bench/ab.py
 --isolate``); each mode's ``offload_context`` or checkpoint wrapping stays
-entered over all its steps. ``--warmup`` rounds (>= 3: ``recompute="auto"``
-warms up a step, then profiles two), then ``--steps`` timed rounds.
+entered over all its steps. ``--warmup`` rounds (>= 5: ``recompute="auto"``
+profiles four steps, then its plan's first step learns the prefetch order), then
+``--steps`` timed rounds.
 
 Per mode: ``peak MiB`` is the largest peak RSS (``VmHWM``, reset before each
 timed step) over the timed steps minus the process's RSS before its first
@@ -27,6 +28,15 @@ step 30% or more below offload-only's at the same budget.
 shape): each mode's process joins a cgroup-v1 blkio group that caps reads and
 writes of the scratch folder's disk at N MB/s (needs root; removed at the end).
 
+``--gpu`` runs the same comparison on CUDA, in bf16, on a Llama-shaped model (Hugging
+Face's Llama where transformers is installed, else the benchmark transformer with
+SDPA attention), offloading to host RAM (``target="cpu"``): ``peak MiB`` is then
+``torch.cuda.max_memory_reserved()`` above the process's reserved memory before its
+first step, ``host MiB`` the peak RSS above its RSS, and each step ends with a
+synchronize. ``--twin`` runs that path on the CPU at toy sizes, on the benchmark
+transformer by default (no CUDA call; the GPU suite's twin mode and
+tests/test_bench_recompute.py use it).
+
     .venv/bin/python bench/recompute.py --json docs/results/recompute-transformer.json \\
         --plot docs/results/recompute-transformer.png
     .venv/bin/python bench/recompute.py --markdown docs/results/recompute-transformer.json
@@ -37,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -103,10 +114,14 @@ def save_list_policy(store: CheckpointPolicy) -> Any:
 
 
 def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
-    """The seeded model and a function of it giving one step's loss (same in every process)."""
+    """The seeded model and a function of it giving one step's loss (same in every process);
+    with ``--gpu`` in bf16 on the device (the CPU for ``--twin``)."""
+    where = "cuda" if args.gpu and not args.twin else "cpu"
     if args.model == "transformer":
-        shape = Shape(args.depth, args.width, args.heads, args.batch, args.seq)
+        attention = "sdpa" if args.gpu else "explicit"
+        shape = Shape(args.depth, args.width, args.heads, args.batch, args.seq, attention=attention)
         model, (batch,) = build(shape, 1)
+        model, batch = _on(model, where, args), tuple(t.to(where) for t in batch)
         return model, lambda m: m(*batch)
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -117,12 +132,17 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
         max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa",
     )  # fmt: skip
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = _on(LlamaForCausalLM(config), where, args)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator())
+    ids = ids.to(where)
     return (
         model,
         lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss,
     )  # as HF does under checkpointing
+
+
+def _on(model: torch.nn.Module, where: str, args: argparse.Namespace) -> torch.nn.Module:
+    return model.to(where, torch.bfloat16) if args.gpu else model
 
 
 def saved_bytes(model: torch.nn.Module, loss_of: Any) -> int:
@@ -146,7 +166,7 @@ def saved_bytes(model: torch.nn.Module, loss_of: Any) -> int:
 
 
 def _mode_context(
-    mode: str, model: torch.nn.Module, folder: str, budget: int, chunk: int | None
+    mode: str, model: torch.nn.Module, folder: str, budget: int, chunk: int | None, target: str
 ) -> Any:
     from prefetch_offload import offload_context
     from prefetch_offload.blocks import WrappedBlocks, find_blocks
@@ -169,6 +189,8 @@ def _mode_context(
     kw: dict[str, Any] = {"model": model, "recompute": recompute} if recompute else {}
     if chunk:
         kw["chunk_bytes"] = chunk
+    if target == "cpu":
+        return offload_context("cpu", device_budget=budget, **kw)
     return offload_context("disk", folder, device_budget=budget, **kw)
 
 
@@ -182,23 +204,32 @@ class Lane:
         self.engine = None
         if mode != "none":
             where = os.path.join(folder, mode)
-            ctx = _mode_context(mode, self.model, where, budget, args.chunk_bytes)
+            target = "cpu" if args.gpu else "disk"
+            ctx = _mode_context(mode, self.model, where, budget, args.chunk_bytes, target)
             handle = self.stack.enter_context(ctx)
             self.engine = handle if hasattr(handle, "stats") else None
-        import torch._dynamo  # noqa: F401  # a first checkpoint imports it: not activations
+        import torch._dynamo  # a first checkpoint imports it: not activations
 
+        self.cuda = args.gpu and not args.twin
         self.base = read_rss_bytes()
+        self.base_gpu = torch.cuda.memory_reserved() if self.cuda else 0
 
     def step(self) -> dict[str, Any]:
         before = self.engine.stats() if self.engine is not None else None
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         exact = reset_peak_rss()
         t0 = time.perf_counter()
         loss = self.loss_of(self.model)
         loss.backward()
         _sgd_step(self.params)  # what torch.optim.SGD does, without importing dynamo
+        if self.cuda:
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        peak = max(peak_rss_bytes() if exact else 0, read_rss_bytes()) - self.base
-        out = {"seconds": seconds, "peak": peak, "loss": loss.item(), "moved": 0}
+        host = max(peak_rss_bytes() if exact else 0, read_rss_bytes()) - self.base
+        peak = torch.cuda.max_memory_reserved() - self.base_gpu if self.cuda else host
+        out = {"seconds": seconds, "peak": peak, "host": host, "loss": loss.item(), "moved": 0}
         if self.engine is not None and before is not None:
             s = self.engine.stats()
             out["moved"] = s.bytes_offloaded - before.bytes_offloaded
@@ -327,13 +358,14 @@ def run(args: argparse.Namespace, header: dict[str, Any]) -> dict[str, Any]:
         rows.append(
             {
                 "mode": m,
-                "label": MODES[m],
+                "label": MODES[m].replace("disk", "host RAM") if args.gpu else MODES[m],
                 "budget_bytes": round(saved * BUDGETS[m]) if m in BUDGETS else None,
                 "step_seconds": [x["seconds"] for x in s],
                 "step_peak_bytes": [x["peak"] for x in s],
                 "losses": [x["loss"] for x in s],
                 "median_step_s": statistics.median(x["seconds"] for x in s),
                 "peak_bytes": max(x["peak"] for x in s),
+                "host_peak_bytes": max(x["host"] for x in s),
                 "moved_per_step": statistics.fmean(x["moved"] for x in s),
                 **{k: s[-1][k] for k in s[-1] if k.startswith("step_bytes_")},
             }
@@ -445,23 +477,31 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     _save(fig, path, dpi=110, bbox_inches="tight")
 
 
+# Default sizes (depth, width, heads, batch, seq, vocab, steps): the CPU's (depth 24 for
+# the transformer), a GPU's bf16 Llama shape (a minute in the GPU suite), the twin's toys.
+SIZES = {
+    "cpu": (None, 256, 4, 8, 256, 2048, 5),
+    "gpu": (8, 1024, 8, 4, 1024, 8192, 2),
+    "twin": (2, 32, 2, 2, 32, 128, 1),
+}
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/recompute.py", description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=("transformer", "llama"), default="transformer")
+    p.add_argument("--model", choices=("transformer", "llama"), default=None)
     p.add_argument("--modes", default=",".join(MODES), help="comma list (default: all)")
+    names = ("depth", "width", "heads", "batch", "seq", "vocab", "steps")
+    for name, what in zip(names, ("blocks", "width", "heads", "sequences", "tokens each",
+                                  "llama's vocabulary", "timed rounds"), strict=True):  # fmt: skip
+        p.add_argument(f"--{name}", type=int, default=None, help=f"{what} (default: SIZES)")
     for name, default, what in (
-        ("depth", None, "blocks (default: transformer 24, llama 8)"),
-        ("width", 256, "model width"),
-        ("heads", 4, "attention heads"),
-        ("batch", 8, "sequences per batch"),
-        ("seq", 256, "tokens per sequence"),
-        ("vocab", 2048, "llama's vocabulary"),
-        ("warmup", 3, "uncounted rounds first (>= 3)"),
-        ("steps", 5, "timed rounds"),
+        ("warmup", 5, "uncounted rounds first (>= 5)"),
         ("throttle-mbps", None, "cap the scratch disk's reads and writes at MB/s (root)"),
         ("chunk-bytes", None, "the engine's chunk_bytes (default: its own)"),
     ):
         p.add_argument(f"--{name}", type=int, default=default, help=what)
+    p.add_argument("--gpu", action="store_true", help="bf16 on CUDA, offload to host RAM")
+    p.add_argument("--twin", action="store_true", help="with --gpu: on the CPU, toy sizes")
     p.add_argument("--save-dir", default=None, help="scratch parent (default ./.scratch)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="PNG of the curve (matplotlib)")
@@ -470,9 +510,20 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if bad := [m for m in args.modes if m not in MODES]:
         p.error(f"unknown modes {bad}; choose from {', '.join(MODES)}")
-    if args.warmup < 3 or args.steps < 1:
-        p.error("--warmup must be >= 3 (auto warms up, profiles two steps); --steps >= 1")
+    if args.twin and not args.gpu:
+        p.error("--twin runs the --gpu path on the CPU: pass both")
+    if args.gpu and not args.twin and not torch.cuda.is_available():
+        p.error("--gpu: torch sees no CUDA device (--twin runs the same path on the CPU)")
+    kind = "twin" if args.twin else "gpu" if args.gpu else "cpu"
+    for name, default in zip(names, SIZES[kind], strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.model is None:
+        hf = importlib.util.find_spec("transformers") is not None
+        args.model = "llama" if kind == "gpu" and hf else "transformer"
     args.depth = args.depth or (24 if args.model == "transformer" else 8)
+    if args.warmup < 5 or args.steps < 1:
+        p.error("--warmup must be >= 5 (auto profiles four steps, then plans); --steps >= 1")
     return args
 
 

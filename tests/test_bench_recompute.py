@@ -14,7 +14,7 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 # Activations of 128 KiB (over min_offload_bytes) and write batches small enough for them to
 # reach the disk, so that the engine modes move bytes.
-TINY = "--depth 2 --width 64 --heads 2 --batch 4 --seq 128 --warmup 3 --steps 1".split()
+TINY = "--depth 2 --width 64 --heads 2 --batch 4 --seq 128 --warmup 5 --steps 1".split()
 TINY += ["--chunk-bytes", "16384"]
 ENGINE_MODES = {"offload10", "offload25", "offload50", "full_offload", "selective_offload"}
 
@@ -95,3 +95,36 @@ def test_targets_are_judged_as_the_issue_states() -> None:
     assert not a50["moved_met"]
     assert not a50["peak_met"]  # 1200 > 500 + 500 + 50
     assert t["met"] == {"peak": False, "time": True, "moved": False}
+
+
+def _run_gpu_path(tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / "g.json"
+    cmd = [sys.executable, str(BENCH / "recompute.py"), "--gpu", *extra, "--json", str(out)]
+    cmd += ["--modes", "none,offload50,full,auto50", "--save-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert [r["mode"] for r in doc["rows"]] == ["none", "offload50", "full", "auto50"]
+    for row in doc["rows"]:
+        assert row["median_step_s"] > 0 and row["host_peak_bytes"] is not None, row["mode"]
+        assert "host RAM" in row["label"] or "disk" not in row["label"]
+    assert "recompute plan (auto)" in doc["plans"]["auto50"]
+    return doc
+
+
+@pytest.mark.slow
+def test_gpu_comparison_runs_on_the_cpu_twin(tmp_path: Path) -> None:
+    """``--gpu --twin``: the GPU path (bf16, offload to host RAM, the GPU suite's stage 5)
+    at toy sizes on the CPU."""
+    doc = _run_gpu_path(tmp_path, "--twin")
+    assert doc["args"]["width"] == 32 and doc["args"]["gpu"] and doc["args"]["twin"]
+
+
+@pytest.mark.gpu_only
+def test_gpu_comparison_measures_reserved_device_memory(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    doc = _run_gpu_path(tmp_path, "--depth", "2", "--width", "256", "--seq", "256")
+    by = {r["mode"]: r for r in doc["rows"]}
+    assert by["none"]["peak_bytes"] > by["full"]["peak_bytes"] > 0  # reserved GPU memory
