@@ -33,8 +33,8 @@ Face's Llama where transformers is installed, else the benchmark transformer wit
 SDPA attention), offloading to host RAM (``target="cpu"``): ``peak MiB`` is then
 ``torch.cuda.max_memory_reserved()`` above the process's reserved memory before its
 first step, ``host MiB`` the peak RSS above its RSS, and each step ends with a
-synchronize. ``--twin`` runs that path on the CPU at toy sizes, on the benchmark
-transformer by default (no CUDA call; the GPU suite's twin mode and
+synchronize. ``--twin`` runs that path on the CPU at toy sizes, three modes, on the
+benchmark transformer by default (no CUDA call; the GPU suite's twin mode and
 tests/test_bench_recompute.py use it).
 
     .venv/bin/python bench/recompute.py --json docs/results/recompute-transformer.json \\
@@ -489,7 +489,7 @@ SIZES = {
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/recompute.py", description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("transformer", "llama"), default=None)
-    p.add_argument("--modes", default=",".join(MODES), help="comma list (default: all)")
+    p.add_argument("--modes", default=None, help="comma list (default: all; --twin: 3)")
     names = ("depth", "width", "heads", "batch", "seq", "vocab", "steps")
     for name, what in zip(names, ("blocks", "width", "heads", "sequences", "tokens each",
                                   "llama's vocabulary", "timed rounds"), strict=True):  # fmt: skip
@@ -507,7 +507,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None, help="PNG of the curve (matplotlib)")
     p.add_argument("--markdown", type=Path, default=None, help="print a JSON's tables; no run")
     args = p.parse_args(argv)
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = args.modes or ("none,full,auto50" if args.twin else ",".join(MODES))
+    args.modes = [m.strip() for m in modes.split(",") if m.strip()]
     if bad := [m for m in args.modes if m not in MODES]:
         p.error(f"unknown modes {bad}; choose from {', '.join(MODES)}")
     if args.twin and not args.gpu:

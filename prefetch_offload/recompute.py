@@ -1,50 +1,67 @@
 """The keep / offload / recompute decision for each op output of a checkpointed block.
 
 # NOTE [keep, offload, recompute]
-# Inside a checkpointed block every op's output is either stored (kept in
-# device memory, or handed to the engine, which keeps the newest within
-# ``device_budget`` and moves the rest) or recomputed in backward. The
-# automatic policy measures, then decides once per op position (the n-th op of
-# an overload in a block class: NOTE [op keys] in checkpointing.py):
+# Each wrapped block runs whole (not checkpointed: what autograd saves goes to
+# the engine), checkpointed plainly (``torch.utils.checkpoint`` with no
+# dispatch mode: recomputed whole), or selectively (the dispatch modes of
+# checkpointing.py: each op output is stored, i.e. handed to the engine, which
+# keeps the newest within ``device_budget`` and moves the rest, or recomputed).
+# NOTE [block modes] in blocks.py. The automatic policy measures four steps,
+# then decides once per block and once per op position (the n-th op of an
+# overload in a block class: NOTE [op keys] in checkpointing.py):
 #
-# - Profiling: after one step that warms up (first calls, allocator growth),
-#   one step stores every output through the engine and times each op (on CUDA,
-#   synchronized around it), then one step recomputes every output (times its
-#   ops too, so the timing's own cost cancels). Measured: each position's
-#   output bytes, compute seconds and whether the recompute read it back; the
+# - Profiling: (1) every block whole: the bytes each hands to the engine (its
+#   live records before and after its forward), and the first calls warm up;
+#   (2) every op output offloaded, each op timed (on CUDA, synchronized around
+#   it); (3) every output recomputed, each op timed again; (4) even blocks
+#   plain, odd blocks selective, both recomputing everything and untimed. Per op
+#   position the compute time is the median over every block and both timed
+#   steps, times its calls in a step; a block's forward runs from its entry to
+#   its return, its backward from backward reaching its output to backward
+#   reaching the block before; step figures are the median block times the
+#   blocks. A slow block (another process on the cores) moves a median little,
+#   and step (4) pairs the dispatch modes against plain blocks in the same step,
+#   so a slow step slows both halves alike. Also measured, in step (2): the
 #   bytes the engine moved (``O0``), the forward and backward stalls on writes
-#   and reads (``Ef``, ``Eb``), the IO threads' read bandwidth ``R``, the
-#   offload-all step's forward and backward times (``Tf``, ``Tb``) and both
-#   steps (``Sa``, ``Sr``, each from its first checkpointed op to the start of
-#   its last recompute, so that what runs between steps is left out).
-# - Model: moving O bytes costs ``k*O`` plus what compute cannot hide,
-#   ``max(0, O/W - Hf) + max(0, O/R - Hb)``, with ``Hf = Tf - Ef``, ``Hb = Tb -
-#   Eb`` plus the recompute time chosen, and ``W = O0/Tf`` (the writes took all
-#   of forward when it stalled, and at least kept up when it did not). ``k`` is
-#   what moving cost the offload-all step beyond the stalls: ``(Sa - (Sr - C) -
-#   Ef - Eb) / O0``, ``C`` the compute the recompute-all step spent on what the
-#   other read back. On a CPU it carries the IO threads' share of the cores and
-#   the page faults of memory given back and reused; on a GPU the copies run on
-#   their own engines and it is near zero.
-# - Decision: positions in order of recompute seconds per byte, cheapest first;
-#   each is recomputed when its measured compute time is below what its bytes
-#   cost to move (the drop in the model's cost when they stay out of it), else
-#   offloaded. A position whose output the recompute never asked for (torch
-#   stops recomputing once backward has what it needs) costs nothing to
-#   recompute and is never stored. View and in-place ops alias another tensor:
-#   storing them would keep that tensor alive, so they are recomputed (free).
-#   Random ops are recomputed, so the RNG sequence of the recompute matches
-#   (NOTE [random ops] in checkpointing.py).
-# - Keep: the engine's tier policy keeps the newest offloaded records within
-#   ``device_budget`` (PREFER_CPU_OFFLOAD); the model counts only the bytes that
-#   leave. A ``device_budget`` below the bytes one block's recompute holds at
-#   once cannot be met by any plan: one warning says the smallest reachable.
+#   and reads (``Ef``, ``Eb``), the IO threads' read bandwidth ``R``, forward
+#   and backward times (``Tf``, ``Tb``), the step (``Sa``); in step (3) the
+#   step ``Sr``; which outputs the recompute read back.
+# - Whole blocks: the newest blocks whose bytes (step 1) fit ``device_budget``
+#   together run whole: the engine keeps their saved tensors anyway, so they
+#   cost neither recompute nor moves nor the dispatch modes. (What the model
+#   saves after its last block shares that budget; the engine moves the oldest
+#   records first, so an estimate a little high moves a few bytes, never more
+#   memory.)
+# - Per op, for the other blocks: moving O bytes costs ``k*O`` plus what compute
+#   cannot hide, ``max(0, O/W - Hf) + max(0, O/R - Hb)``, ``Hf = Tf - Ef``,
+#   ``Hb = Tb - Eb`` plus the recompute time chosen, ``W = O0/Tf``; ``k`` is what
+#   moving cost step (2) beyond the stalls: ``(Sa - (Sr - C) - Ef - Eb) / O0``,
+#   ``C`` the compute step (3) spent on what step (2) read back (on a CPU the IO
+#   threads' share of the cores and page faults; on a GPU near zero). Positions
+#   in order of compute seconds per byte, cheapest first: each is recomputed when
+#   its compute time is below what its bytes cost to move, else offloaded. Never
+#   read back by the recompute: recomputed (free). Views and in-place ops:
+#   recomputed (storing one would keep another tensor alive). Random ops:
+#   recomputed (NOTE [random ops] in checkpointing.py).
+# - Plain or selective: selective only when its offloads save more (compute
+#   time less move cost, summed) than the dispatch modes cost the blocks (step
+#   4's odd blocks less its even ones); else every non-whole block is
+#   checkpointed plainly and its ops all recompute. Measured on the 8-layer
+#   Llama of ``bench/recompute.py --model llama`` (2 CPU threads): the dispatch
+#   modes recomputing everything took 1.28 s a step against 1.02 s for plain
+#   checkpointing (about 33 ms a block, forward and recompute), more than its
+#   offloads saved at any budget there.
+# - Re-planning: a block or, in a selective block, an op position that the
+#   profile did not see profiles again (once per new structure). A block run
+#   whole or plainly has no per-op plan to go stale.
+# - A ``device_budget`` below what one block's recompute holds at once (what it
+#   saves for backward, step 1) cannot be met by any plan: one warning says the
+#   smallest reachable.
 #
 # The measured figures decide, not a list of op names: on the benchmark
-# transformer (docs/benchmarks.md, "Keep, offload or recompute") the norms,
-# activation functions and residual adds come out cheap to recompute and the
-# matmul and attention outputs expensive, on the CPU as the field reports on
-# GPUs; with a fast enough link nothing is recomputed.
+# transformer the norms, activation functions and residual adds come out cheap
+# to recompute and the matmul and attention outputs expensive, on the CPU as
+# the field reports on GPUs; with a fast enough link nothing is recomputed.
 """
 
 from __future__ import annotations
