@@ -385,8 +385,8 @@ def headline(doc: dict[str, Any]) -> list[str]:
     if none is not None and off is not None:
         if none["peak"] is not None and off["peak"] is not None:
             lines.append(
-                f"Peak memory of a training step: {none['peak'] / MB:.1f} MiB without offload, "
-                f"{off['peak'] / MB:.1f} MiB with {off['name']} ({where}, above the "
+                f"Peak memory of a training step: {_mib(none['peak'])} without offload, "
+                f"{_mib(off['peak'])} with {off['name']} ({where}, above the "
                 f"process's start); the step saves {doc['saved_bytes'] / MB:.1f} MiB of "
                 "activations for backward."
             )
@@ -425,6 +425,11 @@ def _print_report(doc: dict[str, Any]) -> None:
     ]
     if traced:
         print("traced step (--plot) against the lane's median: " + ", ".join(traced))
+        slow = [n for n, t in doc["timelines"].items() if t["seconds"] > 1.1 * _median(doc, n)]
+        if slow:
+            print(
+                f"(traced {', '.join(slow)} more than 10% slower than the median: a busy machine)"
+            )
     print()
     print(doc["machine_line"])
     print(
@@ -435,6 +440,15 @@ def _print_report(doc: dict[str, Any]) -> None:
     timed = len(doc["steps"][doc["rows"][0]["name"]])
     print(f"{doc['warmup']} warm-up + {timed} timed rounds, {isolated}; on {doc['scratch_fs']}")
     print(_LEGEND)
+
+
+def _mib(nbytes: float) -> str:
+    """A headline size: MiB, or words where the process held less than at its start."""
+    return f"{nbytes / MB:.1f} MiB" if nbytes >= 0 else "less than at the start"
+
+
+def _median(doc: dict[str, Any], name: str) -> float:
+    return float(statistics.median(x["seconds"] for x in doc["steps"][name]))
 
 
 _LEGEND = """\
