@@ -171,8 +171,10 @@ class OffloadConfig:
     prefetch_bytes: ByteSize | None = None
     # NOTE [heap trim] in heap.py: glibc's free heap pages go back to the kernel when
     # the resident memory malloc keeps free has grown by this many bytes since the
-    # last trim (once CPU activations were saved); None never trims. An int or "64MiB".
-    heap_trim_bytes: ByteSize | None = 64 << 20
+    # last trim (once CPU activations were saved); None never trims. "auto": the
+    # larger of 64 MiB and a quarter of the bytes the last step moved out of memory.
+    # An int or "64MiB" fixes the bound.
+    heap_trim_bytes: ByteSize | Literal["auto"] | None = "auto"
     # NOTE [keep, offload, recompute] in recompute.py. The model whose repeated blocks
     # are checkpointed while the context is entered (required with recompute).
     model: Any = field(default=None, repr=False, compare=False)
@@ -286,12 +288,12 @@ class OffloadConfig:
                     'or e.g. "256MiB".'
                 )
             object.__setattr__(self, "prefetch_bytes", prefetch_bytes)
-        if self.heap_trim_bytes is not None:
+        if self.heap_trim_bytes is not None and self.heap_trim_bytes != "auto":
             heap_trim_bytes = parse_bytes("heap_trim_bytes", self.heap_trim_bytes)
             if heap_trim_bytes == 0:
                 raise ValueError(
                     "prefetch_offload: heap_trim_bytes must be > 0; use None to never give "
-                    'free heap memory back, or e.g. "128MiB".'
+                    'free heap memory back, "auto" to follow the step, or e.g. "128MiB".'
                 )
             object.__setattr__(self, "heap_trim_bytes", heap_trim_bytes)
 

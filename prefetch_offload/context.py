@@ -10,7 +10,7 @@ import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -246,7 +246,7 @@ def offload_context(
     device_budget: ByteSize = 0,
     host_budget: ByteSize | None = _TARGET_DEFAULT,
     prefetch_bytes: ByteSize | None = None,
-    heap_trim_bytes: ByteSize | None = 64 << 20,
+    heap_trim_bytes: ByteSize | Literal["auto"] | None = "auto",
     model: torch.nn.Module | None = None,
     recompute: str | Callable[..., Any] | None = None,
     recompute_blocks: Sequence[type[torch.nn.Module] | str] | None = None,
@@ -282,7 +282,8 @@ def offload_context(
             the resident memory it keeps free has grown by this many bytes (once CPU
             activations were saved), so the process stays within about this much
             of its live memory; memory given back costs page faults when it is used
-            again. None never trims.
+            again. "auto" (default): the larger of 64 MiB and a quarter of the bytes
+            the last step moved out of memory. None never trims.
         model: the model whose repeated blocks ``recompute`` checkpoints while the
             context is entered (restored exactly on exit); required with ``recompute``.
         recompute: None checkpoints nothing. "full" checkpoints each block

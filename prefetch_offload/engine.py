@@ -71,8 +71,8 @@ from .checkpointing import CheckpointStats, selective_contexts
 from .config import OffloadConfig
 from .device import DeviceLayer, default_device_layer
 from .errors import ErrorSlot, OffloadError, OffloadFallbackWarning
-from .heap import HeapTrimmer
-from .io_pool import READ, InlineAfterShutdown, InlineIOPool, IOPool, ThreadIOPool
+from .heap import AUTO_TRIM_MIN_BYTES, AUTO_TRIM_STEP_SHARE, HeapTrimmer
+from .io_pool import InlineAfterShutdown, InlineIOPool, IOPool, ThreadIOPool
 from .packed import Span, ViewMeta, make_view, view_span
 from .plan import PrefetchPlan, current_group_key
 from .policy import DEVICE, DISK, HOST, TierPolicy
@@ -257,14 +257,17 @@ class OffloadEngine:
         )
         # NOTE [heap trim]: glibc's free heap pages go back when they have built up.
         read_pool = self._reader.read_pool
+        auto_trim = config.heap_trim_bytes == "auto"
         self._heap = HeapTrimmer(
-            config.heap_trim_bytes,
+            AUTO_TRIM_MIN_BYTES if auto_trim else config.heap_trim_bytes,  # type: ignore[arg-type]
             self._stats,
             own_bytes=lambda: read_pool.mapped_bytes,
             # The budget's unfilled share may be slack (read without the lock: a stale
             # value moves a trim by a hook; no reference back to the engine).
             allowance=functools.partial(self._policy.headroom, DEVICE),
+            step_share=AUTO_TRIM_STEP_SHARE if auto_trim else None,
         )
+        self._moved_before_step = 0  # policy.demoted[DISK] when this step began
         # NOTE [keep, offload, recompute] in recompute.py: what selective checkpoints
         # kept, offloaded and recomputed, and the decider recompute= installed (if any).
         self._ckpt_stats = CheckpointStats()
@@ -373,8 +376,9 @@ class OffloadEngine:
                 self._plan.begin_forward()  # NOTE [learned order]
             self._enforce_budgets()  # NOTE [tiers]: what the write tail kept
             self._reader.recent.clear()  # NOTE [recently restored]
-            # NOTE [read buffer pool]: unmapping takes a while; an IO thread does it.
-            self._pool.submit(self._background(self._reader.read_pool.trim), READ)
+            moved = self._policy.demoted[DISK]  # NOTE [heap trim]: the bound follows it
+            self._heap.step_moved(moved - self._moved_before_step)
+            self._moved_before_step = moved
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
             return self._pack_subclass(t)  # NOTE [wrapper subclasses]
         movable = self._movable(t)
@@ -813,19 +817,6 @@ class OffloadEngine:
                     self._dedup.pop(key, None)
         if self._closed and store is not None:
             store.trim()  # a graph used after exit: give its space back as it goes
-
-    def _background(self, fn: Callable[[], None]) -> Callable[[], None]:
-        """Wrap a fire-and-forget job so that its failure reaches the next hook call."""
-
-        def job() -> None:
-            try:
-                fn()
-            except Exception as exc:
-                err = OffloadError(f"prefetch_offload: background task {fn!r} failed: {exc}")
-                err.__cause__ = exc
-                self._errors.report(err)
-
-        return job
 
     # -- selective checkpointing (checkpointing.py, recompute.py) ---------------------------
 

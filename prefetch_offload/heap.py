@@ -108,6 +108,8 @@ from typing import Any
 from .stats import StatsCounter
 
 __all__ = [
+    "AUTO_TRIM_MIN_BYTES",
+    "AUTO_TRIM_STEP_SHARE",
     "HeapTrimmer",
     "heap_slack_bytes",
     "heap_trim_supported",
@@ -117,6 +119,10 @@ __all__ = [
 
 logger = logging.getLogger("prefetch_offload")
 
+# heap_trim_bytes="auto" (NOTE [heap trim]): the bound is the larger of these bytes and
+# this share of the bytes the last step moved out of memory.
+AUTO_TRIM_MIN_BYTES = 64 << 20
+AUTO_TRIM_STEP_SHARE = 0.25
 # The hooks read the slack at most this often (NOTE [heap trim]).
 _CHECK_INTERVAL_S = 0.0005
 
@@ -295,6 +301,9 @@ class HeapTrimmer:
             at every call.
         allowance: bytes of slack growth tolerated beyond ``threshold`` now (the
             engine's unfilled ``device_budget``); read at each measure, no lock held.
+        step_share: if set, the bound is the larger of ``threshold`` and this share
+            of the bytes the last step moved out of memory (:meth:`step_moved`);
+            None keeps ``threshold`` fixed.
     """
 
     def __init__(
@@ -307,8 +316,11 @@ class HeapTrimmer:
         submit: Callable[[Callable[[], None]], None] | None = None,
         interval: float = _CHECK_INTERVAL_S,
         allowance: Callable[[], int] = lambda: 0,
+        step_share: float | None = None,
     ) -> None:
         self.threshold = threshold if _MALLOC_TRIM is not None else None
+        self._step_share = step_share
+        self._bound = threshold or 0  # the slack growth that triggers a trim now
         self._stats = stats
         self._own_bytes = own_bytes
         self._slack = slack
@@ -334,6 +346,17 @@ class HeapTrimmer:
     def level(self) -> int:
         """The slack now, without the engine's own buffers."""
         return self._slack() - self._own_bytes()
+
+    @property
+    def bound(self) -> int:
+        """The slack growth that triggers a trim now, before the allowance."""
+        return self._bound
+
+    def step_moved(self, nbytes: int) -> None:
+        """The last step moved ``nbytes`` of CPU activations out of memory: with a
+        ``step_share``, the bound follows it (NOTE [heap trim])."""
+        if self.threshold is not None and self._step_share is not None:
+            self._bound = max(self.threshold, int(self._step_share * nbytes))
 
     def saved(self) -> None:
         """CPU activations were saved: the slack may now be the engine's doing."""
@@ -364,7 +387,7 @@ class HeapTrimmer:
             if floor is None or level < floor:
                 self._floor = level
                 return
-            if level - floor < self.threshold + self._allowance():
+            if level - floor < self._bound + self._allowance():
                 return
             self._queued = True
         try:

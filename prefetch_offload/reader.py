@@ -112,7 +112,7 @@ class ReadPath:
         self.recent: collections.deque[torch.UntypedStorage] = collections.deque(
             maxlen=_RECENT_SPANS
         )
-        self.read_pool = HostBufferPool(_POOL_IDLE_BYTES)
+        self.read_pool = HostBufferPool(_POOL_IDLE_BYTES, follow_peak=True)
 
     def copy_first(self, rec: Record) -> bool:
         """Whether ``rec`` needs a copy to its device that nothing has queued yet
@@ -136,9 +136,9 @@ class ReadPath:
                 )
 
     def end_backward(self) -> None:
-        """NOTE [recently restored], [read buffer pool]: nothing is kept into forward."""
+        """NOTE [recently restored]: no restored span is kept into forward; the read
+        pool's idle blocks are (NOTE [read buffer pool])."""
         self.recent.clear()
-        self.read_pool.trim()
 
     def materialize(self, rec: Record) -> tuple[torch.UntypedStorage, int, torch.Tensor | None]:
         """The record's span on its device, ready for the current stream: shared, in

@@ -108,7 +108,9 @@ _usual_value: dict[str, Any] = {
     "device_budget": st.one_of(st.integers(0, 1 << 40), st.sampled_from(["6GiB", "512MB"])),
     "host_budget": st.one_of(st.none(), st.integers(0, 1 << 40), st.just("32GiB")),
     "prefetch_bytes": st.one_of(st.none(), st.integers(1, 1 << 34), st.just("256MiB")),
-    "heap_trim_bytes": st.one_of(st.none(), st.integers(_MiB, 1 << 34), st.just("64MiB")),
+    "heap_trim_bytes": st.one_of(
+        st.none(), st.integers(_MiB, 1 << 34), st.sampled_from(["64MiB", "auto"])
+    ),
     "model": st.one_of(st.none(), st.just(torch.nn.Sequential(torch.nn.Linear(2, 2)))),
     "recompute": st.sampled_from([None, "full", "auto"]),
     "recompute_blocks": st.one_of(st.none(), st.just(("0",)), st.just((torch.nn.Linear,))),
@@ -133,7 +135,8 @@ def test_a_built_config_rebuilds_from_its_own_fields(kwargs: dict[str, Any]) -> 
     assert again == cfg
     for name in ("device_budget", "host_budget", "prefetch_bytes", "heap_trim_bytes"):
         value = getattr(cfg, name)
-        assert value is None or type(value) is int, (name, value)
+        auto = name == "heap_trim_bytes" and value == "auto"
+        assert value is None or type(value) is int or auto, (name, value)
     assert cfg.save_dir is None or not cfg.save_dir.startswith("~")
 
 

@@ -55,6 +55,7 @@ def _trimmer(
     *,
     own: Callable[[], int] = lambda: 0,
     allowance: Callable[[], int] = lambda: 0,
+    step_share: float | None = None,
 ) -> tuple[HeapTrimmer, _Jobs, _Slack, StatsCounter]:
     jobs, slack, stats = _Jobs(), _Slack(), StatsCounter()
     trimmer = HeapTrimmer(
@@ -65,6 +66,7 @@ def _trimmer(
         submit=jobs.submit,
         interval=0.0,
         allowance=allowance,
+        step_share=step_share,
     )
     return trimmer, jobs, slack, stats
 
@@ -139,6 +141,39 @@ def test_the_allowance_raises_the_bound_while_it_lasts() -> None:
     trimmer.check()
     assert jobs.jobs == []
     slack.value = 15 * MiB
+    trimmer.check()
+    assert len(jobs.jobs) == 1
+
+
+@glibc_only
+def test_with_a_step_share_the_bound_follows_the_bytes_a_step_moved() -> None:
+    trimmer, jobs, slack, _ = _trimmer(10 * MiB, step_share=0.25)
+    trimmer.saved()
+    trimmer.check()  # floor 0
+    trimmer.step_moved(200 * MiB)  # a quarter: 50 MiB, above the 10 MiB floor
+    assert trimmer.bound == 50 * MiB
+    slack.value = 49 * MiB
+    trimmer.check()
+    assert not jobs.jobs
+    slack.value = 50 * MiB
+    trimmer.check()
+    assert len(jobs.jobs) == 1
+    jobs.run_all()  # the floor is now 50 MiB
+    trimmer.step_moved(8 * MiB)  # a small step: back to the floor
+    assert trimmer.bound == 10 * MiB
+    slack.value = 60 * MiB
+    trimmer.check()
+    assert len(jobs.jobs) == 1
+
+
+@glibc_only
+def test_without_a_step_share_the_bound_stays_fixed() -> None:
+    trimmer, jobs, slack, _ = _trimmer(10 * MiB)
+    trimmer.saved()
+    trimmer.check()
+    trimmer.step_moved(400 * MiB)
+    assert trimmer.bound == 10 * MiB
+    slack.value = 10 * MiB
     trimmer.check()
     assert len(jobs.jobs) == 1
 
@@ -453,7 +488,8 @@ def test_heap_trim_bytes_is_checked(value: object, error: type[Exception], match
 def test_heap_trim_bytes_takes_units_and_none() -> None:
     assert OffloadConfig(target=None, heap_trim_bytes="64MiB").heap_trim_bytes == 64 * MiB
     assert OffloadConfig(target=None, heap_trim_bytes=None).heap_trim_bytes is None
-    assert OffloadConfig(target=None).heap_trim_bytes == 64 * MiB
+    assert OffloadConfig(target=None, heap_trim_bytes="auto").heap_trim_bytes == "auto"
+    assert OffloadConfig(target=None).heap_trim_bytes == "auto"
 
 
 @glibc_only
@@ -505,3 +541,34 @@ def test_the_engine_lets_slack_use_the_unfilled_device_budget(tmp_path: Path, bu
         assert engine._heap._allowance() == budget
     finally:
         engine.close()
+
+
+@glibc_only
+def test_auto_bound_follows_the_bytes_the_engine_moved_last_step(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer(width=64, depth=2, heads=2)
+    tokens, targets = make_batch(2, 64)
+    config = OffloadConfig(
+        target="disk",
+        save_dir=str(tmp_path),
+        min_offload_bytes=0,
+        chunk_bytes=16384,  # small write batches: the tiny model's tensors reach the disk
+    )
+    assert config.heap_trim_bytes == "auto"
+    engine = OffloadEngine(config)
+    engine._heap.threshold = 1  # a floor below this tiny model's steps
+    moved: list[int] = []
+    bounds: list[int] = []
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+            for _ in range(3):
+                loss = model(tokens, targets)  # its first pack sets the last step's bytes
+                bounds.append(engine._heap.bound)
+                loss.backward()
+                engine.flush()
+                moved.append(engine.stats().bytes_demoted_to_disk)
+    finally:
+        engine.close()
+    assert moved[0] > 0
+    assert bounds[1] == int(heap.AUTO_TRIM_STEP_SHARE * moved[0])
+    assert bounds[2] == int(heap.AUTO_TRIM_STEP_SHARE * (moved[1] - moved[0]))

@@ -88,3 +88,42 @@ def test_unpacks_from_two_threads_at_once(save_dir: Path, target: str) -> None:
                 assert x.grad is not None and torch.equal(x.grad, ref)
         stats = engine.stats()
     assert stats.prefetch_hits + stats.prefetch_misses == 5 * 2 * 12
+
+
+def test_read_buffers_are_kept_across_steps_and_reused(save_dir: Path) -> None:
+    """NOTE [read buffer pool]: the next backward's reads land in the blocks the last
+    one used (already faulted in); the engine unmaps them when it closes."""
+    from prefetch_offload import OffloadConfig, OffloadEngine
+
+    w = torch.randn(1 << 16, requires_grad=True)
+    engine = OffloadEngine(
+        OffloadConfig(target="disk", save_dir=str(save_dir), min_offload_bytes=0)
+    )
+    pool = engine._reader.read_pool
+    misses: list[int] = []
+    grads: list[torch.Tensor] = []
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+            for _ in range(3):
+                before = pool.misses
+                h = w
+                for _ in range(4):
+                    h = (h * 1.5).sin()  # four saved tensors of 256 KiB
+                loss = h.sum()
+                engine.flush()  # the writes land: backward reads from disk
+                loss.backward()
+                misses.append(pool.misses - before)
+                assert pool.idle_bytes > 0  # kept into the next forward
+                grads.append(w.grad.clone())
+                w.grad = None
+        assert engine.stats().bytes_read > 0
+    finally:
+        engine.close()
+    assert pool.idle_bytes == 0
+    assert misses[0] > 0 and misses[2] == 0, misses
+    ref = w.detach().clone().requires_grad_()
+    h = ref
+    for _ in range(4):
+        h = (h * 1.5).sin()
+    h.sum().backward()
+    assert all(torch.equal(g, ref.grad) for g in grads)
