@@ -22,6 +22,7 @@ __all__ = [
     "log",
     "machine_line",
     "progress",
+    "with_vs_io",
 ]
 
 
@@ -45,6 +46,7 @@ COLUMNS: tuple[tuple[Any, ...], ...] = (
     ("what", "label"),
     ("step s", "step_s", ".3f"),
     ("vs none", "ratio", ".2f", 1.0, "x"),
+    ("vs iospread", "vs_io", ".2f", 1.0, "x"),
     ("faults/step", "faults", ".0f"),
     ("peak MiB", "peak", ".1f", _MIB),
     ("live MiB", "live", ".1f", _MIB),
@@ -55,6 +57,13 @@ COLUMNS: tuple[tuple[Any, ...], ...] = (
     ("stall s/step", "stall", ".3f"),
     ("trims/step", "trims", ".1f"),
 )
+
+
+def with_vs_io(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows with ``vs_io``: each step time over the bare-IO lane's (``iospread``),
+    the limit a disk offloader's step lives within; None without that lane."""
+    io = next((r["step_s"] for r in rows if r["name"] == "iospread"), None)
+    return [{**r, "vs_io": None if io is None else r["step_s"] / io} for r in rows]
 
 
 def cells(row: dict[str, Any], none: str = "n/a") -> list[str]:

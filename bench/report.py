@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
-from _text import COLUMNS, cells
+from _text import COLUMNS, cells, with_vs_io
 
 __all__ = ["main", "markdown_table", "render", "update"]
 
@@ -40,7 +40,7 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], left: i
 
 
 def _step(doc: dict[str, Any]) -> list[str]:
-    rows = [cells(r, none="") for r in doc["rows"]]
+    rows = [cells(r, none="") for r in with_vs_io(doc["rows"])]
     keep = [i for i, c in enumerate(COLUMNS) if i < 2 or any(r[i] for r in rows)]
     shape = doc["shape"]
     where = "each lane in its own process" if doc["isolated"] else "every lane in one process"

@@ -75,7 +75,17 @@ from _harness import (
 )
 from _plot import memory_over_step
 from _probe import SAMPLE_INTERVAL_S
-from _text import COLUMNS, cells, end_progress, fmt, format_table, json_header, log, progress
+from _text import (
+    COLUMNS,
+    cells,
+    end_progress,
+    fmt,
+    format_table,
+    json_header,
+    log,
+    progress,
+    with_vs_io,
+)
 
 from prefetch_offload.testing import warm_up_unary_ops
 
@@ -319,7 +329,7 @@ def summarize(doc: dict[str, Any]) -> list[dict[str, Any]]:
         known = base is not None and row["peak"] is not None and base["peak"] is not None
         row["act"] = row["peak"] - (base["peak"] - saved) if known else None  # type: ignore[index]
         row["act_cut"] = 1 - row["act"] / saved if row["act"] is not None and saved else None
-    return rows
+    return with_vs_io(rows)
 
 
 def _targets(doc: dict[str, Any]) -> list[dict[str, str]]:
