@@ -27,11 +27,11 @@
 # never gets transparent huge pages (nor counts as anonymous memory, which the
 # heap trimmer measures: NOTE [heap trim]), so every block is a private
 # anonymous mapping where the platform has one. O_DIRECT pins every 4 KiB page
-# of its buffer for each request: measured here (bench/hostcost.py, docs/
-# results/hostcost.json), reading into 4 KiB pages ran at 1.9 GB/s for 19-23 ms
-# of kernel CPU per GB, and into private mappings that
-# ``madvise(MADV_HUGEPAGE)`` gave huge pages at 2.8-3.0 GB/s for 5-22 (writes:
-# 2.2-2.4 GB/s and 16-18 ms/GB against 3.7-3.8 and 5). So blocks of 2 MiB or
+# of its buffer for each request: measured here (bench/io.py --cost, docs/
+# results/hostcost.json), reading into 4 KiB pages ran at 0.9 GB/s for 60-64 ms
+# of guest CPU per GB, and into private mappings that
+# ``madvise(MADV_HUGEPAGE)`` gave huge pages at 1.5-1.9 GB/s for 15-17 (writes:
+# 0.8-1.5 GB/s and 68-79 ms/GB against 4.9-7.1 and 10-14). So blocks of 2 MiB or
 # more are also aligned to 2 MiB
 # and ask for huge pages (the kernel may still refuse: then they behave as
 # before).

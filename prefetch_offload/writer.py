@@ -29,9 +29,9 @@
 # NOTE [write staging]
 # O_DIRECT pins and maps every 4 KiB page of the memory it writes from, and each
 # page is a separate piece of the request. Activations live in ordinary 4 KiB
-# pages; measured on the project's 2-core VM (bench/hostcost.py, docs/results/
-# hostcost.json), writes from them ran at 2.2-2.4 GB/s with 16-18 ms of guest
-# kernel CPU per GB, against 3.7-3.8 GB/s and 5 ms/GB from huge pages. A copy
+# pages; measured on the project's 2-core VM (bench/io.py --cost, docs/results/
+# hostcost.json), writes from them ran at 0.8-1.5 GB/s with 68-79 ms of guest
+# CPU per GB, against 4.9-7.1 GB/s and 10-14 ms/GB from huge pages. A copy
 # into a huge-page buffer first costs a memcpy per byte: CPU time, which pays
 # where the writes are the bottleneck and is wasted where compute is (always
 # staging measured 1.31x of no offload against 1.29x unstaged on the
