@@ -123,8 +123,10 @@ logger = logging.getLogger("prefetch_offload")
 # this share of the bytes the last step moved out of memory.
 AUTO_TRIM_MIN_BYTES = 64 << 20
 AUTO_TRIM_STEP_SHARE = 0.25
-# The hooks read the slack at most this often (NOTE [heap trim]).
+# The hooks read the slack at most this often (NOTE [heap trim]), and at most once per
+# the time the slack takes to grow by a sixteenth of the bound at _SLACK_RATE bytes/s.
 _CHECK_INTERVAL_S = 0.0005
+_SLACK_RATE = 1 << 30
 
 
 def _libc() -> Any:
@@ -297,8 +299,9 @@ class HeapTrimmer:
         submit: runs a trim job in the background (default: a thread of the
             trimmer's own, so that trims neither wait behind reads nor delay them).
         interval: the least time between two measures by :meth:`check`, in
-            seconds, and at least ten times what the last measure took; 0 measures
-            at every call.
+            seconds, at least ten times what the last measure took and at least
+            the time the slack needs to grow by a sixteenth of the bound at 1 GiB/s;
+            0 measures at every call.
         allowance: bytes of slack growth tolerated beyond ``threshold`` now (the
             engine's unfilled ``device_budget``); read at each measure, no lock held.
         step_share: if set, the bound is the larger of ``threshold`` and this share
@@ -379,7 +382,9 @@ class HeapTrimmer:
         # millisecond, so measure at most a tenth of the time.
         if self._interval > 0:
             end = time.perf_counter()
-            self._next_check = end + max(self._interval, 10 * (end - start))
+            self._next_check = end + max(
+                self._interval, 10 * (end - start), self._bound / 16 / _SLACK_RATE
+            )
         with self._lock:
             if self._queued or generation != self._generation:
                 return  # measured across a trim: stale

@@ -189,6 +189,25 @@ def test_checks_are_spaced_by_the_interval() -> None:
     assert jobs.jobs == []
 
 
+@glibc_only
+def test_a_larger_bound_spaces_the_checks_further() -> None:
+    """A sixteenth of the bound at 1 GiB/s: a 64 GiB bound waits four seconds."""
+    calls: list[int] = []
+
+    def gauge() -> int:
+        calls.append(1)
+        return 0
+
+    for bound, measured in ((64 << 30, 1), (MiB, 3)):
+        calls.clear()
+        trimmer = HeapTrimmer(bound, StatsCounter(), slack=gauge, submit=_Jobs().submit)
+        trimmer.saved()
+        for _ in range(3):
+            trimmer.check()
+            time.sleep(0.002)  # past the least interval and a 1 MiB bound's spacing
+        assert len(calls) == measured
+
+
 def test_none_never_trims() -> None:
     trimmer, jobs, slack, stats = _trimmer(None)
     assert not trimmer.enabled
