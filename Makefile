@@ -21,7 +21,7 @@ test: setup lint
 	$(BIN)/python -m pytest -m "not gpu_only" -q
 
 demo: setup
-	$(BIN)/python bench/step.py --steps 4 --warmup 1 --modes none,disk --plot .scratch/memory.png
+	$(BIN)/python bench/step.py --steps 3 --warmup 1 --modes none,disk --plot .scratch/memory.png
 
 bench: setup
 	$(BIN)/python bench/step.py
