@@ -30,6 +30,15 @@ learned prefetch order brings it back ahead of the recompute that needs it.
 # As in torch's modes, a stored output that is modified in place before the
 # recompute uses it raises (the engine's version check for offloaded outputs,
 # a version counter for saved ones), unless allow_cache_entry_mutation=True.
+#
+# NOTE [dispatch cost]
+# Each mode times its ``__torch_dispatch__`` from entry to return, less the
+# wrapped op's own call (on CUDA, a profiling step's synchronize is the op's),
+# and tells the decider the sum when the block's pass through it ends. That is
+# the Python the modes add per op (the decider's call, the storage, the output
+# trees); the switch into Python before ``__torch_dispatch__`` runs is not in
+# it, so it bounds the modes' cost from below, summed over many short spans
+# rather than taken as the difference of two block times.
 """
 
 from __future__ import annotations
@@ -137,6 +146,12 @@ class Decider(Protocol):
 
     def consumed(self, key: OpKey) -> None: ...
 
+    def dispatched(self, block: tuple[str, int], seconds: float) -> None:
+        """One pass of ``block`` through a mode (its forward, or its recompute) ended; it
+        spent ``seconds`` in the mode's ``__torch_dispatch__`` beyond its ops' own calls
+        (NOTE [dispatch cost])."""
+        ...
+
 
 class PolicyDecider:
     """A user's policy with PyTorch's signature ``policy(ctx, op, *args, **kwargs)``."""
@@ -168,6 +183,9 @@ class PolicyDecider:
         pass
 
     def consumed(self, key: OpKey) -> None:
+        pass
+
+    def dispatched(self, block: tuple[str, int], seconds: float) -> None:
         pass
 
 
@@ -237,6 +255,36 @@ class _Mode(TorchDispatchMode):
         self.storage = storage
         self.stats = stats
         self.counts: collections.Counter[Any] = collections.Counter()
+        # NOTE [dispatch cost]: seconds in __torch_dispatch__, and in the ops it called.
+        self.spent = 0.0
+        self.op_seconds = 0.0
+
+    def _block(self) -> tuple[str, int]:
+        raise NotImplementedError
+
+    def _dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def _call(self, func: Any, args: Any, kwargs: dict[str, Any], sync: bool = False) -> Any:
+        """Run the op, adding its own time (with ``sync``, its kernels') to op_seconds."""
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        if sync:
+            _sync(out)
+        self.op_seconds += time.perf_counter() - start
+        return out
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        start = time.perf_counter()
+        try:
+            return self._dispatch(func, args, kwargs or {})
+        finally:
+            self.spent += time.perf_counter() - start
+
+    def __exit__(self, *exc: Any) -> Any:
+        seconds, self.spent, self.op_seconds = self.spent - self.op_seconds, 0.0, 0.0
+        self.decider.dispatched(self._block(), max(seconds, 0.0))
+        return super().__exit__(*exc)
 
 
 class _Saving(_Mode):
@@ -252,18 +300,16 @@ class _Saving(_Mode):
         super().__init__(decider, hooks, storage, stats)
         self.block = current_block() or ("", -1)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+    def _block(self) -> tuple[str, int]:
+        return self.block
+
+    def _dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         if func in _IGNORED:
-            return func(*args, **kwargs)
+            return self._call(func, args, kwargs)
         timing = self.decider.timing()
-        if timing:
-            start = time.perf_counter()
-            out = func(*args, **kwargs)
-            _sync(out)
-            seconds = time.perf_counter() - start
-        else:
-            out = func(*args, **kwargs)
+        before = self.op_seconds
+        out = self._call(func, args, kwargs, sync=timing)
+        seconds = self.op_seconds - before
         count = self.counts[func]
         self.counts[func] = count + 1
         key: OpKey = (self.block[0], self.block[1], func, count)
@@ -327,10 +373,12 @@ class _Restoring(_Mode):
         self.decider.recomputing()
         return super().__enter__()  # type: ignore[no-any-return]
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+    def _block(self) -> tuple[str, int]:
+        return self.block()
+
+    def _dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         if func in _IGNORED:
-            return func(*args, **kwargs)
+            return self._call(func, args, kwargs)
         count = self.counts[func]
         self.counts[func] = count + 1
         entry = self.storage.get((func, count))
@@ -346,12 +394,12 @@ class _Restoring(_Mode):
                 "retain_graph=True across it)."
             )
         if entry is _RECOMPUTE:
-            return func(*args, **kwargs)
+            return self._call(func, args, kwargs)
         self.storage[(func, count)] = _CONSUMED
         block = self.block()
         self.decider.consumed((block[0], block[1], func, count))
         if draws_random(func, args, kwargs):  # NOTE [random ops]
-            func(*args, **kwargs)
+            self._call(func, args, kwargs)
         if entry.mode == 1:
             hooks = self.hooks
             assert hooks is not None

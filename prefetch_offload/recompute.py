@@ -44,13 +44,21 @@
 #   recomputed (storing one would keep another tensor alive). Random ops:
 #   recomputed (NOTE [random ops] in checkpointing.py).
 # - Plain or selective: selective only when its offloads save more (compute
-#   time less move cost, summed) than the dispatch modes cost the blocks (step
-#   4's odd blocks less its even ones); else every non-whole block is
-#   checkpointed plainly and its ops all recompute. Measured on the 8-layer
-#   Llama of ``bench/recompute.py --model llama`` (2 CPU threads): the dispatch
-#   modes recomputing everything took 1.28 s a step against 1.02 s for plain
-#   checkpointing (about 33 ms a block, forward and recompute), more than its
-#   offloads saved at any budget there.
+#   time less move cost, summed) than the dispatch modes cost the blocks; else
+#   every non-whole block is checkpointed plainly and its ops all recompute.
+#   The cost per block is the larger of step 4's odd blocks less its even ones
+#   and what the modes measured of themselves in step 4's odd blocks (the time
+#   in their ``__torch_dispatch__`` beyond the ops, forward and recompute: NOTE
+#   [dispatch cost] in checkpointing.py; one block: step 3's). The difference
+#   of two block times can come out 0 on a loaded machine; the modes' own sum of
+#   many short spans cannot, and it omits only the switch into Python. Measured
+#   on a block of the 8-layer Llama of ``bench/recompute.py --model llama`` (2
+#   CPU threads; 70 ops forward, 100 in the recompute): 3.6-4.5 ms in the
+#   modes per block on the 2-core machine at its quietest, 8-23 ms at load
+#   average 5; a cheap op costs 8.8 us more under the forward mode, 5.9 us of
+#   it in ``__torch_dispatch__``. Whole steps there took 1.28 s under the modes
+#   against 1.02 s plain (about 33 ms a block), more than the offloads saved at
+#   any budget.
 # - Re-planning: a block or, in a selective block, an op position that the
 #   profile did not see profiles again (once per new structure). A block run
 #   whole or plainly has no per-op plan to go stale.
@@ -274,6 +282,9 @@ class _Recorded:
     def consumed(self, key: OpKey) -> None:
         pass
 
+    def dispatched(self, block: tuple[str, int], seconds: float) -> None:
+        pass
+
 
 @dataclass
 class _Obs:
@@ -349,6 +360,9 @@ class AutoDecider:
         self._fixed: dict[Position, str] = {}
         self._spans: dict[int, dict[tuple[str, int], _Span]] = {}
         self._ends: dict[int, float] = {}  # each profiling step's end: the next one's start
+        # Per profiling step and block: seconds in the dispatch modes beyond the ops
+        # (forward and recompute; NOTE [dispatch cost] in checkpointing.py).
+        self._dispatch: dict[int, collections.Counter[tuple[str, int]]] = {}
         self._phase = _WHOLE_ALL
         self._stale = False  # an unplanned block or position appeared: profile again
         self._in_backward = False
@@ -453,6 +467,11 @@ class AutoDecider:
                 if obs is not None:
                     obs.consumed += 1
 
+    def dispatched(self, block: tuple[str, int], seconds: float) -> None:
+        with self._lock:
+            if self._phase != _PLANNED:
+                self._dispatch.setdefault(self._phase, collections.Counter())[block] += seconds
+
     # -- planning ---------------------------------------------------------------------------
 
     def _step_started(self) -> None:
@@ -481,6 +500,7 @@ class AutoDecider:
         self._fixed.clear()
         self._spans.clear()
         self._ends.clear()
+        self._dispatch.clear()
         self._block_bytes.clear()
         self._s0 = self._s1 = None
 
@@ -511,8 +531,13 @@ class AutoDecider:
         # The paired step: even blocks plain, odd ones under the dispatch modes.
         f_plain, b_plain, _ = self._block_times(_PLAIN_ALL, 0)
         f_sac, b_sac, _ = self._block_times(_PLAIN_ALL, 1)
+        # What the modes measured of themselves, per block (the paired step's untimed
+        # blocks; NOTE [dispatch cost] in checkpointing.py).
+        spent = self._dispatch.get(_PLAIN_ALL, {})
         if not f_sac:  # one block: against the recompute-all step
             f_sac, b_sac = f_rec, b_rec
+            spent = self._dispatch.get(_RECOMPUTE_ALL, {})
+        in_modes = statistics.median(spent.values()) if spent else 0.0
         n = max(n, 1)
         # Whole blocks: the newest whose saved bytes the budget keeps anyway.
         whole: list[tuple[str, int]] = []
@@ -528,8 +553,11 @@ class AutoDecider:
         share = rest / n  # of the profiled bytes and seconds, the blocks still checkpointed
         t_fwd, t_bwd = max(n * f_off, 1e-9), max(n * b_off, 1e-9)
         step_offload, step_recompute = n * (f_off + b_off), n * (f_rec + b_rec)
-        # The dispatch modes' own cost per block, both recomputing everything.
-        overhead = max((f_sac + b_sac) - (f_plain + b_plain), 0.0)
+        # The dispatch modes' own cost per block, both recomputing everything: the paired
+        # difference, or what they measured of themselves where that is more (a loaded
+        # machine's noise can hide the difference).
+        paired = max((f_sac + b_sac) - (f_plain + b_plain), 0.0)
+        overhead = max(paired, in_modes)
         moved = s1.bytes_offloaded - s0.bytes_offloaded
         e_fwd = (s1.pack_wait_seconds - s0.pack_wait_seconds) + (
             s1.copy_wait_seconds - s0.copy_wait_seconds
@@ -609,6 +637,8 @@ class AutoDecider:
             "blocks_plain": 0 if selective else rest,
             "whole_MiB": held / _MiB,
             "dispatch_s_per_block": overhead,
+            "dispatch_paired_s": paired,
+            "dispatch_in_modes_s": in_modes,
             "selective_gain_s": gain,
             "step_offload_all_s": step_offload,
             "step_recompute_all_s": step_recompute,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -312,3 +313,38 @@ def test_attention_with_dropout_p_zero_does_not_count_as_random() -> None:
     assert draws_random(sdpa, (q, q, q), {"dropout_p": 0.1})
     assert draws_random(torch.ops.aten.bernoulli.default, (q,), {})
     assert not draws_random(torch.ops.aten.mm.default, (q, q), {})
+
+
+def test_the_modes_report_their_own_time_beyond_the_ops_per_pass() -> None:
+    """NOTE [dispatch cost]: each pass through a mode (forward, recompute) reports the
+    time in ``__torch_dispatch__`` less the ops' own: here a decider that sleeps 1 ms
+    per op is counted, the block's 200 ms outside its ops is not."""
+    from prefetch_offload.checkpointing import CheckpointStats, PolicyDecider, selective_contexts
+
+    passes: list[float] = []
+
+    class Slow(PolicyDecider):
+        def decide(self, *a: Any) -> CheckpointPolicy:
+            time.sleep(0.001)
+            return P.PREFER_RECOMPUTE
+
+        def dispatched(self, block: tuple[str, int], seconds: float) -> None:
+            passes.append(seconds)
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        y = torch.mm(x, x)  # one op under the modes
+        time.sleep(0.2)  # outside the modes: not the dispatch's
+        return y
+
+    decider = Slow(lambda *a, **k: P.PREFER_RECOMPUTE)
+    x = torch.randn(4, 4, requires_grad=True)
+    out = checkpoint(
+        body,
+        x,
+        use_reentrant=False,
+        context_fn=lambda: selective_contexts(decider, None, CheckpointStats()),
+    )
+    out.sum().backward()
+    assert len(passes) == 2  # the forward, then the recompute
+    assert 0.001 <= passes[0] < 0.2  # the decider's sleep, not the body's
+    assert 0.0 < passes[1] < 0.2

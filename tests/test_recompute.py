@@ -60,13 +60,15 @@ def _step(
     saved: int = 0,
     consumed: set[Any] | None = None,
     slow: int | None = None,
+    dispatch_s: float = 0.0,
     **counters: float,
 ) -> dict[Any, CheckpointPolicy]:
     """One step through ``blocks`` blocks, each taking ``forward_s`` forward and
     ``step_s - forward_s`` backward, as the wrapper and the dispatch modes report it: a
     selective block decides each op, and its recompute reads back what was stored
     (``consumed``: which of those it asks for; None: all); a whole block hands
-    ``saved`` bytes to the engine; block ``slow`` takes a second longer forward."""
+    ``saved`` bytes to the engine; block ``slow`` takes a second longer forward; the
+    modes report ``dispatch_s`` of their own per selective block."""
     decisions = {}
     modes = []
     for b in range(blocks):
@@ -80,6 +82,7 @@ def _step(
                 decisions[func] = decider.decide(key, func, (), {}, _out(nbytes))
                 if decider.timing():
                     decider.observe(key, func, _out(nbytes), seconds, decisions[func])
+            decider.dispatched(("Block", b), dispatch_s)
         elif mode == WHOLE:
             fake.add(device_tier_bytes=saved)
         fake.now = start + forward_s + (1.0 if b == slow else 0.0)
@@ -113,10 +116,12 @@ def _plan(
     blocks: int = 1,
     budget: int = 0,
     saved: int = 0,
+    dispatch_s: float = 0.0,
     **profile: float,
 ) -> AutoDecider:
     """The four profiling steps (NOTE [keep, offload, recompute]), each block's share of
-    the given step times, then the first planned step (``decider.decisions``)."""
+    the given step times, then the first planned step (``decider.decisions``); the
+    modes report ``dispatch_s`` of their own per block in the recompute-all step."""
     fake = _Fake()
     decider = AutoDecider(fake.snapshot, budget, clock=fake.clock)
     per = {"blocks": blocks, "forward_s": 1.0 / blocks}
@@ -126,7 +131,9 @@ def _plan(
         decider, fake, _OPS, step_s=offload_all_s / blocks, consumed=_NEEDED, **per, **profile
     )  # type: ignore[arg-type]
     assert first[MM] is P.PREFER_CPU_OFFLOAD and first[VIEW] is P.PREFER_RECOMPUTE
-    second = _step(decider, fake, _OPS, step_s=recompute_all_s / blocks, **per)  # type: ignore[arg-type]
+    second = _step(
+        decider, fake, _OPS, step_s=recompute_all_s / blocks, dispatch_s=dispatch_s, **per
+    )  # type: ignore[arg-type]
     assert set(second.values()) == {P.PREFER_RECOMPUTE} and decider.profiling
     plain = recompute_all_s - 0.01 if plain_s is None else plain_s
     paired = _step(decider, fake, _OPS, step_s=plain / blocks, **per)  # type: ignore[arg-type]
@@ -359,3 +366,29 @@ def test_the_dispatch_cost_is_paired_within_one_step() -> None:
     _step(decider, fake, _OPS, step_s=5.0, forward_s=0.1, blocks=2, slow=1)  # all slow
     decider.mode("Block", 0)  # the next step: the plan
     assert decider.plan().measured["dispatch_s_per_block"] == pytest.approx(1.0)
+
+
+def test_the_modes_own_dispatch_time_bounds_the_paired_difference_from_below() -> None:
+    """The plain step was as slow as the recompute-all one (a loaded machine's noise hid
+    the modes' cost), but the modes measured 0.5 s of their own per block: more than
+    offloading the matmul saves, so the block is checkpointed plainly."""
+    decider = _plan(3.0, 2.5, 2.5, dispatch_s=0.5, **_SLOW_LINK)
+    assert decider.mode("Block", 0) == PLAIN and decider.decisions == {}  # type: ignore[attr-defined]
+    measured = decider.plan().measured
+    assert measured["dispatch_paired_s"] == 0.0 and measured["dispatch_in_modes_s"] == 0.5
+    assert measured["dispatch_s_per_block"] == pytest.approx(0.5)
+
+
+def test_the_paired_step_s_selective_blocks_report_the_modes_own_time() -> None:
+    """With more than one block the modes' own time comes from the paired step's
+    selective blocks (untimed, as the plan runs them), the median over them."""
+    fake = _Fake()
+    decider = AutoDecider(fake.snapshot, 0, clock=fake.clock)
+    for step_s, dispatch_s in ((3.0, 9.0), (2.0, 9.0), (2.0, 9.0), (2.0, 0.25)):
+        _step(
+            decider, fake, _OPS, step_s=step_s / 4, forward_s=0.1, blocks=4, dispatch_s=dispatch_s
+        )
+    decider.mode("Block", 0)  # the next step: the plan
+    measured = decider.plan().measured
+    assert measured["dispatch_paired_s"] == 0.0
+    assert measured["dispatch_s_per_block"] == pytest.approx(0.25)
