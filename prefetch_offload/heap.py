@@ -4,91 +4,87 @@
 # glibc's malloc keeps the memory a program frees, to reuse it, and gives back to
 # the kernel only a free top of the heap (or a freed block of its own mapping,
 # which PyTorch's tensors stop getting once glibc raises its mmap threshold to
-# their size). A training step's heap is fragmented: small allocations that live
-# until backward (autograd's nodes, traced to operator new in libtorch) sit
-# between large freed blocks. Offloading frees every activation as its write
-# lands, so forward leaves the heap full of freed holes, and glibc's placement
-# wanders over them: a freed block coalesces with its free neighbours and the
-# next request is split from the start of the merged block, so forward's later
-# tensors and backward's gradients land on pages the step has not touched yet
-# instead of the blocks just freed. Each page touched stays resident. Measured on
-# bench/step.py's transformer (6 blocks, width 256, batch 8x256, 248.6 MiB saved
-# per step; 2-core VM, glibc 2.36): with disk offload and no trims the heap held
-# 25-60 MiB of live bytes above its size before training while its main arena
-# grew by ~200-250 MiB, and the process's peak RSS over ten steps was ~290-330
-# MiB above its RSS before training, against ~405 without offload.
+# their size). Offloading frees every activation as its write lands, but the
+# heap does not shrink to what is live: freed activations leave holes that
+# small allocations living until backward (autograd's nodes and tensor
+# metadata, 32-80 bytes each) split, so later tensors often fit no hole and
+# land on pages the step has not touched yet. A walk of the main heap at the
+# end of forward (bench/step.py's transformer, 24 blocks, width 256, batch
+# 8x256, 970 MiB saved per step, disk offload, no trims; 2-core VM, glibc
+# 2.36): 728 MiB of heap for 143 MiB live, 571 MiB of the free space in 159
+# holes of 1-42 MiB, nearly every one closed by a single live chunk of 32-80
+# bytes. Each page touched stays resident: that run's peak RSS was 734 MiB
+# above its start, against 1346 without offload, whose own heap keeps 376 MiB
+# beside the saved bytes.
 #
 # ``malloc_trim(0)`` returns the whole free pages inside those holes (every
-# arena, not only the top). Each page used again later costs a page fault and a
-# page of zeroing (about 1 us per 4 KiB page there), and glibc holds the arena's
-# lock while it gives pages back (~7 ms for ~100 MiB), so a trim is worth its
-# cost only where memory has built up. The engine trims on that measure: the
-# slack, the process's anonymous resident memory minus the bytes malloc has
-# handed out and not had back (``mallinfo2``) minus the engine's own mapped read
-# buffers, is what a trim could give back. The hooks read it (a few microseconds
-# on a tidy heap; mallinfo2 walks every free chunk under the arena locks, so up
-# to a millisecond on a heap of tens of thousands of them: at most once per
-# _CHECK_INTERVAL_S and at most a tenth of the time, and not while a trim runs,
-# which holds those locks). When it has grown by ``heap_trim_bytes`` plus the
-# allowance over its level after the last trim (or its lowest since), and the
-# engine has saved CPU activations, the trimmer's own thread trims (the hooks
-# never wait for it; at most one trim is queued or running, and a measure taken
-# across a trim is dropped). The allowance is the share of ``device_budget``
-# that kept records do not fill now: the user gave the budget to activations,
-# and where they do not hold it (the start of forward, and backward once it has
-# used the kept records) free heap may, so the engine's memory stays within the
-# budget plus ``heap_trim_bytes`` at every moment and backward's frees of kept
-# records do not each cost a trim and its refaults. So the process's memory
-# stays within about ``heap_trim_bytes`` (plus the budget's unfilled share) of
-# what is live, wherever in the step the slack builds up, and a run that saves
-# no CPU activations (CUDA training) never trims. A read buffer counts as the
-# engine's from its lease, a few milliseconds before its read makes it resident;
-# the level dips by that much meanwhile. Trimming is an optimisation: whatever
-# stops it (no readable /proc/self/statm, no thread, a failed trim) turns it off
-# with one warning, and training goes on; in the child of a fork (a DataLoader
-# worker) it stops without a word.
+# arena, not only the top). Each page used again later costs a page fault and
+# a page of zeroing, and glibc holds the arena's lock while it gives pages back,
+# so a trim is worth its cost only where memory has built up. The engine trims
+# on that measure: the slack, the process's anonymous resident memory minus the
+# bytes malloc has handed out and not had back (``mallinfo2``) minus the
+# engine's own mapped read buffers, is what a trim could give back. The hooks
+# read it; mallinfo2 walks every free chunk under the arena locks (up to a
+# millisecond on a fragmented heap), so a measure comes at most once per
+# _CHECK_INTERVAL_S, at most a tenth of the time, at most once per the time the
+# slack needs to grow by a sixteenth of the bound at 1 GiB/s, and never while
+# a trim runs. When the slack has grown by the bound plus the allowance over
+# its level after the last trim (or its lowest since), and the engine has saved
+# CPU activations, the trimmer's own thread trims (the hooks never wait for
+# it; at most one trim is queued or running, and a measure taken across a trim
+# is dropped; trims queued on the IO pool behind reads would run only after
+# backward). The allowance is the share of ``device_budget`` that kept records
+# do not fill now: the user gave the budget to activations, and where they do
+# not hold it (the start of forward, and backward once it has used the kept
+# records) free heap may. A read buffer counts as the engine's from its lease,
+# a few milliseconds before its read makes it resident; the level dips by that
+# much meanwhile.
 #
-# Measured on that transformer (docs/tuning.md section 4: time and page faults
-# side by side, each configuration in its own process; memory from the step
-# benchmark's probes): no trims 1.18x the step time of no offload, ~15k page
-# faults per step (as many as no offload), activation memory cut 30%; a slack
-# bound of 128 MiB 1.51x, ~94k faults, 74%; 96 MiB 1.48x, ~102k, 83%; 64 MiB
-# (the default) 1.57x, ~133k, 93% (peak RSS 167 MiB above the RSS before
-# training, against 399 without offload). Fixed schedules measured against it
-# over ten steps (a 2 ms RSS sampler), no better: one trim per step when forward
-# begins, ~55k faults, 1.34x, peak ~316 MiB above the RSS before training (the
-# step re-touches the whole heap before its peak in backward); one when backward
-# begins, ~55k, 1.37x, ~250 MiB (forward's wander sets the peak then); one
-# before every block's forward and backward, ~170k, 1.7x, ~145 MiB; the 64 MiB
-# bound there: ~135k, 1.6x, ~170 MiB; a ceiling instead (trim when the anonymous
-# RSS passes the most live memory seen plus the bound, so no trims while far
-# below it): ~105k, ~5% faster, ~15 MiB higher (with a device_budget of half the
-# step, ~115k instead of ~155k, ~10% faster, ~10 MiB higher), about another
-# point on the same curve as a larger bound; a ceiling at the peak RSS of this
-# step or the last one (a due trim waits further below it), each configuration
-# in its own process: disk unchanged (~134k faults, 1.69x), the budget ~142k
-# faults against ~155-167k, time within the runs' spread (1.55-1.65x against
-# 1.59-1.64x), disk's peak ~9 MiB higher; and in a process that also runs other
-# work, that work's peak lifts the ceiling and the trims stop. The allowance,
-# measured the same way (a device_budget of half the step, each configuration in
-# its own process, ten and twelve rounds): ~110k faults per step against ~160k
-# with the plain bound, 1.40-1.44x against 1.63-1.67x the step time of no
-# offload (1.13-1.26x without trims); the budget's peak in the step benchmark
-# 266-286 MiB against a limit of 299-314. Trims queued on the IO pool behind
-# reads ran only after backward (reads are queued all through it), hence a
-# thread of the trimmer's own. Other ideas measured: reading spans back into
-# heap memory instead of mapped blocks grew the heap further (~350 MiB without
-# trims); MADV_HUGEPAGE on the heap cut a refault's cost by a quarter (zeroing
-# dominates) at the risk of compaction stalls (one 0.19 s refault of 128 MiB);
-# giving back a written activation's own pages when the engine held the
-# storage's last reference reached only 30-60% of the bytes, since forward still
-# holds many tensors when their writes land; glibc's mmap threshold set by the
-# engine (every freed block leaves at once) cost ~250k faults per step, 1.84x,
-# and would change the whole process's allocator for good.
+# The bound: a trim gives back every free page, and the step's next
+# allocations land on them, so the page faults a step pays fall as the bound
+# grows, and its peak rises. ``heap_trim_bytes="auto"`` (the default) sets it
+# to the larger of AUTO_TRIM_MIN_BYTES and AUTO_TRIM_STEP_SHARE of the bytes the
+# last step moved out of memory (a step of a new size sets the next one's):
+# the slack a step may hold grows with what the step frees. Measured on the
+# 24-block transformer above, each bound in a process of its own, one run
+# (docs/benchmarks.md, "Giving memory back on the CPU", has the step times):
+#
+#   bound                 trims/step  faults/step  peak MiB  activation cut
+#   64 MiB                      26.8       495k       213       117%
+#   128 MiB                      9.0       326k       280       110%
+#   auto (243 MiB here)          3.2       209k       393        98%
+#   384 MiB                      1.8       195k       544        83%
+#   none (no trims)              0          22k       734        63%
+#
+# (the cut is of the saved bytes, against what no offload holds beside them;
+# over 100% where the trims also give back free heap that no offload keeps).
+# A quarter keeps the cut above 90% there with 0.42x the faults of 64 MiB; a
+# model that saves less than 256 MiB a step keeps the 64 MiB floor. Explicit
+# bytes fix the bound; None never trims, and a run that saves no CPU
+# activations (CUDA training) never trims. The faults left are what the trims
+# cost in time: each refault zeroes a page, which huge pages make a quarter
+# cheaper and no cheaper than that (zeroing dominates). Other placements
+# measured on the 6-block shape, no better: one trim per step when forward or
+# backward begins (the step's wander re-touches the heap before its peak:
+# ~316 or ~250 MiB above the start, against ~167 with the 64 MiB bound); a
+# ceiling on the RSS instead of a bound on the slack (another point on the
+# same curve); glibc's mmap threshold set by the engine (every freed block
+# leaves at once: ~250k faults per step, 1.84x, and the whole process's
+# allocator changed for good); giving back a written activation's own pages
+# (30-60% of the bytes: forward still holds many tensors when their writes
+# land). Moving the small long-lived allocations out of the holes did not
+# change the heap's extent: copying saved tensors under ``min_offload_bytes``
+# into an engine mapping left 629 MiB of peak, and a reserve of free small
+# chunks was not used (glibc serves a small request from the remainder of the
+# last split before its bins).
+#
+# Trimming is an optimisation: whatever stops it (no readable /proc/self/statm,
+# no thread, a failed trim) turns it off with one warning, and training goes
+# on; in the child of a fork (a DataLoader worker) it stops without a word.
 # Records of CUDA tensors do not count: their host memory is pinned or mapped,
-# not glibc's heap. Where glibc is absent (musl, macOS, Windows) this does nothing;
-# where only mallinfo2 is missing (glibc < 2.33), the slack is the anonymous RSS
-# minus the engine's mapped buffers.
+# not glibc's heap. Where glibc is absent (musl, macOS, Windows) this does
+# nothing; where only mallinfo2 is missing (glibc < 2.33), the slack is the
+# anonymous RSS minus the engine's mapped buffers.
 """
 
 from __future__ import annotations
