@@ -348,7 +348,8 @@ class Lane:
         with Sampler(interval, self._live) as sampler:
             out = self.step(r)
         t0, tb, t1 = self.marks
-        inside = [s for s in sampler.samples if t0 <= s[0] <= t1]
+        # The samples taken on entry and exit, just outside the step, stand at its ends.
+        inside = [(min(max(t, t0), t1), rss, live) for t, rss, live in sampler.samples]
         return {
             "t_s": [round(t - t0, 5) for t, _, _ in inside],
             "rss_bytes": [rss - self.base_rss for _, rss, _ in inside],
