@@ -169,8 +169,9 @@ def _checkpointed(forward: Callable[..., Any], reentrant: bool) -> Callable[...,
     return lambda x: checkpoint(forward, x, use_reentrant=reentrant)
 
 
-def saved_storage_bytes(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> list[int]:
-    """Bytes of each distinct storage one forward saves for backward, parameters excluded."""
+def saved_storage_bytes(model: torch.nn.Module, forward: Callable[[], Any]) -> list[int]:
+    """Bytes of each distinct storage ``forward()`` (one forward of ``model``) saves for
+    backward, parameters excluded."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
 
@@ -181,7 +182,7 @@ def saved_storage_bytes(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(*batch)
+        loss = forward()
     del loss
     return list(storages.values())
 

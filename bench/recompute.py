@@ -72,7 +72,7 @@ from _common import (
     round_order,
     scratch_folder,
 )
-from _harness import Shape, build
+from _harness import Shape, build, saved_storage_bytes
 from _probe import _sgd_step
 from _text import json_header, log, progress
 
@@ -143,23 +143,6 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
 
 def _on(model: torch.nn.Module, where: str, args: argparse.Namespace) -> torch.nn.Module:
     return model.to(where, torch.bfloat16) if args.gpu else model
-
-
-def saved_bytes(model: torch.nn.Module, loss_of: Any) -> int:
-    """Bytes of the distinct storages one step saves for backward, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss_of(model).backward()
-    model.zero_grad(set_to_none=True)
-    return sum(storages.values())
 
 
 # -- one mode's process ------------------------------------------------------------------
@@ -327,7 +310,7 @@ def throttled(folder: str, mbps: int | None) -> Any:
 def run(args: argparse.Namespace, header: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(TORCH_THREADS)
     model, loss_of = build_model(args)
-    saved = saved_bytes(model, loss_of)
+    saved = sum(saved_storage_bytes(model, functools.partial(loss_of, model)))
     del model
     log(f"{args.model}: {saved / MB:.1f} MiB saved for backward per step")
     with scratch_folder(args.save_dir, prefix="bench-recompute-") as folder:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -187,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     warm_up_unary_ops()  # NOTE [first unary call]: lanes are compared bit for bit
     shape = Shape(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Shape)})
     model, (batch,) = build(dataclasses.replace(shape, compile="off"), 1, args.device)
-    saved = sum(saved_storage_bytes(model, batch))
+    saved = sum(saved_storage_bytes(model, functools.partial(model, *batch)))
     del model, batch
     specs = _specs(args, saved)
     header = json_header("step.py", words, machine_info())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 from collections.abc import Sequence
@@ -86,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     warm_up_unary_ops()  # NOTE [first unary call]: lanes are compared bit for bit
     shape = Shape(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Shape)})
     model, (batch,) = build(shape, 1)
-    saved = sum(saved_storage_bytes(model, batch))
+    saved = sum(saved_storage_bytes(model, functools.partial(model, *batch)))
     del model, batch
     cells: list[dict[str, Any]] = []
     with scratch_folder(args.save_dir, prefix="bench-sweep-") as folder:
