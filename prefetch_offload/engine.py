@@ -376,6 +376,7 @@ class OffloadEngine:
                 self._plan.begin_forward()  # NOTE [learned order]
             self._enforce_budgets()  # NOTE [tiers]: what the write tail kept
             self._reader.recent.clear()  # NOTE [recently restored]
+            self._reader.read_pool.new_period()  # NOTE [read buffer pool]
             moved = self._policy.demoted[DISK]  # NOTE [heap trim]: the bound follows it
             self._heap.step_moved(moved - self._moved_before_step)
             self._moved_before_step = moved

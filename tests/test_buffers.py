@@ -91,6 +91,36 @@ def test_follow_peak_pool_reuses_blocks_and_keeps_up_to_its_peak() -> None:
     assert not factory.alive  # returned after close: released at once, not parked
 
 
+def test_follow_peak_lets_go_of_what_the_last_period_did_not_lease() -> None:
+    """A step that leases less than an earlier one (a plan that moves fewer bytes) keeps
+    only its own peak once the next step begins, not the largest step's blocks."""
+    factory = _Counting()
+    pool = HostBufferPool(0, allocate=factory, follow_peak=True)
+    block = 320 * 1024
+    for count in (4, 1):
+        pool.new_period()
+        step = [pool.lease(300_000)[0] for _ in range(count)]
+        del step
+        gc.collect()
+        assert pool.idle_bytes == 4 * block  # within a period: the last one's peak too
+    pool.new_period()  # the last period leased one block at a time
+    assert pool.idle_bytes == pool.mapped_bytes == block
+    assert len(factory.alive) == 1 and pool.peak_leased_bytes == 4 * block
+    pool.lease(300_000)  # this period leases one block too (dropped at once)
+    gc.collect()
+    pool.new_period()
+    assert pool.idle_bytes == block and factory.made == 4  # reused, and kept
+    pool.new_period()
+    assert pool.idle_bytes == 0  # a period that leased nothing
+    held = pool.lease(300_000)[0]
+    pool.new_period()  # leased now counts toward the new period's peak
+    assert pool.idle_bytes == 0 and pool.leased_bytes == block
+    del held
+    gc.collect()
+    assert pool.idle_bytes == block
+    pool.close()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 def test_mapped_bytes_is_anonymous_memory() -> None:
     """The heap trimmer takes ``mapped_bytes`` out of the process's anonymous RSS
