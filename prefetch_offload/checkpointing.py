@@ -32,13 +32,16 @@ learned prefetch order brings it back ahead of the recompute that needs it.
 # a version counter for saved ones), unless allow_cache_entry_mutation=True.
 #
 # NOTE [dispatch cost]
-# Each mode times its ``__torch_dispatch__`` from entry to return, less the
-# wrapped op's own call (on CUDA, a profiling step's synchronize is the op's),
-# and tells the decider the sum when the block's pass through it ends. That is
-# the Python the modes add per op (the decider's call, the storage, the output
-# trees); the switch into Python before ``__torch_dispatch__`` runs is not in
-# it, so it bounds the modes' cost from below, summed over many short spans
-# rather than taken as the difference of two block times.
+# In a pass the decider times (``timing()`` when the mode is entered: the
+# profiling steps), each mode times its ``__torch_dispatch__`` from entry to
+# return, less the wrapped op's own call (on CUDA, a forward op's synchronize
+# is the op's), and tells the decider the sum when the block's pass through it
+# ends. That is the Python the modes add per op (the decider's call, the
+# storage, the output trees); the switch into Python before
+# ``__torch_dispatch__`` runs is not in it. The sum of many short spans is
+# steady where the difference of two block times is not (NOTE [keep, offload,
+# recompute] in recompute.py). Other passes time nothing: an op costs the
+# modes one flag test more than its dispatch.
 """
 
 from __future__ import annotations
@@ -135,7 +138,8 @@ class Decider(Protocol):
     ) -> CheckpointPolicy: ...
 
     def timing(self) -> bool:
-        """Whether forward should time each op now (a profiling step)."""
+        """Whether the modes time the pass that begins now (a profiling step): each op
+        in forward (``observe``), and their own dispatch (``dispatched``)."""
         ...
 
     def observe(self, key: OpKey, func: Any, out: Any, seconds: float, policy: Any) -> None: ...
@@ -255,7 +259,9 @@ class _Mode(TorchDispatchMode):
         self.storage = storage
         self.stats = stats
         self.counts: collections.Counter[Any] = collections.Counter()
-        # NOTE [dispatch cost]: seconds in __torch_dispatch__, and in the ops it called.
+        # NOTE [dispatch cost]: seconds in __torch_dispatch__, and in the ops it called,
+        # in a pass the decider times (``timing()`` when the pass began).
+        self.timed = False
         self.spent = 0.0
         self.op_seconds = 0.0
 
@@ -265,8 +271,17 @@ class _Mode(TorchDispatchMode):
     def _dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         raise NotImplementedError
 
+    def __enter__(self) -> _Mode:
+        # NOTE [dispatch cost]: timed only in a pass the decider measures.
+        self.timed = self.decider.timing()
+        self.spent = self.op_seconds = 0.0
+        return super().__enter__()  # type: ignore[no-any-return]
+
     def _call(self, func: Any, args: Any, kwargs: dict[str, Any], sync: bool = False) -> Any:
-        """Run the op, adding its own time (with ``sync``, its kernels') to op_seconds."""
+        """Run the op; in a timed pass, add its own time (with ``sync``, its CUDA
+        kernels') to op_seconds."""
+        if not self.timed:
+            return func(*args, **kwargs)
         start = time.perf_counter()
         out = func(*args, **kwargs)
         if sync:
@@ -275,6 +290,8 @@ class _Mode(TorchDispatchMode):
         return out
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not self.timed:
+            return self._dispatch(func, args, kwargs or {})
         start = time.perf_counter()
         try:
             return self._dispatch(func, args, kwargs or {})
@@ -282,8 +299,9 @@ class _Mode(TorchDispatchMode):
             self.spent += time.perf_counter() - start
 
     def __exit__(self, *exc: Any) -> Any:
-        seconds, self.spent, self.op_seconds = self.spent - self.op_seconds, 0.0, 0.0
-        self.decider.dispatched(self._block(), max(seconds, 0.0))
+        if self.timed:
+            seconds, self.spent, self.op_seconds = self.spent - self.op_seconds, 0.0, 0.0
+            self.decider.dispatched(self._block(), max(seconds, 0.0))
         return super().__exit__(*exc)
 
 
@@ -306,16 +324,15 @@ class _Saving(_Mode):
     def _dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         if func in _IGNORED:
             return self._call(func, args, kwargs)
-        timing = self.decider.timing()
         before = self.op_seconds
-        out = self._call(func, args, kwargs, sync=timing)
+        out = self._call(func, args, kwargs, sync=True)
         seconds = self.op_seconds - before
         count = self.counts[func]
         self.counts[func] = count + 1
         key: OpKey = (self.block[0], self.block[1], func, count)
         policy = self.decider.decide(key, func, args, kwargs, out)
         nbytes = output_bytes(out)
-        if timing:
+        if self.timed:
             self.decider.observe(key, func, out, seconds, policy)
         if policy in OFFLOAD and self.hooks is not None:
             must = policy is CheckpointPolicy.MUST_CPU_OFFLOAD

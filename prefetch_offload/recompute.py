@@ -6,22 +6,19 @@
 # dispatch mode: recomputed whole), or selectively (the dispatch modes of
 # checkpointing.py: each op output is stored, i.e. handed to the engine, which
 # keeps the newest within ``device_budget`` and moves the rest, or recomputed).
-# NOTE [block modes] in blocks.py. The automatic policy measures four steps,
+# NOTE [block modes] in blocks.py. The automatic policy measures three steps,
 # then decides once per block and once per op position (the n-th op of an
 # overload in a block class: NOTE [op keys] in checkpointing.py):
 #
 # - Profiling: (1) every block whole: the bytes each hands to the engine (its
 #   live records before and after its forward), and the first calls warm up;
 #   (2) every op output offloaded, each op timed (on CUDA, synchronized around
-#   it); (3) every output recomputed, each op timed again; (4) even blocks
-#   plain, odd blocks selective, both recomputing everything and untimed. Per op
-#   position the compute time is the median over every block and both timed
-#   steps, times its calls in a step; a block's forward runs from its entry to
-#   its return, its backward from backward reaching its output to backward
-#   reaching the block before; step figures are the median block times the
-#   blocks. A slow block (another process on the cores) moves a median little,
-#   and step (4) pairs the dispatch modes against plain blocks in the same step,
-#   so a slow step slows both halves alike. Also measured, in step (2): the
+#   it); (3) every output recomputed, each op timed again. Per op position the
+#   compute time is the median over every block and both timed steps, times its
+#   calls in a step; a block's forward runs from its entry to its return, its
+#   backward from backward reaching its output to backward reaching the block
+#   before; step figures are the median block times the blocks, so a slow block
+#   (another process on the cores) moves them little. Also measured, in step (2): the
 #   bytes the engine moved (``O0``), the forward and backward stalls on writes
 #   and reads (``Ef``, ``Eb``), the IO threads' read bandwidth ``R``, forward
 #   and backward times (``Tf``, ``Tb``), the step (``Sa``); in step (3) the
@@ -46,19 +43,20 @@
 # - Plain or selective: selective only when its offloads save more (compute
 #   time less move cost, summed) than the dispatch modes cost the blocks; else
 #   every non-whole block is checkpointed plainly and its ops all recompute.
-#   The cost per block is the larger of step 4's odd blocks less its even ones
-#   and what the modes measured of themselves in step 4's odd blocks (the time
-#   in their ``__torch_dispatch__`` beyond the ops, forward and recompute: NOTE
-#   [dispatch cost] in checkpointing.py; one block: step 3's). The difference
-#   of two block times can come out 0 on a loaded machine; the modes' own sum of
-#   many short spans cannot, and it omits only the switch into Python. Measured
-#   on a block of the 8-layer Llama of ``bench/recompute.py --model llama`` (2
-#   CPU threads; 70 ops forward, 100 in the recompute): 3.6-4.5 ms in the
-#   modes per block on the 2-core machine at its quietest, 8-23 ms at load
-#   average 5; a cheap op costs 8.8 us more under the forward mode, 5.9 us of
-#   it in ``__torch_dispatch__``. Whole steps there took 1.28 s under the modes
-#   against 1.02 s plain (about 33 ms a block), more than the offloads saved at
-#   any budget.
+#   The cost per block is _DISPATCH_SWITCH times the median block's time in the
+#   modes in step (3), forward and recompute (their ``__torch_dispatch__``
+#   beyond the ops: NOTE [dispatch cost] in checkpointing.py); the factor adds
+#   the switch into Python that the span misses (a cheap op costs 8.8 us more
+#   under the forward mode, 5.9 us of it in ``__torch_dispatch__``). A sum of
+#   many short spans is steady; the difference of two block times is not: a
+#   heap trim or another process lands in one block and not the other. Measured
+#   on the 8-layer Llama of ``bench/recompute.py --model llama`` (2 CPU threads;
+#   70 ops a block forward, 100 in the recompute): the modes measured 1.8-2.6
+#   ms a block; whole steps with every layer selective and recomputing
+#   everything against every layer plain, heap trims off, each in its own
+#   process, three pairs: medians 1.19 / 1.04 / 1.12 s against 1.16 / 1.16 /
+#   1.16 s, no difference above the noise; a paired step with trims on had
+#   shown 15-90 ms a block, and chose plain and selective by turns.
 # - Re-planning: a block or, in a selective block, an op position that the
 #   profile did not see profiles again (once per new structure). A block run
 #   whole or plainly has no per-op plan to go stale.
@@ -103,6 +101,9 @@ from .stats import OffloadStats
 __all__ = ["AutoDecider", "OpDecision", "RecomputePlan", "RecordingDecider"]
 
 _MiB = 1 << 20
+# NOTE [keep, offload, recompute]: the dispatch modes' cost over their time in
+# __torch_dispatch__ (the switch into Python is outside it).
+_DISPATCH_SWITCH = 1.5
 
 # An op position: (block class, op overload, count in the block).
 Position = tuple[str, Any, int]
@@ -315,9 +316,8 @@ class _Span:
 
 
 # The profiling steps, then the plan (NOTE [keep, offload, recompute]).
-_WHOLE_ALL, _OFFLOAD_ALL, _RECOMPUTE_ALL, _PLAIN_ALL, _PLANNED = range(5)
+_WHOLE_ALL, _OFFLOAD_ALL, _RECOMPUTE_ALL, _PLANNED = range(4)
 _PHASE_MODE = {_WHOLE_ALL: WHOLE, _OFFLOAD_ALL: SELECTIVE, _RECOMPUTE_ALL: SELECTIVE}
-# (_PLAIN_ALL: even blocks plain, odd ones selective, both recomputing everything.)
 
 
 def _live_bytes(s: OffloadStats) -> int:
@@ -325,11 +325,11 @@ def _live_bytes(s: OffloadStats) -> int:
 
 
 class AutoDecider:
-    """``recompute="auto"``: profile four steps, then decide per block and per op position.
+    """``recompute="auto"``: profile three steps, then decide per block and per op position.
 
     Steps (NOTE [keep, offload, recompute]): every block whole (the bytes each saves),
-    every op output offloaded and timed, every output recomputed and timed, every
-    block checkpointed plainly; then the plan holds. A step starts at the first block
+    every op output offloaded and timed, every output recomputed and timed (with the
+    dispatch modes' own time); then the plan holds. A step starts at the first block
     forward after backward reached a block. Implements both
     :class:`~prefetch_offload.checkpointing.Decider` and
     :class:`~prefetch_offload.blocks.BlockModes`.
@@ -381,8 +381,6 @@ class AutoDecider:
         with self._lock:
             if self._in_backward:
                 self._step_started()
-            if self._phase == _PLAIN_ALL:  # the dispatch modes' cost, paired in one step
-                return SELECTIVE if index % 2 else PLAIN
             if self._phase != _PLANNED:
                 return _PHASE_MODE[self._phase]
             how = self._modes.get((kind, index))
@@ -425,7 +423,7 @@ class AutoDecider:
             fixed = random or _aliases(func)
             if fixed and self._phase == _OFFLOAD_ALL:
                 self._fixed[pos] = "random" if random else "alias"
-            if self._phase in (_RECOMPUTE_ALL, _PLAIN_ALL) or fixed:
+            if self._phase == _RECOMPUTE_ALL or fixed:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             if self._phase != _PLANNED:
                 return CheckpointPolicy.PREFER_CPU_OFFLOAD
@@ -488,7 +486,7 @@ class AutoDecider:
             self._s0 = self._stats()
         elif self._phase == _OFFLOAD_ALL:
             self._s1 = self._stats()
-        elif self._phase == _PLAIN_ALL:
+        elif self._phase == _RECOMPUTE_ALL:
             self._make_plan()
             self._reset_profile()
             self._phase = _PLANNED
@@ -504,20 +502,18 @@ class AutoDecider:
         self._block_bytes.clear()
         self._s0 = self._s1 = None
 
-    def _block_times(self, phase: int, parity: int | None = None) -> tuple[float, float, int]:
-        """The median block's forward and backward seconds in a profiling step (of the
-        blocks whose index has ``parity``, if given), and the blocks it ran. A block's
-        backward runs from backward reaching its output to backward reaching the block
-        before it (the first block: to the next step)."""
+    def _block_times(self, phase: int) -> tuple[float, float, int]:
+        """The median block's forward and backward seconds in a profiling step, and the
+        blocks it ran. A block's backward runs from backward reaching its output to
+        backward reaching the block before it (the first block: to the next step)."""
         spans = sorted(self._spans.get(phase, {}).items(), key=lambda kv: kv[0][1])
         fwd, bwd = [], []
         later = self._ends.get(phase, 0.0)
-        for (_, index), s in spans:  # by index: the block before ends this one's backward
-            mine = parity is None or index % 2 == parity
-            if mine and s.end:
+        for _, s in spans:  # by index: the block before ends this one's backward
+            if s.end:
                 fwd.append(s.end - s.start)
             if s.grad is not None:
-                if mine and later >= s.grad:
+                if later >= s.grad:
                     bwd.append(later - s.grad)
                 later = s.grad
         med = statistics.median
@@ -528,15 +524,9 @@ class AutoDecider:
         assert s0 is not None and s1 is not None
         f_off, b_off, n = self._block_times(_OFFLOAD_ALL)
         f_rec, b_rec, _ = self._block_times(_RECOMPUTE_ALL)
-        # The paired step: even blocks plain, odd ones under the dispatch modes.
-        f_plain, b_plain, _ = self._block_times(_PLAIN_ALL, 0)
-        f_sac, b_sac, _ = self._block_times(_PLAIN_ALL, 1)
-        # What the modes measured of themselves, per block (the paired step's untimed
-        # blocks; NOTE [dispatch cost] in checkpointing.py).
-        spent = self._dispatch.get(_PLAIN_ALL, {})
-        if not f_sac:  # one block: against the recompute-all step
-            f_sac, b_sac = f_rec, b_rec
-            spent = self._dispatch.get(_RECOMPUTE_ALL, {})
+        # What the modes measured of themselves per block, forward and recompute (NOTE
+        # [dispatch cost] in checkpointing.py), the median block.
+        spent = self._dispatch.get(_RECOMPUTE_ALL, {})
         in_modes = statistics.median(spent.values()) if spent else 0.0
         n = max(n, 1)
         # Whole blocks: the newest whose saved bytes the budget keeps anyway.
@@ -553,11 +543,8 @@ class AutoDecider:
         share = rest / n  # of the profiled bytes and seconds, the blocks still checkpointed
         t_fwd, t_bwd = max(n * f_off, 1e-9), max(n * b_off, 1e-9)
         step_offload, step_recompute = n * (f_off + b_off), n * (f_rec + b_rec)
-        # The dispatch modes' own cost per block, both recomputing everything: the paired
-        # difference, or what they measured of themselves where that is more (a loaded
-        # machine's noise can hide the difference).
-        paired = max((f_sac + b_sac) - (f_plain + b_plain), 0.0)
-        overhead = max(paired, in_modes)
+        # The dispatch modes' own cost per block (NOTE [keep, offload, recompute]).
+        overhead = _DISPATCH_SWITCH * in_modes
         moved = s1.bytes_offloaded - s0.bytes_offloaded
         e_fwd = (s1.pack_wait_seconds - s0.pack_wait_seconds) + (
             s1.copy_wait_seconds - s0.copy_wait_seconds
@@ -637,12 +624,10 @@ class AutoDecider:
             "blocks_plain": 0 if selective else rest,
             "whole_MiB": held / _MiB,
             "dispatch_s_per_block": overhead,
-            "dispatch_paired_s": paired,
             "dispatch_in_modes_s": in_modes,
             "selective_gain_s": gain,
             "step_offload_all_s": step_offload,
             "step_recompute_all_s": step_recompute,
-            "step_plain_s": n * (f_plain + b_plain),
             "recompute_s": recomputed_s,
             "move_s_per_GB": per_byte * 1e9,
             "forward_s": t_fwd,

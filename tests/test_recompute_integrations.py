@@ -59,7 +59,7 @@ def _trainer_run(tmp: Path, recompute: Any, *, hf_checkpointing: bool = False) -
     args = transformers.TrainingArguments(
         output_dir=str(tmp),
         per_device_train_batch_size=4,
-        max_steps=6,  # recompute="auto" profiles four steps, then plans
+        max_steps=6,  # recompute="auto" profiles three steps, then plans
         logging_steps=1,
         learning_rate=1e-3,
         report_to=[],
@@ -221,7 +221,7 @@ def _dist_train(rank: int, wrap: str, save_dir: str | None) -> dict[str, torch.T
         else offload_context(None)
     )
     with ctx as engine:
-        for step in range(6):  # four profiling steps, then two planned ones
+        for step in range(6):  # three profiling steps, then three planned ones
             tokens, targets = make_batch(4, 16, vocab=64, seed=100 * rank + step)
             opt.zero_grad(set_to_none=True)
             loss = model(tokens, targets)
