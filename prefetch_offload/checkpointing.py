@@ -196,28 +196,43 @@ class PolicyDecider:
 class CheckpointStats:
     """Bytes of checkpointed op outputs kept, offloaded and recomputed, per step.
 
-    A step starts at the first checkpointed forward op after a recompute ran;
-    ``last`` holds the step before the current one.
+    A step's counts start at its first checkpointed forward op after a recompute ran,
+    or after :meth:`step_began` (the automatic plan says when its steps begin): then a
+    step with no checkpointed op counts nothing.
     """
 
     def __init__(self) -> None:
         self.current = [0, 0, 0]  # kept, offloaded, recomputed
         self.last = [0, 0, 0]
         self._recomputed_since = False
+        self._step = 0  # the engine's step now
+        self._cur_step = 0  # the step ``current`` counts
+        self._last_step = -1  # the step ``last`` counted
+
+    def step_began(self) -> None:
+        self._step += 1
 
     def forward_op(self, which: int, nbytes: int) -> None:
-        if self._recomputed_since:
+        if self._recomputed_since or self._cur_step != self._step:
             self._recomputed_since = False
-            self.last = self.current
-            self.current = [0, 0, 0]
+            self.last, self._last_step = self.current, self._cur_step
+            self.current, self._cur_step = [0, 0, 0], self._step
         self.current[which] += nbytes
 
     def recompute_ran(self) -> None:
         self._recomputed_since = True
 
     def last_step(self) -> tuple[int, int, int]:
-        """(kept, offloaded, recomputed) of the last finished step (its recompute ran)."""
-        source = self.current if self._recomputed_since else self.last
+        """(kept, offloaded, recomputed) of the last finished step: the current one once
+        its recompute ran, else the one before it."""
+        if self._recomputed_since and self._cur_step == self._step:
+            source = self.current
+        elif self._cur_step == self._step - 1:
+            source = self.current
+        elif self._last_step in (self._step - 1, self._step):
+            source = self.last  # (the same step: begun by a recompute, no step_began)
+        else:
+            return 0, 0, 0
         return source[0], source[1], source[2]
 
 

@@ -194,7 +194,11 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
     stats = engine._ckpt_stats
     compiled: Any
     if recompute == "auto":
-        decider: Any = AutoDecider(engine.stats, engine.config.device_budget)  # type: ignore[arg-type]
+        decider: Any = AutoDecider(
+            engine.stats,
+            engine.config.device_budget,  # type: ignore[arg-type]
+            checkpoint_stats=stats,
+        )
         engine._decider = decider
         compiled = SKIP  # NOTE [compiled blocks]: the engine offloads what the graph saves
     else:

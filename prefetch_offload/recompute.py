@@ -6,14 +6,15 @@
 # dispatch mode: recomputed whole), or selectively (the dispatch modes of
 # checkpointing.py: each op output is stored, i.e. handed to the engine, which
 # keeps the newest within ``device_budget`` and moves the rest, or recomputed).
-# NOTE [block modes] in blocks.py. The automatic policy measures three steps,
+# NOTE [block modes] in blocks.py. The automatic policy measures four steps,
 # then decides once per block and once per op position (the n-th op of an
 # overload in a block class: NOTE [op keys] in checkpointing.py):
 #
 # - Profiling: (1) every block whole: the bytes each hands to the engine (its
 #   live records before and after its forward), and the first calls warm up;
 #   (2) every op output offloaded, each op timed (on CUDA, synchronized around
-#   it); (3) every output recomputed, each op timed again. Per op position the
+#   it); (3) every output recomputed, each op timed again; (4) every block whole
+#   again, the step that offload alone takes at this budget. Per op position the
 #   compute time is the median over every block and both timed steps, times its
 #   calls in a step; a block's forward runs from its entry to its return, its
 #   backward from backward reaching its output to backward reaching the block
@@ -57,9 +58,18 @@
 #   process, three pairs: medians 1.19 / 1.04 / 1.12 s against 1.16 / 1.16 /
 #   1.16 s, no difference above the noise; a paired step with trims on had
 #   shown 15-90 ms a block, and chose plain and selective by turns.
+# - Offload alone: where step (4)'s median block took less than a checkpointed
+#   block is expected to (step (3)'s, less the selective gain per block or the
+#   dispatch cost that plain saves), every block runs whole and the engine moves
+#   what the budget does not keep. On the CPU, where the IO threads and the
+#   recompute share the cores, this is often so at small budgets on a fast
+#   disk; never on a disk slower than forward saves. The plan prints both
+#   figures (``step_whole_s``, ``step_checkpointed_s``).
 # - Re-planning: a block or, in a selective block, an op position that the
 #   profile did not see profiles again (once per new structure). A block run
-#   whole or plainly has no per-op plan to go stale.
+#   whole or plainly has no per-op plan to go stale. A plain block's op outputs
+#   (step 2) count as recomputed in the engine's per-step stats, which see none
+#   of its ops.
 # - A ``device_budget`` below what one block's recompute holds at once (what it
 #   saves for backward, step 1) cannot be met by any plan: one warning says the
 #   smallest reachable.
@@ -89,6 +99,7 @@ from .blocks import PLAIN, SELECTIVE, WHOLE
 from .checkpointing import (
     OFFLOAD,
     RECOMPUTE,
+    CheckpointStats,
     OpKey,
     PolicyDecider,
     draws_random,
@@ -104,6 +115,9 @@ _MiB = 1 << 20
 # NOTE [keep, offload, recompute]: the dispatch modes' cost over their time in
 # __torch_dispatch__ (the switch into Python is outside it).
 _DISPATCH_SWITCH = 1.5
+# Whether a plan may run every block whole where offload alone measured fastest (tests
+# of the checkpointed paths turn it off, for a plan they can predict).
+OFFLOAD_ALONE = True
 
 # An op position: (block class, op overload, count in the block).
 Position = tuple[str, Any, int]
@@ -164,8 +178,14 @@ class RecomputePlan:
             f"{self.bytes_offloaded / _MiB:.1f} MiB offloaded, "
             f"{self.bytes_kept / _MiB:.1f} MiB kept"
         ]
-        if "blocks_whole" in self.measured:
-            m = self.measured
+        m = self.measured
+        if m.get("offload_alone"):
+            lines.append(
+                f"  blocks: all {m['blocks_whole']:.0f} whole: offload alone measured "
+                f"{m['step_whole_s']:.3f} s a step, below checkpointing's expected "
+                f"{m['step_checkpointed_s']:.3f} s"
+            )
+        elif "blocks_whole" in m:
             lines.append(
                 f"  blocks: {m['blocks_whole']:.0f} whole (within device_budget), "
                 f"{m['blocks_plain']:.0f} checkpointed plainly, "
@@ -316,8 +336,13 @@ class _Span:
 
 
 # The profiling steps, then the plan (NOTE [keep, offload, recompute]).
-_WHOLE_ALL, _OFFLOAD_ALL, _RECOMPUTE_ALL, _PLANNED = range(4)
-_PHASE_MODE = {_WHOLE_ALL: WHOLE, _OFFLOAD_ALL: SELECTIVE, _RECOMPUTE_ALL: SELECTIVE}
+_WHOLE_ALL, _OFFLOAD_ALL, _RECOMPUTE_ALL, _WHOLE_TIMED, _PLANNED = range(5)
+_PHASE_MODE = {
+    _WHOLE_ALL: WHOLE,
+    _OFFLOAD_ALL: SELECTIVE,
+    _RECOMPUTE_ALL: SELECTIVE,
+    _WHOLE_TIMED: WHOLE,
+}
 
 
 def _live_bytes(s: OffloadStats) -> int:
@@ -325,11 +350,12 @@ def _live_bytes(s: OffloadStats) -> int:
 
 
 class AutoDecider:
-    """``recompute="auto"``: profile three steps, then decide per block and per op position.
+    """``recompute="auto"``: profile four steps, then decide per block and per op position.
 
     Steps (NOTE [keep, offload, recompute]): every block whole (the bytes each saves),
     every op output offloaded and timed, every output recomputed and timed (with the
-    dispatch modes' own time); then the plan holds. A step starts at the first block
+    dispatch modes' own time), every block whole again (offload alone's step); then the
+    plan holds. A step starts at the first block
     forward after backward reached a block. Implements both
     :class:`~prefetch_offload.checkpointing.Decider` and
     :class:`~prefetch_offload.blocks.BlockModes`.
@@ -338,6 +364,8 @@ class AutoDecider:
         stats: the engine's counters now (bytes moved, stalls, read bandwidth, tiers).
         device_budget: the engine's ``device_budget``: what whole blocks may hold.
         clock: time source (tests pass a fake one).
+        checkpoint_stats: told when each step begins, and the bytes a plainly
+            checkpointed block recomputes (its op outputs in the profile).
     """
 
     def __init__(
@@ -346,10 +374,13 @@ class AutoDecider:
         device_budget: int,
         *,
         clock: Callable[[], float] = time.perf_counter,
+        checkpoint_stats: CheckpointStats | None = None,
     ) -> None:
         self._stats = stats
         self._budget = device_budget
         self._clock = clock
+        self._ckpt_stats = checkpoint_stats
+        self._plain_bytes: dict[tuple[str, int], int] = {}  # per block, once planned
         self._lock = threading.RLock()
         self._plan: dict[Position, CheckpointPolicy] = {}
         self._reasons: dict[Position, tuple[str, float, float]] = {}
@@ -387,6 +418,8 @@ class AutoDecider:
             if how is None:  # a block the profile did not see: profile again
                 self._stale = True
                 return PLAIN
+            if how == PLAIN and self._ckpt_stats is not None:
+                self._ckpt_stats.forward_op(2, self._plain_bytes.get((kind, index), 0))
             return how
 
     def entered(self, kind: str, index: int) -> None:
@@ -475,6 +508,8 @@ class AutoDecider:
     def _step_started(self) -> None:
         """The first block forward after backward began: the next phase."""
         self._in_backward = False
+        if self._ckpt_stats is not None:
+            self._ckpt_stats.step_began()
         if self._phase == _PLANNED:
             if self._stale:
                 self._stale = False
@@ -486,7 +521,7 @@ class AutoDecider:
             self._s0 = self._stats()
         elif self._phase == _OFFLOAD_ALL:
             self._s1 = self._stats()
-        elif self._phase == _RECOMPUTE_ALL:
+        elif self._phase == _WHOLE_TIMED:
             self._make_plan()
             self._reset_profile()
             self._phase = _PLANNED
@@ -524,6 +559,7 @@ class AutoDecider:
         assert s0 is not None and s1 is not None
         f_off, b_off, n = self._block_times(_OFFLOAD_ALL)
         f_rec, b_rec, _ = self._block_times(_RECOMPUTE_ALL)
+        f_whole, b_whole, _ = self._block_times(_WHOLE_TIMED)
         # What the modes measured of themselves per block, forward and recompute (NOTE
         # [dispatch cost] in checkpointing.py), the median block.
         spent = self._dispatch.get(_RECOMPUTE_ALL, {})
@@ -612,9 +648,23 @@ class AutoDecider:
                 if plan[pos] in OFFLOAD:
                     plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
                     reasons[pos] = (plain, reasons[pos][1], reasons[pos][2])
+        # Per checkpointed block: what the chosen way is expected to take, against what a
+        # whole block took with the engine moving what the budget does not keep.
+        block_whole = f_whole + b_whole
+        block_ckpt = (f_rec + b_rec) - (gain / rest if selective and rest else overhead)
+        checkpointed = rest
+        offload_alone = OFFLOAD_ALONE and rest > 0 and 0 < block_whole < block_ckpt
+        if offload_alone:
+            alone = "every block whole: offload alone measured faster than checkpointing"
+            for pos in plan:
+                plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
+                reasons[pos] = (alone, reasons[pos][1], reasons[pos][2])
+            whole = list(self._spans.get(_WHOLE_ALL, {}))
+            selective, rest, share = False, 0, 0.0
         profiled = {key for spans in self._spans.values() for key in spans}
         self._modes = dict.fromkeys(profiled, SELECTIVE if selective else PLAIN)
         self._modes.update(dict.fromkeys(whole, WHOLE))
+        self._plain_bytes = dict(self._block_bytes)
         self._plan.update(plan)
         self._reasons.update(reasons)
         self.plans_made += 1
@@ -628,6 +678,10 @@ class AutoDecider:
             "selective_gain_s": gain,
             "step_offload_all_s": step_offload,
             "step_recompute_all_s": step_recompute,
+            "step_whole_s": n * block_whole,
+            # The step with the blocks the budget keeps whole and the rest checkpointed.
+            "step_checkpointed_s": n * block_whole - checkpointed * (block_whole - block_ckpt),
+            "offload_alone": float(offload_alone),
             "recompute_s": recomputed_s,
             "move_s_per_GB": per_byte * 1e9,
             "forward_s": t_fwd,

@@ -356,3 +356,28 @@ def test_the_modes_report_their_own_time_beyond_the_ops_per_timed_pass(timing: b
     assert len(passes) == 2  # the forward, then the recompute
     assert 0.001 <= passes[0] < 0.2  # the decider's sleep, not the body's
     assert 0.0 < passes[1] < 0.2
+
+
+def test_checkpoint_stats_per_step_and_a_step_without_checkpointed_ops_counts_nothing() -> None:
+    """A step's counts are the last finished step's until the next one finishes; with
+    step_began (the automatic plan), a step that ran no checkpointed op reports zeros, not
+    the last step that did."""
+    from prefetch_offload.checkpointing import CheckpointStats
+
+    stats = CheckpointStats()
+    stats.forward_op(1, 100)  # offloaded
+    stats.forward_op(2, 10)  # recomputed
+    stats.recompute_ran()
+    assert stats.last_step() == (0, 100, 10)
+    stats.forward_op(0, 7)  # the next step (no step_began: a recompute ran)
+    assert stats.last_step() == (0, 100, 10)
+    stats.recompute_ran()
+    assert stats.last_step() == (7, 0, 0)
+    stats.step_began()  # from here the plan says when steps begin
+    stats.forward_op(2, 5)
+    stats.recompute_ran()
+    assert stats.last_step() == (0, 0, 5)
+    stats.step_began()  # a step of whole blocks: no checkpointed op
+    assert stats.last_step() == (0, 0, 5)  # the step before is the last finished one
+    stats.step_began()
+    assert stats.last_step() == (0, 0, 0)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from prefetch_offload import OffloadFallbackWarning, OffloadStats, offload_context
+from prefetch_offload import OffloadFallbackWarning, OffloadStats, offload_context, recompute
 from prefetch_offload.blocks import PLAIN, SELECTIVE, WHOLE
 from prefetch_offload.recompute import AutoDecider
 from prefetch_offload.testing import TinyTransformer, make_batch, warm_up_unary_ops
@@ -116,26 +116,34 @@ def _plan(
     budget: int = 0,
     saved: int = 0,
     dispatch_s: float = 0.0,
+    whole_s: float = 10.0,
+    ops: list[tuple[Any, int, float]] = _OPS,
+    checkpoint_stats: Any = None,
     **profile: float,
 ) -> AutoDecider:
-    """The three profiling steps (NOTE [keep, offload, recompute]), each block's share
-    of the given step times, then the first planned step (``decider.decisions``); the
-    modes report ``dispatch_s`` of their own per block in the recompute-all step."""
+    """The four profiling steps (NOTE [keep, offload, recompute]), each block's share
+    of the given step times (``whole_s``: the step with every block whole again), then
+    the first planned step (``decider.decisions``); the modes report ``dispatch_s`` of
+    their own per block in the recompute-all step."""
     fake = _Fake()
-    decider = AutoDecider(fake.snapshot, budget, clock=fake.clock)
+    decider = AutoDecider(
+        fake.snapshot, budget, clock=fake.clock, checkpoint_stats=checkpoint_stats
+    )
     per = {"blocks": blocks, "forward_s": 1.0 / blocks}
-    whole = _step(decider, fake, _OPS, step_s=3.0 / blocks, saved=saved, **per)  # type: ignore[arg-type]
+    whole = _step(decider, fake, ops, step_s=3.0 / blocks, saved=saved, **per)  # type: ignore[arg-type]
     assert not whole and not decider.timing()  # every block whole: no op seen
     first = _step(
-        decider, fake, _OPS, step_s=offload_all_s / blocks, consumed=_NEEDED, **per, **profile
+        decider, fake, ops, step_s=offload_all_s / blocks, consumed=_NEEDED, **per, **profile
     )  # type: ignore[arg-type]
     assert first[MM] is P.PREFER_CPU_OFFLOAD and first[VIEW] is P.PREFER_RECOMPUTE
     second = _step(
-        decider, fake, _OPS, step_s=recompute_all_s / blocks, dispatch_s=dispatch_s, **per
+        decider, fake, ops, step_s=recompute_all_s / blocks, dispatch_s=dispatch_s, **per
     )  # type: ignore[arg-type]
     assert set(second.values()) == {P.PREFER_RECOMPUTE} and decider.profiling
+    again = _step(decider, fake, ops, step_s=whole_s / blocks, saved=saved, **per)  # type: ignore[arg-type]
+    assert not again and not decider.timing() and decider.profiling  # every block whole
     assert decider.plan().plans_made == 0
-    decider.decisions = _step(decider, fake, _OPS, step_s=3.0 / blocks, **per)  # type: ignore[arg-type, attr-defined]
+    decider.decisions = _step(decider, fake, ops, step_s=3.0 / blocks, **per)  # type: ignore[arg-type, attr-defined]
     assert decider.plan().plans_made == 1 and not decider.profiling
     return decider
 
@@ -179,6 +187,18 @@ def test_selective_that_saves_less_than_its_dispatch_costs_checkpoints_plainly()
     assert plan.measured["dispatch_s_per_block"] == pytest.approx(0.75)
 
 
+def test_a_plain_block_counts_its_op_outputs_as_recomputed_each_step() -> None:
+    """The engine's per-step stats see no op of a plainly checkpointed block: the plan
+    counts the block's profiled op outputs for it, each step it runs."""
+    from prefetch_offload.checkpointing import CheckpointStats
+
+    stats = CheckpointStats()
+    decider = _plan(3.0, 2.5, dispatch_s=0.5, checkpoint_stats=stats, **_SLOW_LINK)
+    assert decider.mode("Block", 0) == PLAIN
+    block = sum(nbytes for _, nbytes, _ in _OPS)
+    assert stats.last_step() == (0, 0, block)  # the planned step _plan ran
+
+
 def test_the_newest_blocks_the_budget_keeps_anyway_run_whole() -> None:
     """Three blocks saving 100 bytes each, a budget of 250: the two newest run
     unchecked (the engine keeps what they save), the oldest is checkpointed."""
@@ -194,10 +214,34 @@ def test_profile_times_are_medians_over_blocks() -> None:
     cores): the median block leaves it out."""
     fake = _Fake()
     decider = AutoDecider(fake.snapshot, 0, clock=fake.clock)
-    for step_s, slow in ((3.0, None), (1.0, 2), (0.9, None), (1.0, None)):
+    for step_s, slow in ((3.0, None), (1.0, 2), (0.9, None), (2.0, 1), (1.0, None)):
         _step(decider, fake, _OPS, step_s=step_s / 4, forward_s=0.1, blocks=4, slow=slow)
-    assert decider.plan().measured["step_offload_all_s"] == pytest.approx(1.0)
-    assert decider.plan().measured["step_recompute_all_s"] == pytest.approx(0.9)
+    measured = decider.plan().measured
+    assert measured["step_offload_all_s"] == pytest.approx(1.0)
+    assert measured["step_recompute_all_s"] == pytest.approx(0.9)
+    assert measured["step_whole_s"] == pytest.approx(2.0)
+
+
+def test_offload_alone_runs_every_block_whole_where_it_measured_fastest() -> None:
+    """Every op is cheap to recompute, so checkpointing is expected to take about what
+    the recompute-all step took (2.5 s); the step with every block whole (the engine
+    moving what the budget does not keep) took 2 s: no block is checkpointed, and the
+    plan says why."""
+    cheap = [(MM, GB // 2, 0.01), (GELU, GB // 2, 0.01), (VIEW, GB // 2, 0.0)]
+    decider = _plan(3.0, 2.5, blocks=2, whole_s=2.0, ops=cheap, **_SLOW_LINK)
+    assert [decider.mode("Block", b) for b in range(2)] == [WHOLE, WHOLE]
+    assert decider.decisions == {}  # type: ignore[attr-defined]  # no dispatch mode ran
+    plan = decider.plan()
+    m = plan.measured
+    assert m["offload_alone"] == 1.0 and m["blocks_whole"] == 2 and m["blocks_selective"] == 0
+    assert m["step_whole_s"] == pytest.approx(2.0)
+    assert m["step_checkpointed_s"] == pytest.approx(2.5, abs=0.05)
+    assert plan.bytes_offloaded == plan.bytes_recomputed == 0
+    assert "offload alone measured" in str(plan)
+    # A whole step slower than checkpointing's expected one keeps the blocks checkpointed.
+    decider = _plan(3.0, 2.5, blocks=2, whole_s=2.6, ops=cheap, **_SLOW_LINK)
+    assert decider.mode("Block", 0) in (PLAIN, SELECTIVE)
+    assert not decider.plan().measured["offload_alone"]
 
 
 def test_a_fast_link_offloads_everything_the_recompute_needs() -> None:
@@ -266,7 +310,13 @@ def _model(depth: int = 4) -> TinyTransformer:
 
 
 @pytest.mark.parametrize("target", ["disk", "cpu"])
-def test_auto_is_bit_identical_and_plans_once(tmp_path: Path, target: str) -> None:
+@pytest.mark.parametrize("alone", [True, False])
+def test_auto_is_bit_identical_and_plans_once(
+    tmp_path: Path, target: str, alone: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Either plan: whatever was measured fastest, and (offload alone ruled out) the
+    checkpointed blocks."""
+    monkeypatch.setattr(recompute, "OFFLOAD_ALONE", alone)
     warm_up_unary_ops()
     lengths = [16, 16, 16, 12, 16, 20]  # another length is the same structure: no new plan
     ref = _grads(_model(), 6, lengths)
@@ -287,6 +337,10 @@ def test_auto_is_bit_identical_and_plans_once(tmp_path: Path, target: str) -> No
         for a, b in zip(ga, gb, strict=True)
     )
     assert plan is not None and plan.mode == "auto" and plan.plans_made == 1
+    if plan.measured["offload_alone"]:  # every block whole: nothing checkpointed
+        assert alone and plan.bytes_recomputed == stats.step_bytes_recomputed == 0
+        assert plan.measured["step_whole_s"] < plan.measured["step_checkpointed_s"]
+        return
     assert plan.bytes_recomputed > 0
     choices = {d.op: d.choice for d in plan.ops}
     assert choices["aten.view.default"] == "recompute"
@@ -323,7 +377,7 @@ def test_a_new_structure_is_planned_once_more_then_kept(tmp_path: Path) -> None:
             grads.append(x.grad)
         return grads
 
-    extras = [False] * 5 + [True] * 5 + [False, True]  # three profiling steps each plan
+    extras = [False] * 5 + [True] * 5 + [False, True]  # four profiling steps each plan
     ref = steps(ref_model, extras)
     with offload_context(
         "disk", str(tmp_path), model=model, recompute="auto", min_offload_bytes=0
@@ -360,8 +414,8 @@ def test_the_dispatch_cost_is_the_median_block_s_own_time_in_the_modes() -> None
         _step(
             decider, fake, _OPS, step_s=step_s / 4, forward_s=0.1, blocks=4, dispatch_s=dispatch_s
         )
-    assert decider.profiling  # three profiling steps: the next one is planned
     decider.dispatched(("Block", 3), 5.0)  # one slow block's recompute
+    _step(decider, fake, _OPS, step_s=9.0, forward_s=0.1, blocks=4)  # every block whole
     decider.mode("Block", 0)  # the next step: the plan
     measured = decider.plan().measured
     assert measured["dispatch_in_modes_s"] == pytest.approx(0.25)
