@@ -31,8 +31,14 @@
 #   records first, so an estimate a little high moves a few bytes, never more
 #   memory.)
 # - Per op, for the other blocks: moving O bytes costs ``k*O`` plus what compute
-#   cannot hide, ``max(0, O/W - Hf) + max(0, O/R - Hb)``, ``Hf = Tf - Ef``,
-#   ``Hb = Tb - Eb`` plus the recompute time chosen, ``W = O0/Tf``; ``k`` is what
+#   cannot hide, ``max(Ef*O/O0, O/W - Hf) + max(Eb*O/O0, O/R - Hb)``,
+#   ``Hf = Tf - Ef``, ``Hb = Tb - Eb`` plus the recompute time chosen,
+#   ``W = O0/Tf``. The stalls step (2) measured, in proportion to the bytes,
+#   bound the exposure from below: reads that would fit in backward's compute by
+#   bandwidth alone still stalled there (the 24-block transformer at 25%: 1.6 s
+#   of stalls where bandwidth predicted none, and a plan that offloaded nearly
+#   everything ran 1.37x offload alone's step). So the model meets its anchor:
+#   moving everything costs what step (2) measured. ``k`` is what
 #   moving cost step (2) beyond the stalls: ``(Sa - (Sr - C) - Ef - Eb) / O0``,
 #   ``C`` the compute step (3) spent on what step (2) read back (on a CPU the IO
 #   threads' share of the cores and page faults; on a GPU near zero). Positions
@@ -355,9 +361,8 @@ class AutoDecider:
     Steps (NOTE [keep, offload, recompute]): every block whole (the bytes each saves),
     every op output offloaded and timed, every output recomputed and timed (with the
     dispatch modes' own time), every block whole again (offload alone's step); then the
-    plan holds. A step starts at the first block
-    forward after backward reached a block. Implements both
-    :class:`~prefetch_offload.checkpointing.Decider` and
+    plan holds. A step starts at the first block forward after backward reached a
+    block. Implements both :class:`~prefetch_offload.checkpointing.Decider` and
     :class:`~prefetch_offload.blocks.BlockModes`.
 
     Args:
@@ -604,10 +609,11 @@ class AutoDecider:
 
         def cost(cut: float, recompute_s: float) -> float:
             out = max(stored * share - cut - left_on_device, 0)
+            part = out / moved if moved else 0.0  # of the stalls step (2) measured
             return (
                 per_byte * out
-                + max(0.0, out / write_bw - hide_f)
-                + max(0.0, out / read_bw - hide_b - recompute_s)
+                + max(part * e_fwd, out / write_bw - hide_f)
+                + max(part * e_bwd, out / read_bw - hide_b - recompute_s)
             )
 
         plan: dict[Position, CheckpointPolicy] = {}

@@ -259,6 +259,27 @@ def test_a_fast_link_offloads_everything_the_recompute_needs() -> None:
     assert decisions[ADD] is P.PREFER_RECOMPUTE  # never needed: free either way
 
 
+def test_stalls_the_bandwidth_would_hide_still_count_in_proportion_to_the_bytes() -> None:
+    """Reads at 12.5 GB/s would hide in backward's compute, but the offload-all step
+    stalled 1 s on them all the same (and that was all moving cost it): each op's share
+    of that second counts against offloading it, so the cheap gelu is recomputed, and
+    the matmul, a second of compute for 0.4 s of stall, is still offloaded."""
+    decider = _plan(
+        2.5,
+        2.51,
+        bytes_offloaded=1.25 * GB,
+        bytes_read=1.25 * GB,
+        read_seconds=0.1,
+        stall_seconds=1.0,
+    )
+    decisions = decider.decisions  # type: ignore[attr-defined]
+    assert decider.plan().measured["move_s_per_GB"] == pytest.approx(0.0, abs=1e-6)
+    assert decisions[GELU] is P.PREFER_RECOMPUTE
+    assert decisions[MM] is P.PREFER_CPU_OFFLOAD
+    reasons = {d.op: d.move_seconds_per_step for d in decider.plan().ops}
+    assert reasons["aten.mm.default"] == pytest.approx(0.4, rel=0.01)
+
+
 def test_moving_that_costs_the_step_time_without_any_stall_is_counted() -> None:
     """No stall was seen, but the step that stored everything was slower than the one
     that recomputed everything by more than the recompute: the difference is the move's
