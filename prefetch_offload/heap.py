@@ -59,18 +59,7 @@
 # (the cut is of the saved bytes, against what no offload holds beside them;
 # over 100% where the trims also give back free heap that no offload keeps).
 # A quarter keeps the cut above 90% there with 0.42x the faults of 64 MiB; a
-# model that saves less than 256 MiB a step keeps the 64 MiB floor.
-#
-# The auto bound also caps a step's trims at AUTO_TRIM_EXTRA_PER_STEP more
-# than the bound fits in the bytes the last step moved: the engine gives back
-# about what it took out of memory, not the heap that other work churns. A
-# checkpointed model's recompute churns far more than the engine moves (the
-# 16-block transformer under reentrant checkpointing moves 40 MiB a step, and
-# its backward recomputes every block): uncapped, a 64 MiB bound trimmed 19.5
-# times a step, 496k faults, 1.53x the step without offload, for a peak of 288
-# MiB against 637 MiB; capped, 2 trims, 1.10x, and a peak about no offload's
-# (the 40 MiB cut lost in the heap's slack). An explicit ``heap_trim_bytes``
-# has no cap: 64 MiB buys that model's 349 MiB back for the 1.53x. Explicit
+# model that saves less than 256 MiB a step keeps the 64 MiB floor. Explicit
 # bytes fix the bound; None never trims, and a run that saves no CPU
 # activations (CUDA training) never trims. The faults left are what the trims
 # cost in time: each refault zeroes a page, which huge pages make a quarter
@@ -115,7 +104,6 @@ from typing import Any
 from .stats import StatsCounter
 
 __all__ = [
-    "AUTO_TRIM_EXTRA_PER_STEP",
     "AUTO_TRIM_MIN_BYTES",
     "AUTO_TRIM_STEP_SHARE",
     "HeapTrimmer",
@@ -131,9 +119,6 @@ logger = logging.getLogger("prefetch_offload")
 # this share of the bytes the last step moved out of memory.
 AUTO_TRIM_MIN_BYTES = 64 << 20
 AUTO_TRIM_STEP_SHARE = 0.25
-# With the auto bound, a step trims at most this many times more than the bound fits in
-# the bytes the last step moved: the engine gives back about what it took out of memory.
-AUTO_TRIM_EXTRA_PER_STEP = 2
 # The hooks read the slack at most this often (NOTE [heap trim]), and at most once per
 # the time the slack takes to grow by a sixteenth of the bound at _SLACK_RATE bytes/s.
 _CHECK_INTERVAL_S = 0.0005
@@ -316,9 +301,8 @@ class HeapTrimmer:
         allowance: bytes of slack growth tolerated beyond ``threshold`` now (the
             engine's unfilled ``device_budget``); read at each measure, no lock held.
         step_share: if set, the bound is the larger of ``threshold`` and this share
-            of the bytes the last step moved out of memory (:meth:`step_moved`), and a
-            step trims at most ``AUTO_TRIM_EXTRA_PER_STEP`` times more than that bound
-            fits in those bytes; None keeps ``threshold`` fixed, with no cap.
+            of the bytes the last step moved out of memory (:meth:`step_moved`);
+            None keeps ``threshold`` fixed.
     """
 
     def __init__(
@@ -350,8 +334,6 @@ class HeapTrimmer:
         self._queued = False  # a trim is queued or running: the next one would add nothing
         self._floor: int | None = None  # the slack after the last trim, or its lowest since
         self._generation = 0  # trims done: a measure from before the last one is stale
-        self._step_cap: int | None = None  # trims a step may do (step_share), once known
-        self._step_trims = 0  # trims queued since the step began
         self._next_check = 0.0
         _TRIMMERS.add(self)
 
@@ -374,8 +356,6 @@ class HeapTrimmer:
         ``step_share``, the bound follows it (NOTE [heap trim])."""
         if self.threshold is not None and self._step_share is not None:
             self._bound = max(self.threshold, int(self._step_share * nbytes))
-            self._step_cap = AUTO_TRIM_EXTRA_PER_STEP + nbytes // max(self._bound, 1)
-            self._step_trims = 0
 
     def saved(self) -> None:
         """CPU activations were saved: the slack may now be the engine's doing."""
@@ -385,9 +365,6 @@ class HeapTrimmer:
         """Called by the hooks: queue a trim if the slack has grown by ``threshold``."""
         if self.threshold is None or not self._saved or self._queued:
             return  # (while a trim runs, measuring would wait on glibc's arena locks)
-        cap = self._step_cap
-        if cap is not None and self._step_trims >= cap:
-            return  # NOTE [heap trim]: this step gave back what it moved
         start = time.perf_counter()
         if start < self._next_check:
             return
@@ -414,7 +391,6 @@ class HeapTrimmer:
             if level - floor < self._bound + self._allowance():
                 return
             self._queued = True
-            self._step_trims += 1
         try:
             self._submit(self._trim)
         except RuntimeError as exc:  # no thread can be started (limits, shutdown)

@@ -108,42 +108,6 @@ def test_trims_when_the_slack_has_grown_by_the_threshold_and_never_queues_two() 
 
 
 @glibc_only
-def test_the_auto_bound_caps_a_step_s_trims_at_what_it_moved() -> None:
-    """With the auto bound a step trims at most AUTO_TRIM_EXTRA_PER_STEP times more than
-    the bound fits in the bytes the last step moved (a checkpointed model's recompute
-    churns far more heap than the engine moved); the next step may trim again."""
-    trimmer, jobs, slack, stats = _trimmer(10 * MiB, step_share=0.25)
-    trimmer.saved()
-    trimmer.step_moved(20 * MiB)  # bound 10 MiB (the floor): 2 fit, so 2 + 2 trims
-    cap = heap.AUTO_TRIM_EXTRA_PER_STEP + 2
-    level = 0
-    for _ in range(cap + 3):
-        trimmer.check()  # the floor
-        level += 50 * MiB
-        slack.value = level
-        trimmer.check()
-        slack.value = level = 0
-        jobs.run_all()
-    assert stats.snapshot().heap_trims == cap
-    trimmer.step_moved(20 * MiB)  # the next step
-    trimmer.check()
-    slack.value = 50 * MiB
-    trimmer.check()
-    jobs.run_all()
-    assert stats.snapshot().heap_trims == cap + 1
-    fixed, jobs, slack, stats = _trimmer(10 * MiB)  # an explicit bound: no cap
-    fixed.saved()
-    fixed.step_moved(0)
-    for _ in range(cap + 3):
-        fixed.check()
-        slack.value = 50 * MiB
-        fixed.check()
-        slack.value = 0
-        jobs.run_all()
-    assert stats.snapshot().heap_trims == cap + 3
-
-
-@glibc_only
 def test_the_engines_own_buffers_are_not_slack() -> None:
     own = [0]
     trimmer, jobs, slack, _ = _trimmer(10 * MiB, own=lambda: own[0])
