@@ -59,9 +59,20 @@
 # (the cut is of the saved bytes, against what no offload holds beside them;
 # over 100% where the trims also give back free heap that no offload keeps).
 # A quarter keeps the cut above 90% there with 0.42x the faults of 64 MiB; a
-# model that saves less than 256 MiB a step keeps the 64 MiB floor. Explicit
-# bytes fix the bound; None never trims, and a run that saves no CPU
-# activations (CUDA training) never trims. The faults left are what the trims
+# model that saves less than 256 MiB a step keeps the 64 MiB floor.
+#
+# A checkpointed model moves little and its recompute churns much: the
+# 16-block transformer under reentrant checkpointing moves 40 MiB a step, and
+# at the 64 MiB floor the trims also give back the recompute's churn, about 20
+# a step, 500k faults: 1.53x and 1.18x the step without offload in two runs,
+# for a peak of 288-293 MiB against its 633-637 (no trims: 1.02x and 0.87x,
+# 656-666 MiB; a 256 MiB bound: 1.06x, 435 MiB). Capping a step's trims at two
+# more than the bound fits in the bytes moved gave 1.10x with 2 trims, but a
+# peak of 622 MiB: the trims come early in forward, the peak is in backward's
+# recompute, and offload then cut nothing a user could see, so the floor stays
+# uncapped and ``docs/tuning.md`` gives the trade. Explicit bytes fix the
+# bound; None never trims, and a run that saves no CPU activations (CUDA
+# training) never trims. The faults left are what the trims
 # cost in time: each refault zeroes a page, which huge pages make a quarter
 # cheaper and no cheaper than that (zeroing dominates). Other placements
 # measured on the 6-block shape, no better: one trim per step when forward or
