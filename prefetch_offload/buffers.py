@@ -214,7 +214,6 @@ class HostBufferPool:
                 while blocks and self._idle_bytes > cap:
                     drop.append(blocks.pop())
                     self._idle_bytes -= size
-            self._idle = {k: v for k, v in self._idle.items() if v}
         for block in drop:
             block.release()
 

@@ -314,9 +314,8 @@ class _Mode(TorchDispatchMode):
             self.spent += time.perf_counter() - start
 
     def __exit__(self, *exc: Any) -> Any:
-        if self.timed:
-            seconds, self.spent, self.op_seconds = self.spent - self.op_seconds, 0.0, 0.0
-            self.decider.dispatched(self._block(), max(seconds, 0.0))
+        if self.timed:  # (__enter__ zeroes both sums for the next pass)
+            self.decider.dispatched(self._block(), max(self.spent - self.op_seconds, 0.0))
         return super().__exit__(*exc)
 
 
