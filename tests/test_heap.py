@@ -45,9 +45,10 @@ class _Slack:
 
     def __init__(self) -> None:
         self.value = 0
+        self.in_use = 0
 
-    def __call__(self) -> int:
-        return self.value
+    def __call__(self) -> tuple[int, int]:
+        return self.value, self.in_use
 
 
 def _trimmer(
@@ -62,7 +63,7 @@ def _trimmer(
         threshold,
         stats,
         own_bytes=own,
-        slack=slack,
+        levels=slack,
         submit=jobs.submit,
         interval=0.0,
         allowance=allowance,
@@ -167,6 +168,35 @@ def test_with_a_step_share_the_bound_follows_the_bytes_a_step_moved() -> None:
 
 
 @glibc_only
+def test_slack_that_the_step_fills_again_at_its_peak_is_not_trimmed() -> None:
+    """The ceiling (NOTE [heap trim]): memory freed below this step's or the last
+    step's most in use is room the step fills again, not slack over the bound."""
+    trimmer, jobs, slack, _ = _trimmer(10 * MiB)
+    trimmer.saved()
+    trimmer.check()  # floor 0, nothing in use
+    slack.in_use = 100 * MiB
+    trimmer.check()  # the step's peak so far
+    slack.in_use, slack.value = 40 * MiB, 60 * MiB  # freed 60 MiB, all kept by glibc
+    trimmer.check()
+    assert jobs.jobs == []  # resident: 100 MiB, the peak itself
+    slack.value = 69 * MiB
+    trimmer.check()
+    assert jobs.jobs == []  # 9 MiB over the peak: within the bound
+    slack.value = 70 * MiB
+    trimmer.check()
+    assert len(jobs.jobs) == 1  # 10 MiB over: trimmed
+    jobs.run_all()  # the floor is now 70 MiB
+    trimmer.step_moved(0)  # a new step: the last one's peak still counts...
+    slack.in_use = 20 * MiB
+    trimmer.check()
+    assert jobs.jobs == []
+    trimmer.step_moved(0)  # ...for one step; then only this one's (20 MiB)
+    slack.value = 80 * MiB
+    trimmer.check()
+    assert len(jobs.jobs) == 1
+
+
+@glibc_only
 def test_without_a_step_share_the_bound_stays_fixed() -> None:
     trimmer, jobs, slack, _ = _trimmer(10 * MiB)
     trimmer.saved()
@@ -181,7 +211,7 @@ def test_without_a_step_share_the_bound_stays_fixed() -> None:
 @glibc_only
 def test_checks_are_spaced_by_the_interval() -> None:
     jobs, slack = _Jobs(), _Slack()
-    trimmer = HeapTrimmer(MiB, StatsCounter(), slack=slack, submit=jobs.submit, interval=3600.0)
+    trimmer = HeapTrimmer(MiB, StatsCounter(), levels=slack, submit=jobs.submit, interval=3600.0)
     trimmer.saved()
     trimmer.check()  # sets the floor
     slack.value = 64 * MiB
@@ -194,13 +224,13 @@ def test_a_larger_bound_spaces_the_checks_further() -> None:
     """A sixteenth of the bound at 1 GiB/s: a 64 GiB bound waits four seconds."""
     calls: list[int] = []
 
-    def gauge() -> int:
+    def gauge() -> tuple[int, int]:
         calls.append(1)
-        return 0
+        return 0, 0
 
     for bound, measured in ((64 << 30, 1), (MiB, 3)):
         calls.clear()
-        trimmer = HeapTrimmer(bound, StatsCounter(), slack=gauge, submit=_Jobs().submit)
+        trimmer = HeapTrimmer(bound, StatsCounter(), levels=gauge, submit=_Jobs().submit)
         trimmer.saved()
         for _ in range(3):
             trimmer.check()
@@ -246,11 +276,11 @@ def test_no_measure_while_a_trim_is_queued_and_none_across_one() -> None:
     calls = [0]
     jobs, slack = _Jobs(), _Slack()
 
-    def counted() -> int:
+    def counted() -> tuple[int, int]:
         calls[0] += 1
         return slack()
 
-    trimmer = HeapTrimmer(MiB, StatsCounter(), slack=counted, submit=jobs.submit, interval=0.0)
+    trimmer = HeapTrimmer(MiB, StatsCounter(), levels=counted, submit=jobs.submit, interval=0.0)
     trimmer.saved()
     trimmer.check()
     slack.value = 2 * MiB
@@ -264,18 +294,18 @@ def test_no_measure_while_a_trim_is_queued_and_none_across_one() -> None:
 
     # A hook that measured before a trim and decides after it must drop its measure.
     slack.value = 5 * MiB
-    real_level = trimmer.level
+    real_measure = trimmer.measure
 
-    def level_across_a_trim() -> int:
-        level = real_level()  # 5 MiB over the floor: due...
+    def measure_across_a_trim() -> tuple[int, int]:
+        levels = real_measure()  # 5 MiB over the floor: due...
         with trimmer._lock:
             trimmer._generation += 1  # ...but a trim completes meanwhile
-        return level
+        return levels
 
-    trimmer.level = level_across_a_trim  # type: ignore[method-assign]
+    trimmer.measure = measure_across_a_trim  # type: ignore[method-assign]
     trimmer.check()
     assert jobs.jobs == []
-    trimmer.level = real_level  # type: ignore[method-assign]
+    trimmer.measure = real_measure  # type: ignore[method-assign]
     trimmer.check()  # measured afresh: due
     assert len(jobs.jobs) == 1
 
@@ -285,7 +315,7 @@ def test_a_thread_that_cannot_start_turns_trimming_off(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     slack = _Slack()
-    trimmer = HeapTrimmer(MiB, StatsCounter(), slack=slack, interval=0.0)
+    trimmer = HeapTrimmer(MiB, StatsCounter(), levels=slack, interval=0.0)
     trimmer.saved()
     trimmer.check()
     slack.value = 8 * MiB
@@ -305,7 +335,7 @@ def test_a_thread_that_cannot_start_turns_trimming_off(
 def test_a_dead_trim_thread_is_started_again() -> None:
     stats = StatsCounter()
     slack = _Slack()
-    trimmer = HeapTrimmer(MiB, stats, slack=slack, interval=0.0)
+    trimmer = HeapTrimmer(MiB, stats, levels=slack, interval=0.0)
     worker = trimmer._thread
     assert worker is not None
 
@@ -333,7 +363,7 @@ def test_a_dead_trim_thread_is_started_again() -> None:
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_trimming_stops_in_the_child_of_a_fork() -> None:
     slack = _Slack()
-    trimmer = HeapTrimmer(MiB, StatsCounter(), slack=slack, interval=0.0)
+    trimmer = HeapTrimmer(MiB, StatsCounter(), levels=slack, interval=0.0)
     trimmer.saved()
     heap.heap_slack_bytes()  # the parent's statm is open
     said: list[logging.LogRecord] = []
@@ -361,7 +391,7 @@ def _trimmer_with_its_thread() -> tuple[HeapTrimmer, threading.Thread]:
     """A trimmer on its own thread that has run one trim."""
     slack = _Slack()
     stats = StatsCounter()
-    trimmer = HeapTrimmer(MiB, stats, slack=slack, interval=0.0)
+    trimmer = HeapTrimmer(MiB, stats, levels=slack, interval=0.0)
     trimmer.saved()
     trimmer.check()
     slack.value = 8 * MiB
@@ -515,11 +545,11 @@ def test_heap_trim_bytes_takes_units_and_none() -> None:
 def test_a_slack_that_cannot_be_measured_turns_trimming_off(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    def unreadable() -> int:
+    def unreadable() -> tuple[int, int]:
         raise OSError("no /proc")
 
     jobs = _Jobs()
-    trimmer = HeapTrimmer(MiB, StatsCounter(), slack=unreadable, submit=jobs.submit, interval=0.0)
+    trimmer = HeapTrimmer(MiB, StatsCounter(), levels=unreadable, submit=jobs.submit, interval=0.0)
     trimmer.saved()
     with caplog.at_level("WARNING", logger="prefetch_offload"):
         trimmer.check()  # the hook goes on; trimming is off, said once
