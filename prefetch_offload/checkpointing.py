@@ -42,6 +42,18 @@ learned prefetch order brings it back ahead of the recompute that needs it.
 # steady where the difference of two block times is not (NOTE [keep, offload,
 # recompute] in recompute.py). Other passes time nothing: an op costs the
 # modes one flag test more than its dispatch.
+#
+# NOTE [plain blocks counted]
+# A block checkpointed whole (``recompute="full"``) stores no op output: its
+# recompute makes every one again. Its forward runs under a mode that only
+# adds each op's output bytes to the step's recomputed bytes (as the selective
+# modes count a recomputed output), so ``step_bytes_recomputed`` means the same
+# in every mode; its recompute context marks the step's end. The mode costs the
+# switch into Python per op: on the 8-layer Llama of ``bench/recompute.py``
+# (about 70 ops a layer, 2 CPU threads) no difference above the noise, in one
+# run of two processes each way (fastest steps 1.140 / 1.139 s counted against
+# 1.110 / 1.164 s not). The automatic plan's plain blocks are counted from its
+# profile instead (NOTE [keep, offload, recompute] in recompute.py).
 """
 
 from __future__ import annotations
@@ -70,6 +82,7 @@ __all__ = [
     "draws_random",
     "op_kind",
     "output_bytes",
+    "plain_contexts",
     "selective_contexts",
 ]
 
@@ -451,6 +464,45 @@ class _Restoring(_Mode):
                         "modify it, or pass allow_cache_entry_mutation=True."
                     )
         return entry.value
+
+
+class _Counting(TorchDispatchMode):
+    """A plainly checkpointed block's forward: counts its op outputs, all of which the
+    recompute makes again, as recomputed (NOTE [plain blocks counted])."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self, stats: CheckpointStats) -> None:
+        super().__init__()
+        self.stats = stats
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func not in _IGNORED:
+            self.stats.forward_op(2, output_bytes(out))
+        return out
+
+
+class _Recomputing:
+    """A plainly checkpointed block's recompute: tells the stats that a step's
+    recompute ran (its next forward op begins the next step's counts)."""
+
+    def __init__(self, stats: CheckpointStats) -> None:
+        self.stats = stats
+
+    def __enter__(self) -> None:
+        self.stats.recompute_ran()
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def plain_contexts(stats: CheckpointStats) -> tuple[TorchDispatchMode, _Recomputing]:
+    """The (forward, recompute) contexts of a block checkpointed whole (``recompute=
+    "full"``): nothing stored; the forward's op outputs counted as recomputed."""
+    return _Counting(stats), _Recomputing(stats)
 
 
 class _Packed:

@@ -16,7 +16,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .blocks import SKIP, WrappedBlocks, find_blocks
-from .checkpointing import selective_contexts
+from .checkpointing import plain_contexts, selective_contexts
 from .config import (
     _TARGET_DEFAULT,
     DEFAULT_CHUNK_BYTES,
@@ -189,9 +189,9 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
     """Checkpoint the model's blocks as ``config.recompute`` says (blocks.py)."""
     blocks = find_blocks(config.model, config.recompute_blocks)
     recompute = config.recompute
-    if recompute == "full":
-        return WrappedBlocks(blocks, None, model=config.model)
     stats = engine._ckpt_stats
+    if recompute == "full":  # NOTE [plain blocks counted] in checkpointing.py
+        return WrappedBlocks(blocks, functools.partial(plain_contexts, stats), model=config.model)
     compiled: Any
     if recompute == "auto":
         decider: Any = AutoDecider(

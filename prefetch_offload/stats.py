@@ -95,10 +95,12 @@ class OffloadStats:
     heap_trims: int = 0
     heap_trim_seconds: float = 0.0
     # NOTE [keep, offload, recompute] in recompute.py: of the op outputs inside
-    # selectively checkpointed blocks (recompute="auto", a policy, or
-    # checkpoint_context_fn), the bytes the last step kept in device memory
-    # (*_SAVE), handed to the engine (*_CPU_OFFLOAD; the tier figures above say
-    # where they went) and left to be recomputed. recompute="full" stores none.
+    # the blocks recompute= checkpoints (and checkpoint_context_fn's), the bytes
+    # the last step kept in device memory (*_SAVE), handed to the engine
+    # (*_CPU_OFFLOAD; the tier figures above say where they went) and left to be
+    # recomputed. A block checkpointed whole (recompute="full", or a plain block
+    # of "auto") recomputes all of them (NOTE [plain blocks counted] in
+    # checkpointing.py).
     step_bytes_kept: int = 0
     step_bytes_offloaded: int = 0
     step_bytes_recomputed: int = 0

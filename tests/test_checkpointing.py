@@ -303,6 +303,30 @@ def test_a_model_with_recompute_full_offloads_block_inputs_only(tmp_path: Path) 
     assert all("forward" not in b.__dict__ for b in model_copy.blocks)
 
 
+def test_recompute_full_counts_every_op_output_as_recomputed_per_step(tmp_path: Path) -> None:
+    """NOTE [plain blocks counted]: a block checkpointed whole recomputes what a policy
+    that recomputes every op does, and step_bytes_recomputed says so, per step."""
+
+    def recompute_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return P.PREFER_RECOMPUTE
+
+    per_step: dict[str, list[tuple[int, int, int]]] = {}
+    for name, recompute in (("full", "full"), ("policy", recompute_all)):
+        model = _model()
+        with offload_context("disk", str(tmp_path / name), model=model, recompute=recompute) as e:
+            seen = []
+            for seq in (16, 16, 8):  # a shorter batch: fewer bytes
+                tokens, targets = make_batch(2, seq, vocab=64, seed=0)
+                model(tokens, targets).backward()
+                s = e.stats()
+                seen.append((s.step_bytes_kept, s.step_bytes_offloaded, s.step_bytes_recomputed))
+        per_step[name] = seen
+    full = per_step["full"]
+    assert full == per_step["policy"]
+    assert all(kept == offloaded == 0 for kept, offloaded, _ in full)
+    assert full[0][2] == full[1][2] > full[2][2] > 0  # per step, not summed over steps
+
+
 def test_attention_with_dropout_p_zero_does_not_count_as_random() -> None:
     """NOTE [random ops]: the CPU's fused attention carries the seeded tag for its
     dropout; at dropout_p=0 it draws nothing, so a stored output is not run again."""
