@@ -6,7 +6,7 @@
 # dispatch mode: recomputed whole), or selectively (the dispatch modes of
 # checkpointing.py: each op output is stored, i.e. handed to the engine, which
 # keeps the newest within ``device_budget`` and moves the rest, or recomputed).
-# NOTE [block modes] in blocks.py. The automatic policy measures four steps,
+# NOTE [block modes] in blocks.py. The automatic policy measures six steps,
 # then decides once per block and once per op position (the n-th op of an
 # overload in a block class: NOTE [op keys] in checkpointing.py):
 #
@@ -14,16 +14,21 @@
 #   live records before and after its forward), and the first calls warm up;
 #   (2) every op output offloaded, each op timed (on CUDA, synchronized around
 #   it); (3) every output recomputed, each op timed again; (4) every block whole
-#   again, the step that offload alone takes at this budget. Per op position the
-#   compute time is the median over every block and both timed steps, times its
-#   calls in a step; a block's forward runs from its entry to its return, its
-#   backward from backward reaching its output to backward reaching the block
-#   before; step figures are the median block times the blocks, so a slow block
-#   (another process on the cores) moves them little. Also measured, in step (2): the
+#   again, the step that offload alone takes at this budget; (5) and (6) as (3)
+#   and (4). Per op position the compute time is the median over every block
+#   and the three timed steps, times its calls in a step; a block's forward
+#   runs from its entry to its return, its backward from backward reaching its
+#   output to backward reaching the block before; a step's figures are its
+#   median block times the blocks, so a slow block (another process on the
+#   cores) moves them little, and of (3) and (5), and of (4) and (6), the step
+#   whose figures are lower counts, so a slow step does not decide between
+#   offload alone and checkpointing either: on this project's 2-core VM two
+#   runs of one mode differ by up to 16% a step, more than the modes often
+#   differ by. Also measured, in step (2): the
 #   bytes the engine moved (``O0``), the forward and backward stalls on writes
 #   and reads (``Ef``, ``Eb``), the IO threads' read bandwidth ``R``, forward
-#   and backward times (``Tf``, ``Tb``), the step (``Sa``); in step (3) the
-#   step ``Sr``; which outputs the recompute read back.
+#   and backward times (``Tf``, ``Tb``), the step (``Sa``); in step (3) or (5)
+#   the step ``Sr``; which outputs the recompute read back.
 # - Whole blocks: the newest blocks whose bytes (step 1) fit ``device_budget``
 #   together run whole: the engine keeps their saved tensors anyway, so they
 #   cost neither recompute nor moves nor the dispatch modes. (What the model
@@ -51,7 +56,7 @@
 #   time less move cost, summed) than the dispatch modes cost the blocks; else
 #   every non-whole block is checkpointed plainly and its ops all recompute.
 #   The cost per block is _DISPATCH_SWITCH times the median block's time in the
-#   modes in step (3), forward and recompute (their ``__torch_dispatch__``
+#   modes in steps (3) and (5), forward and recompute (their ``__torch_dispatch__``
 #   beyond the ops: NOTE [dispatch cost] in checkpointing.py); the factor adds
 #   the switch into Python that the span misses (a cheap op costs 8.8 us more
 #   under the forward mode, 5.9 us of it in ``__torch_dispatch__``). A sum of
@@ -64,13 +69,13 @@
 #   process, three pairs: medians 1.19 / 1.04 / 1.12 s against 1.16 / 1.16 /
 #   1.16 s, no difference above the noise; a paired step with trims on had
 #   shown 15-90 ms a block, and chose plain and selective by turns.
-# - Offload alone: where step (4)'s median block took less than a checkpointed
-#   block is expected to (step (3)'s, less the selective gain per block or the
-#   dispatch cost that plain saves), every block runs whole and the engine moves
-#   what the budget does not keep. On the CPU, where the IO threads and the
-#   recompute share the cores, this is often so at small budgets on a fast
-#   disk; never on a disk slower than forward saves. The plan prints both
-#   figures (``step_whole_s``, ``step_checkpointed_s``).
+# - Offload alone: where the median block of step (4) or (6) took less than a
+#   checkpointed block is expected to (that of step (3) or (5), less the
+#   selective gain per block or the dispatch cost that plain saves), every block
+#   runs whole and the engine moves what the budget does not keep. On the CPU,
+#   where the IO threads and the recompute share the cores, this is often so at
+#   small budgets on a fast disk; never on a disk slower than forward saves. The
+#   plan prints both figures (``step_whole_s``, ``step_checkpointed_s``).
 # - Re-planning: a block or, in a selective block, an op position that the
 #   profile did not see profiles again (once per new structure). A block run
 #   whole or plainly has no per-op plan to go stale. A plain block's op outputs
@@ -341,8 +346,12 @@ class _Span:
     saved: int = 0
 
 
-# The profiling steps, then the plan (NOTE [keep, offload, recompute]).
+# The kinds of profiling step, then the plan (NOTE [keep, offload, recompute]).
 _WHOLE_ALL, _OFFLOAD_ALL, _RECOMPUTE_ALL, _WHOLE_TIMED, _PLANNED = range(5)
+# The profiling steps in order: the two whose times the plan compares run twice, in
+# turn, and the faster of each counts (NOTE [keep, offload, recompute]).
+_PROFILE = (_WHOLE_ALL, _OFFLOAD_ALL, _RECOMPUTE_ALL, _WHOLE_TIMED, _RECOMPUTE_ALL, _WHOLE_TIMED)
+_WHOLE_ALL_STEP = _PROFILE.index(_WHOLE_ALL)
 _PHASE_MODE = {
     _WHOLE_ALL: WHOLE,
     _OFFLOAD_ALL: SELECTIVE,
@@ -356,13 +365,14 @@ def _live_bytes(s: OffloadStats) -> int:
 
 
 class AutoDecider:
-    """``recompute="auto"``: profile four steps, then decide per block and per op position.
+    """``recompute="auto"``: profile six steps, then decide per block and per op position.
 
     Steps (NOTE [keep, offload, recompute]): every block whole (the bytes each saves),
     every op output offloaded and timed, every output recomputed and timed (with the
-    dispatch modes' own time), every block whole again (offload alone's step); then the
-    plan holds. A step starts at the first block forward after backward reached a
-    block. Implements both :class:`~prefetch_offload.checkpointing.Decider` and
+    dispatch modes' own time), every block whole again (offload alone's step), and the
+    last two again; then the plan holds. A step starts at the first block forward
+    after backward reached a block. Implements both
+    :class:`~prefetch_offload.checkpointing.Decider` and
     :class:`~prefetch_offload.blocks.BlockModes`.
 
     Args:
@@ -394,12 +404,15 @@ class AutoDecider:
         # Positions recomputed whatever they cost: "alias" or "random" (decide() sees
         # the arguments that tell an attention kernel's dropout_p).
         self._fixed: dict[Position, str] = {}
+        # Per profiling step (its index in _PROFILE): each block's span, and the step's
+        # end (the next one's start).
         self._spans: dict[int, dict[tuple[str, int], _Span]] = {}
-        self._ends: dict[int, float] = {}  # each profiling step's end: the next one's start
+        self._ends: dict[int, float] = {}
         # Per profiling step and block: seconds in the dispatch modes beyond the ops
         # (forward and recompute; NOTE [dispatch cost] in checkpointing.py).
         self._dispatch: dict[int, collections.Counter[tuple[str, int]]] = {}
-        self._phase = _WHOLE_ALL
+        self._step_no = 0  # the profiling step now (an index in _PROFILE)
+        self._phase = _PROFILE[0]  # its kind, or _PLANNED
         self._stale = False  # an unplanned block or position appeared: profile again
         self._in_backward = False
         # The engine's counters at the start and the end of the offload-all step.
@@ -431,14 +444,14 @@ class AutoDecider:
         with self._lock:
             if self._phase == _PLANNED:
                 return
-            span = self._spans.setdefault(self._phase, {}).setdefault((kind, index), _Span())
+            span = self._spans.setdefault(self._step_no, {}).setdefault((kind, index), _Span())
             if self._phase == _WHOLE_ALL:
                 span.saved = -_live_bytes(self._stats())
             span.start = self._clock()
 
     def exited(self, kind: str, index: int) -> None:
         with self._lock:
-            span = self._spans.get(self._phase, {}).get((kind, index))
+            span = self._spans.get(self._step_no, {}).get((kind, index))
             if span is None or self._phase == _PLANNED:
                 return
             span.end = self._clock()
@@ -448,7 +461,7 @@ class AutoDecider:
     def backward(self, kind: str, index: int) -> None:
         with self._lock:
             self._in_backward = True
-            span = self._spans.get(self._phase, {}).get((kind, index))
+            span = self._spans.get(self._step_no, {}).get((kind, index))
             if span is not None and span.grad is None:
                 span.grad = self._clock()
 
@@ -472,7 +485,7 @@ class AutoDecider:
             return policy
 
     def timing(self) -> bool:
-        # Both selective profiling steps time their ops: twice the samples per position.
+        # The selective profiling steps time their ops: more samples per position.
         return self._phase in (_OFFLOAD_ALL, _RECOMPUTE_ALL)
 
     def observe(self, key: OpKey, func: Any, out: Any, seconds: float, policy: Any) -> None:
@@ -506,7 +519,7 @@ class AutoDecider:
     def dispatched(self, block: tuple[str, int], seconds: float) -> None:
         with self._lock:
             if self._phase != _PLANNED:
-                self._dispatch.setdefault(self._phase, collections.Counter())[block] += seconds
+                self._dispatch.setdefault(self._step_no, collections.Counter())[block] += seconds
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -519,19 +532,20 @@ class AutoDecider:
             if self._stale:
                 self._stale = False
                 self._reset_profile()
-                self._phase = _WHOLE_ALL
+                self._step_no, self._phase = 0, _PROFILE[0]
             return
-        self._ends[self._phase] = self._clock()
+        self._ends[self._step_no] = self._clock()
         if self._phase == _WHOLE_ALL:
             self._s0 = self._stats()
         elif self._phase == _OFFLOAD_ALL:
             self._s1 = self._stats()
-        elif self._phase == _WHOLE_TIMED:
-            self._make_plan()
-            self._reset_profile()
-            self._phase = _PLANNED
+        self._step_no += 1
+        if self._step_no < len(_PROFILE):
+            self._phase = _PROFILE[self._step_no]
             return
-        self._phase += 1
+        self._make_plan()
+        self._reset_profile()
+        self._phase = _PLANNED
 
     def _reset_profile(self) -> None:
         self._obs.clear()
@@ -542,13 +556,24 @@ class AutoDecider:
         self._block_bytes.clear()
         self._s0 = self._s1 = None
 
-    def _block_times(self, phase: int) -> tuple[float, float, int]:
-        """The median block's forward and backward seconds in a profiling step, and the
-        blocks it ran. A block's backward runs from backward reaching its output to
+    @staticmethod
+    def _steps(kind: int) -> list[int]:
+        """The profiling steps of a kind (their indices in _PROFILE)."""
+        return [i for i, k in enumerate(_PROFILE) if k == kind]
+
+    def _block_times(self, kind: int) -> tuple[float, float, int]:
+        """The median block's forward and backward seconds in the profiling step of a
+        kind (of two, the one whose median block took least), and the blocks it ran."""
+        times = [self._step_block_times(i) for i in self._steps(kind)]
+        return min(times, key=lambda t: t[0] + t[1])
+
+    def _step_block_times(self, step: int) -> tuple[float, float, int]:
+        """The median block's forward and backward seconds in one profiling step, and
+        the blocks it ran. A block's backward runs from backward reaching its output to
         backward reaching the block before it (the first block: to the next step)."""
-        spans = sorted(self._spans.get(phase, {}).items(), key=lambda kv: kv[0][1])
+        spans = sorted(self._spans.get(step, {}).items(), key=lambda kv: kv[0][1])
         fwd, bwd = [], []
-        later = self._ends.get(phase, 0.0)
+        later = self._ends.get(step, 0.0)
         for _, s in spans:  # by index: the block before ends this one's backward
             if s.end:
                 fwd.append(s.end - s.start)
@@ -567,13 +592,15 @@ class AutoDecider:
         f_whole, b_whole, _ = self._block_times(_WHOLE_TIMED)
         # What the modes measured of themselves per block, forward and recompute (NOTE
         # [dispatch cost] in checkpointing.py), the median block.
-        spent = self._dispatch.get(_RECOMPUTE_ALL, {})
-        in_modes = statistics.median(spent.values()) if spent else 0.0
+        spent = [v for i in self._steps(_RECOMPUTE_ALL) for v in self._dispatch.get(i, {}).values()]
+        in_modes = statistics.median(spent) if spent else 0.0
         n = max(n, 1)
         # Whole blocks: the newest whose saved bytes the budget keeps anyway.
         whole: list[tuple[str, int]] = []
         held = 0
-        for key, span in sorted(self._spans.get(_WHOLE_ALL, {}).items(), key=lambda kv: -kv[0][1]):
+        for key, span in sorted(
+            self._spans.get(_WHOLE_ALL_STEP, {}).items(), key=lambda kv: -kv[0][1]
+        ):
             # A block whose saved tensors never reached the engine's tiers (nothing
             # measured) is not known to fit.
             if span.saved <= 0 or held + span.saved > self._budget:
@@ -665,7 +692,7 @@ class AutoDecider:
             for pos in plan:
                 plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
                 reasons[pos] = (alone, reasons[pos][1], reasons[pos][2])
-            whole = list(self._spans.get(_WHOLE_ALL, {}))
+            whole = list(self._spans.get(_WHOLE_ALL_STEP, {}))
             selective, rest, share = False, 0, 0.0
         profiled = {key for spans in self._spans.values() for key in spans}
         self._modes = dict.fromkeys(profiled, SELECTIVE if selective else PLAIN)
@@ -706,7 +733,7 @@ class AutoDecider:
             return
         # What one block's recompute holds at once: what it saves for backward (the
         # whole-block step), else (nothing reached the engine's tiers) its op outputs.
-        saved = [s.saved for s in self._spans.get(_WHOLE_ALL, {}).values() if s.saved > 0]
+        saved = [s.saved for s in self._spans.get(_WHOLE_ALL_STEP, {}).values() if s.saved > 0]
         floor, what = (
             (max(saved), "what the largest block saves for backward")
             if saved

@@ -121,8 +121,9 @@ def _plan(
     checkpoint_stats: Any = None,
     **profile: float,
 ) -> AutoDecider:
-    """The four profiling steps (NOTE [keep, offload, recompute]), each block's share
-    of the given step times (``whole_s``: the step with every block whole again), then
+    """The six profiling steps (NOTE [keep, offload, recompute]), each block's share
+    of the given step times (``whole_s``: the step with every block whole again; the
+    last two, as the recompute-all and whole steps, take 1.2 times as long), then
     the first planned step (``decider.decisions``); the modes report ``dispatch_s`` of
     their own per block in the recompute-all step."""
     fake = _Fake()
@@ -142,6 +143,13 @@ def _plan(
     assert set(second.values()) == {P.PREFER_RECOMPUTE} and decider.profiling
     again = _step(decider, fake, ops, step_s=whole_s / blocks, saved=saved, **per)  # type: ignore[arg-type]
     assert not again and not decider.timing() and decider.profiling  # every block whole
+    # The two compared steps again (NOTE [keep, offload, recompute]): slower this time.
+    third = _step(
+        decider, fake, ops, step_s=1.2 * recompute_all_s / blocks, dispatch_s=dispatch_s, **per
+    )  # type: ignore[arg-type]
+    assert set(third.values()) == {P.PREFER_RECOMPUTE} and decider.timing()
+    last = _step(decider, fake, ops, step_s=1.2 * whole_s / blocks, saved=saved, **per)  # type: ignore[arg-type]
+    assert not last and decider.profiling
     assert decider.plan().plans_made == 0
     decider.decisions = _step(decider, fake, ops, step_s=3.0 / blocks, **per)  # type: ignore[arg-type, attr-defined]
     assert decider.plan().plans_made == 1 and not decider.profiling
@@ -214,12 +222,30 @@ def test_profile_times_are_medians_over_blocks() -> None:
     cores): the median block leaves it out."""
     fake = _Fake()
     decider = AutoDecider(fake.snapshot, 0, clock=fake.clock)
-    for step_s, slow in ((3.0, None), (1.0, 2), (0.9, None), (2.0, 1), (1.0, None)):
+    steps = ((3.0, None), (1.0, 2), (0.9, None), (2.0, 1), (0.95, None), (2.1, 3), (1.0, None))
+    for step_s, slow in steps:
         _step(decider, fake, _OPS, step_s=step_s / 4, forward_s=0.1, blocks=4, slow=slow)
     measured = decider.plan().measured
     assert measured["step_offload_all_s"] == pytest.approx(1.0)
     assert measured["step_recompute_all_s"] == pytest.approx(0.9)
     assert measured["step_whole_s"] == pytest.approx(2.0)
+
+
+def test_of_the_two_compared_steps_each_the_faster_counts() -> None:
+    """The whole step ran slow the first time and the recompute-all step the second
+    (another process had the cores for a whole step): the plan compares the faster of
+    each, and so still runs offload alone, which measured faster."""
+    fake = _Fake()
+    decider = AutoDecider(fake.snapshot, 0, clock=fake.clock)
+    cheap = [(MM, GB // 2, 0.01), (GELU, GB // 2, 0.01), (VIEW, GB // 2, 0.0)]
+    steps = ((3.0, {}), (3.0, _SLOW_LINK), (2.5, {}), (4.0, {}), (5.0, {}), (2.0, {}), (3.0, {}))
+    for step_s, counters in steps:
+        _step(decider, fake, cheap, step_s=step_s, forward_s=0.5, consumed=_NEEDED, **counters)
+    measured = decider.plan().measured
+    assert measured["step_recompute_all_s"] == pytest.approx(2.5)
+    assert measured["step_whole_s"] == pytest.approx(2.0)
+    assert measured["offload_alone"] == 1.0
+    assert decider.mode("Block", 0) == WHOLE
 
 
 def test_offload_alone_runs_every_block_whole_where_it_measured_fastest() -> None:
@@ -339,8 +365,8 @@ def test_auto_is_bit_identical_and_plans_once(
     checkpointed blocks."""
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", alone)
     warm_up_unary_ops()
-    lengths = [16, 16, 16, 12, 16, 20]  # another length is the same structure: no new plan
-    ref = _grads(_model(), 6, lengths)
+    lengths = [16, 16, 16, 12, 16, 20, 16, 12]  # another length: the same structure, no new plan
+    ref = _grads(_model(), 8, lengths)
     model = _model()
     with offload_context(
         target,
@@ -349,7 +375,7 @@ def test_auto_is_bit_identical_and_plans_once(
         recompute="auto",
         min_offload_bytes=0,
     ) as engine:
-        got = _grads(model, 6, lengths)
+        got = _grads(model, 8, lengths)
         plan = engine.recompute_plan()
         stats = engine.stats()
     assert all(
@@ -398,7 +424,7 @@ def test_a_new_structure_is_planned_once_more_then_kept(tmp_path: Path) -> None:
             grads.append(x.grad)
         return grads
 
-    extras = [False] * 5 + [True] * 5 + [False, True]  # four profiling steps each plan
+    extras = [False] * 7 + [True] * 7 + [False, True]  # six profiling steps each plan
     ref = steps(ref_model, extras)
     with offload_context(
         "disk", str(tmp_path), model=model, recompute="auto", min_offload_bytes=0
@@ -420,7 +446,7 @@ def test_a_budget_no_plan_can_reach_warns_once(tmp_path: Path) -> None:
         with offload_context(
             "disk", str(tmp_path), model=model, recompute="auto", device_budget=1024
         ):
-            _grads(model, 5)
+            _grads(model, 7)
     hits = [w for w in caught if issubclass(w.category, OffloadFallbackWarning)]
     assert len(hits) == 1 and "smallest reachable" in str(hits[0].message)
 
@@ -437,6 +463,9 @@ def test_the_dispatch_cost_is_the_median_block_s_own_time_in_the_modes() -> None
         )
     decider.dispatched(("Block", 3), 5.0)  # one slow block's recompute
     _step(decider, fake, _OPS, step_s=9.0, forward_s=0.1, blocks=4)  # every block whole
+    # The recompute-all and whole steps again: the median is over both recompute-all steps.
+    _step(decider, fake, _OPS, step_s=0.5, forward_s=0.1, blocks=4, dispatch_s=0.25)
+    _step(decider, fake, _OPS, step_s=9.0, forward_s=0.1, blocks=4)
     decider.mode("Block", 0)  # the next step: the plan
     measured = decider.plan().measured
     assert measured["dispatch_in_modes_s"] == pytest.approx(0.25)
