@@ -40,21 +40,25 @@
 # a few milliseconds before its read makes it resident; the level dips by that
 # much meanwhile.
 #
-# The ceiling: slack below the most malloc had handed out at a measure in this
-# step or the last is not counted either (the room is that peak minus what is
-# in use now). The step fills that memory again on its way back to its peak,
-# so a trim of it buys nothing at the peak and costs its page faults: the rule
-# is a ceiling on the resident heap (that peak, plus the bound and the
-# allowance, over the level after the last trim) rather than on the slack, and
-# the peak it allows is the same. It matters where the live bytes rise and
-# fall within a step: a checkpointed block's recompute holds its activations,
-# and backward frees them before the next block's recompute holds its own.
-# Measured with ``bench/step.py``, the ceiling against the slack rule in one run
-# each: the 16-block transformer under reentrant checkpointing, 14.2 trims a
-# step against 21.0, 1.39x against 1.52x the step without offload, peak 276
-# against 296 MiB; the 24-block transformer without checkpointing, 2.8 trims
-# against 3.8, 236k faults a step against 270k, 1.29x against 1.30x bare IO,
-# activation cut 94% against 96%.
+# The ceiling: the slack tolerated beyond the bound is the larger of the
+# allowance and the room, the most malloc had handed out at a measure in this
+# step or the last minus what is in use now. The step fills the room again on
+# its way back to its peak, so a trim of it buys nothing at the peak and costs
+# its page faults. Resident heap then stays within the bound of the larger of
+# that peak and what is in use plus the allowance: never above what the slack
+# rule alone allows at the step's peak, with no more trims than it. (Their sum
+# would let a budget count twice: kept records are in the peak, and their
+# share of the budget is allowance once backward has used them; that raised
+# the peaks of budget runs by up to 110 MiB in one run of bench/recompute.py.)
+# It matters where the live bytes rise and fall within a step: a checkpointed
+# block's recompute holds its activations, and backward frees them before the
+# next block's recompute holds its own. Measured with ``bench/step.py``, the
+# ceiling against the slack rule in one run each (no budget): the 16-block
+# transformer under reentrant checkpointing, 14.2 trims a step against 21.0,
+# 1.39x against 1.52x the step without offload, peak 276 against 296 MiB; the
+# 24-block transformer without checkpointing, 2.8 trims against 3.8, 236k
+# faults a step against 270k, 1.29x against 1.30x bare IO, activation cut 94%
+# against 96%.
 #
 # The bound: a trim gives back every free page, and the step's next
 # allocations land on them, so the page faults a step pays fall as the bound
@@ -315,8 +319,9 @@ _TRIMMERS: weakref.WeakSet[HeapTrimmer] = weakref.WeakSet()
 
 
 class HeapTrimmer:
-    """Trims glibc's heap when its slack has grown by ``threshold`` plus an allowance,
-    beyond what this step or the last had in use at its most (NOTE [heap trim]).
+    """Trims glibc's heap when its slack has grown by ``threshold`` plus the larger of an
+    allowance and what this step or the last had in use at its most beyond what is in
+    use now (NOTE [heap trim]).
 
     Trimming is an optimisation: whatever keeps it from working (no readable
     ``/proc/self/statm``, no thread to run it, a failed trim) turns it off with one
@@ -428,7 +433,7 @@ class HeapTrimmer:
             )
         self._peak = peak = max(self._peak, in_use)
         # NOTE [heap trim]: the ceiling. Slack that this step or the last filled with
-        # live memory at their most is not over it.
+        # live memory at their most is not over the bound; nor is the allowance.
         room = max(peak, self._last_peak) - in_use
         with self._lock:
             if self._queued or generation != self._generation:
@@ -437,7 +442,7 @@ class HeapTrimmer:
             if floor is None or level < floor:
                 self._floor = level
                 return
-            if level - floor < self._bound + self._allowance() + room:
+            if level - floor < self._bound + max(self._allowance(), room):
                 return
             self._queued = True
         try:

@@ -197,6 +197,26 @@ def test_slack_that_the_step_fills_again_at_its_peak_is_not_trimmed() -> None:
 
 
 @glibc_only
+def test_the_budget_s_allowance_and_the_room_below_the_peak_do_not_add_up() -> None:
+    """Kept records are in the step's peak; once backward has used them their share of
+    the budget is allowance again. Counting both would let the budget count twice
+    (NOTE [heap trim]): the larger of the two is tolerated beyond the bound."""
+    headroom = [0]
+    trimmer, jobs, slack, _ = _trimmer(10 * MiB, allowance=lambda: headroom[0])
+    trimmer.saved()
+    trimmer.check()  # floor 0
+    slack.in_use = 100 * MiB  # the peak: kept records fill the budget (no allowance)
+    trimmer.check()
+    # Backward used the 30 MiB of kept records: 30 MiB of allowance, 30 MiB of room.
+    headroom[0], slack.in_use, slack.value = 30 * MiB, 70 * MiB, 39 * MiB
+    trimmer.check()
+    assert jobs.jobs == []  # within 10 + 30
+    slack.value = 40 * MiB
+    trimmer.check()
+    assert len(jobs.jobs) == 1  # not within 10 + 30 + 30
+
+
+@glibc_only
 def test_without_a_step_share_the_bound_stays_fixed() -> None:
     trimmer, jobs, slack, _ = _trimmer(10 * MiB)
     trimmer.saved()
