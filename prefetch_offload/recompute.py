@@ -69,10 +69,16 @@
 #   process, three pairs: medians 1.19 / 1.04 / 1.12 s against 1.16 / 1.16 /
 #   1.16 s, no difference above the noise; a paired step with trims on had
 #   shown 15-90 ms a block, and chose plain and selective by turns.
-# - Offload alone: where the median block of step (4) or (6) took less than a
-#   checkpointed block is expected to (that of step (3) or (5), less the
-#   selective gain per block or the dispatch cost that plain saves), every block
-#   runs whole and the engine moves what the budget does not keep. On the CPU,
+# - Offload alone: where, of the blocks the budget does not keep whole, the
+#   median block of step (4) or (6) took less than a checkpointed one is
+#   expected to (that of step (3) or (5), less the selective gain per block or
+#   the dispatch cost that plain saves), every block runs whole and the engine
+#   moves what the budget does not keep. The kept blocks stay out of both
+#   medians: they run whole in either plan, and move nothing, so a median over
+#   every block hid the stalls of the moved ones (the IO-bound shape of
+#   ``bench/recompute.py`` at 50%: three of six blocks kept, offload alone
+#   chosen at 0.777 s against 0.793 s expected of checkpointing, then run at
+#   1.38 s a step against 1.36 s for ``recompute="full"``). On the CPU,
 #   where the IO threads and the recompute share the cores, this is often so at
 #   small budgets on a fast disk; never on a disk slower than forward saves. The
 #   plan prints both figures (``step_whole_s``, ``step_checkpointed_s``).
@@ -561,24 +567,33 @@ class AutoDecider:
         """The profiling steps of a kind (their indices in _PROFILE)."""
         return [i for i, k in enumerate(_PROFILE) if k == kind]
 
-    def _block_times(self, kind: int) -> tuple[float, float, int]:
+    def _block_times(
+        self, kind: int, keys: set[tuple[str, int]] | None = None
+    ) -> tuple[float, float, int]:
         """The median block's forward and backward seconds in the profiling step of a
-        kind (of two, the one whose median block took least), and the blocks it ran."""
-        times = [self._step_block_times(i) for i in self._steps(kind)]
+        kind (of two, the one whose median block took least), and the blocks it ran;
+        the median over ``keys`` only, where given and any ran."""
+        times = [self._step_block_times(i, keys) for i in self._steps(kind)]
         return min(times, key=lambda t: t[0] + t[1])
 
-    def _step_block_times(self, step: int) -> tuple[float, float, int]:
-        """The median block's forward and backward seconds in one profiling step, and
-        the blocks it ran. A block's backward runs from backward reaching its output to
-        backward reaching the block before it (the first block: to the next step)."""
+    def _step_block_times(
+        self, step: int, keys: set[tuple[str, int]] | None = None
+    ) -> tuple[float, float, int]:
+        """The median block's forward and backward seconds in one profiling step (over
+        ``keys``, where given and any ran), and the blocks the step ran. A block's
+        backward runs from backward reaching its output to backward reaching the block
+        before it (the first block: to the next step)."""
         spans = sorted(self._spans.get(step, {}).items(), key=lambda kv: kv[0][1])
+        if keys is not None and not keys.intersection(key for key, _ in spans):
+            keys = None
         fwd, bwd = [], []
         later = self._ends.get(step, 0.0)
-        for _, s in spans:  # by index: the block before ends this one's backward
-            if s.end:
+        for key, s in spans:  # by index: the block before ends this one's backward
+            counted = keys is None or key in keys
+            if s.end and counted:
                 fwd.append(s.end - s.start)
             if s.grad is not None:
-                if later >= s.grad:
+                if later >= s.grad and counted:
                     bwd.append(later - s.grad)
                 later = s.grad
         med = statistics.median
@@ -589,7 +604,6 @@ class AutoDecider:
         assert s0 is not None and s1 is not None
         f_off, b_off, n = self._block_times(_OFFLOAD_ALL)
         f_rec, b_rec, _ = self._block_times(_RECOMPUTE_ALL)
-        f_whole, b_whole, _ = self._block_times(_WHOLE_TIMED)
         # What the modes measured of themselves per block, forward and recompute (NOTE
         # [dispatch cost] in checkpointing.py), the median block.
         spent = [v for i in self._steps(_RECOMPUTE_ALL) for v in self._dispatch.get(i, {}).values()]
@@ -609,6 +623,10 @@ class AutoDecider:
             whole.append(key)
         rest = n - len(whole)
         share = rest / n  # of the profiled bytes and seconds, the blocks still checkpointed
+        # The blocks the budget does not keep, whose plans the offload-alone test compares
+        # (a kept block runs whole either way, and costs no moves).
+        kept = set(whole)
+        others = {key for key in self._spans.get(_WHOLE_ALL_STEP, {}) if key not in kept}
         t_fwd, t_bwd = max(n * f_off, 1e-9), max(n * b_off, 1e-9)
         step_offload, step_recompute = n * (f_off + b_off), n * (f_rec + b_rec)
         # The dispatch modes' own cost per block (NOTE [keep, offload, recompute]).
@@ -681,10 +699,14 @@ class AutoDecider:
                 if plan[pos] in OFFLOAD:
                     plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
                     reasons[pos] = (plain, reasons[pos][1], reasons[pos][2])
-        # Per checkpointed block: what the chosen way is expected to take, against what a
-        # whole block took with the engine moving what the budget does not keep.
+        # Per block the budget does not keep: what the chosen way is expected to take,
+        # against what it took whole, the engine moving what the budget does not keep.
+        f_whole, b_whole, _ = self._block_times(_WHOLE_TIMED, others)
+        f_rest, b_rest, _ = self._block_times(_RECOMPUTE_ALL, others)
+        f_kept, b_kept, _ = self._block_times(_WHOLE_TIMED, kept)
         block_whole = f_whole + b_whole
-        block_ckpt = (f_rec + b_rec) - (gain / rest if selective and rest else overhead)
+        block_ckpt = (f_rest + b_rest) - (gain / rest if selective and rest else overhead)
+        step_kept = len(whole) * (f_kept + b_kept)
         checkpointed = rest
         offload_alone = OFFLOAD_ALONE and rest > 0 and 0 < block_whole < block_ckpt
         if offload_alone:
@@ -711,9 +733,10 @@ class AutoDecider:
             "selective_gain_s": gain,
             "step_offload_all_s": step_offload,
             "step_recompute_all_s": step_recompute,
-            "step_whole_s": n * block_whole,
-            # The step with the blocks the budget keeps whole and the rest checkpointed.
-            "step_checkpointed_s": n * block_whole - checkpointed * (block_whole - block_ckpt),
+            # The blocks' share of the step with every block whole, and with the blocks the
+            # budget keeps whole and the rest checkpointed.
+            "step_whole_s": step_kept + checkpointed * block_whole,
+            "step_checkpointed_s": step_kept + checkpointed * block_ckpt,
             "offload_alone": float(offload_alone),
             "recompute_s": recomputed_s,
             "move_s_per_GB": per_byte * 1e9,

@@ -7,6 +7,7 @@ test sets); the end-to-end tests train a model under recompute="auto".
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,7 @@ def _step(
     consumed: set[Any] | None = None,
     slow: int | None = None,
     dispatch_s: float = 0.0,
+    block_s: list[float] | None = None,
     **counters: float,
 ) -> dict[Any, CheckpointPolicy]:
     """One step through ``blocks`` blocks, each taking ``forward_s`` forward and
@@ -68,7 +70,8 @@ def _step(
     selective block decides each op, and its recompute reads back what was stored
     (``consumed``: which of those it asks for; None: all); a whole block hands
     ``saved`` bytes to the engine; block ``slow`` takes a second longer forward; the
-    modes report ``dispatch_s`` of their own per selective block."""
+    modes report ``dispatch_s`` of their own per selective block; ``block_s``, if given,
+    is each block's own ``step_s``."""
     decisions = {}
     modes = []
     for b in range(blocks):
@@ -96,7 +99,7 @@ def _step(
                 stored = decisions[func] is not P.PREFER_RECOMPUTE
                 if stored and (consumed is None or func in consumed):
                     decider.consumed(("Block", b, func, 0))
-        fake.now = start + step_s - forward_s
+        fake.now = start + (step_s if block_s is None else block_s[b]) - forward_s
     fake.add(**counters)
     return decisions
 
@@ -322,6 +325,29 @@ def test_the_plan_says_what_and_why() -> None:
     assert "aten.gelu.default" in text and "recompute is cheaper than moving" in text
     assert "aliases another tensor" in text and "never needed by the recompute" in text
     assert decider.plan().measured["moved_MiB"] > 900
+
+
+def test_offload_alone_is_judged_on_the_blocks_the_budget_does_not_keep() -> None:
+    """Four blocks; the budget keeps the two newest whole. With every block whole, the
+    two kept ones took 0.5 s and the two moved ones 2 s (they waited on reads); a
+    checkpointed block takes 1.5 s. Over every block the median whole block (1.25 s)
+    would beat checkpointing; over the blocks it concerns (2 s) it does not."""
+    fake = _Fake()
+    decider = AutoDecider(fake.snapshot, 250, clock=fake.clock)
+    cheap = [(MM, GB // 2, 0.01), (GELU, GB // 2, 0.01), (VIEW, GB // 2, 0.0)]
+    run = functools.partial(_step, decider, fake, cheap, forward_s=0.1, blocks=4, saved=100)
+    whole_s = [2.0, 2.0, 0.5, 0.5]
+    run(step_s=3.0)  # every block whole: 100 bytes each
+    run(step_s=1.5, consumed=_NEEDED, **_SLOW_LINK)
+    for _ in range(2):
+        run(step_s=1.5)  # every output recomputed
+        run(step_s=0.0, block_s=whole_s)  # every block whole again
+    modes = [decider.mode("Block", b) for b in range(4)]
+    assert WHOLE not in modes[:2] and modes[2:] == [WHOLE, WHOLE]  # checkpointed, kept
+    m = decider.plan().measured
+    assert m["offload_alone"] == 0.0 and m["blocks_whole"] == 2
+    assert m["step_whole_s"] == pytest.approx(2 * 0.5 + 2 * 2.0)
+    assert m["step_checkpointed_s"] == pytest.approx(2 * 0.5 + 2 * 1.5, abs=0.1)
 
 
 def test_an_unplanned_block_or_op_profiles_again_once() -> None:
