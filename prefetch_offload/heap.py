@@ -70,27 +70,27 @@
 # (docs/benchmarks.md, "Giving memory back on the CPU", has the step times):
 #
 #   bound                 trims/step  faults/step  peak MiB  activation cut
-#   64 MiB                      26.8       495k       213       117%
-#   128 MiB                      9.0       326k       280       110%
-#   auto (243 MiB here)          3.2       209k       393        98%
-#   384 MiB                      1.8       195k       544        83%
-#   none (no trims)              0          22k       734        63%
+#   64 MiB                      12.6       374k       239       111%
+#   128 MiB                      6.0       300k       308       104%
+#   auto (242 MiB here)          2.8       221k       408        94%
+#   384 MiB                      1.2       167k       551        79%
+#   none (no trims)              0           7k       677        66%
 #
 # (the cut is of the saved bytes, against what no offload holds beside them;
 # over 100% where the trims also give back free heap that no offload keeps).
-# A quarter keeps the cut above 90% there with 0.42x the faults of 64 MiB; a
+# A quarter keeps the cut above 90% there with 0.59x the faults of 64 MiB; a
 # model that saves less than 256 MiB a step keeps the 64 MiB floor.
 #
 # A checkpointed model moves little and its recompute churns much: the
 # 16-block transformer under reentrant checkpointing moves 40 MiB a step, and
-# at the 64 MiB floor the trims also give back the recompute's churn, about 20
-# a step, 500k faults: 1.53x and 1.18x the step without offload in two runs,
-# for a peak of 288-293 MiB against its 633-637 (no trims: 1.02x and 0.87x,
-# 656-666 MiB; a 256 MiB bound: 1.06x, 435 MiB). Capping a step's trims at two
-# more than the bound fits in the bytes moved gave 1.10x with 2 trims, but a
-# peak of 622 MiB: the trims come early in forward, the peak is in backward's
-# recompute, and offload then cut nothing a user could see, so the floor stays
-# uncapped and ``docs/tuning.md`` gives the trade. Explicit bytes fix the
+# at the 64 MiB floor the trims also give back the recompute's churn (what
+# grows the heap beyond the ceiling), 15 a step, 419k faults: 1.50x the step
+# without offload, for a peak of 298 MiB against its 646 (no trims: 1.02x,
+# 713 MiB; a 256 MiB bound: 1.18x, 439 MiB; one run). Capping a step's trims at
+# two more than the bound fits in the bytes moved gave 1.10x with 2 trims, but
+# a peak of 622 MiB: the trims come early in forward, the peak is in
+# backward's recompute, and offload then cut nothing a user could see, so the
+# floor stays uncapped and ``docs/tuning.md`` gives the trade. Explicit bytes fix the
 # bound; None never trims, and a run that saves no CPU activations (CUDA
 # training) never trims. The faults left are what the trims
 # cost in time: each refault zeroes a page, which huge pages make a quarter
@@ -98,8 +98,8 @@
 # measured on the 6-block shape, no better: one trim per step when forward or
 # backward begins (the step's wander re-touches the heap before its peak:
 # ~316 or ~250 MiB above the start, against ~167 with the 64 MiB bound); a
-# ceiling on the RSS instead of a bound on the slack (another point on the
-# same curve); glibc's mmap threshold set by the engine (every freed block
+# fixed ceiling on the RSS instead of a bound on the slack (another point on
+# the same curve); glibc's mmap threshold set by the engine (every freed block
 # leaves at once: ~250k faults per step, 1.84x, and the whole process's
 # allocator changed for good); giving back a written activation's own pages
 # (30-60% of the bytes: forward still holds many tensors when their writes
