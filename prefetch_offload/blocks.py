@@ -83,6 +83,7 @@ __all__ = [
     "BlockSpec",
     "WrappedBlocks",
     "current_block",
+    "current_call",
     "find_blocks",
 ]
 
@@ -308,6 +309,12 @@ def current_block() -> tuple[str, int] | None:
     return stack[-1] if stack else None
 
 
+def current_call() -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The (args, kwargs) of that block's forward call, or None."""
+    calls = getattr(_local, "calls", None)
+    return calls[-1] if calls else None
+
+
 def _checkpointed(
     module: nn.Module,
     name: str,
@@ -345,7 +352,9 @@ def _checkpointed(
         if fn is not None and how == SELECTIVE:
             extra["context_fn"] = fn
         stack = _local.__dict__.setdefault("stack", [])
+        calls = _local.__dict__.setdefault("calls", [])
         stack.append((kind, index))  # for context_fn, which checkpoint calls first
+        calls.append((args, kwargs))
         try:
             if how == WHOLE:
                 out = inner(*args, **kwargs)
@@ -353,6 +362,7 @@ def _checkpointed(
                 out = checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
         finally:
             stack.pop()
+            calls.pop()
         if modes is not None and not torch.compiler.is_compiling():
             modes.exited(kind, index)
             _hook_backward(out, lambda: modes.backward(kind, index))

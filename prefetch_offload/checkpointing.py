@@ -46,14 +46,18 @@ learned prefetch order brings it back ahead of the recompute that needs it.
 # NOTE [plain blocks counted]
 # A block checkpointed whole (``recompute="full"``) stores no op output: its
 # recompute makes every one again. Its forward runs under a mode that only
-# adds each op's output bytes to the step's recomputed bytes (as the selective
+# adds up each op's output bytes, counted as recomputed (as the selective
 # modes count a recomputed output), so ``step_bytes_recomputed`` means the same
 # in every mode; its recompute context marks the step's end. The mode costs the
-# switch into Python per op: on the 8-layer Llama of ``bench/recompute.py``
-# (about 70 ops a layer, 2 CPU threads) no difference above the noise, in one
-# run of two processes each way (fastest steps 1.140 / 1.139 s counted against
-# 1.110 / 1.164 s not). The automatic plan's plain blocks are counted from its
-# profile instead (NOTE [keep, offload, recompute] in recompute.py).
+# switch into Python per op (on the 8-layer Llama of ``bench/recompute.py``,
+# about 70 ops a layer, 2 CPU threads: no difference above the noise, fastest
+# steps 1.140 / 1.139 s counted every call against 1.110 / 1.164 s not; on a
+# GPU that launches small kernels it would be a share of the forward), so a
+# block and call signature (its arguments' shapes, dtypes and devices, and
+# plain scalars) is counted once and its sum reused: a new sequence length
+# counts once more. Ops that change with the data alone are not seen again.
+# The automatic plan's plain blocks are counted from its profile instead
+# (NOTE [keep, offload, recompute] in recompute.py).
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
-from .blocks import current_block
+from .blocks import current_block, current_call
 from .errors import OffloadError
 
 __all__ = [
@@ -78,6 +82,7 @@ __all__ = [
     "CheckpointStats",
     "Decider",
     "OffloadHooks",
+    "PlainCounts",
     "PolicyDecider",
     "draws_random",
     "op_kind",
@@ -466,23 +471,84 @@ class _Restoring(_Mode):
         return entry.value
 
 
+class PlainCounts:
+    """Op output bytes of a block checkpointed whole, per block and call signature
+    (NOTE [plain blocks counted]); at most ``limit`` kept (then they start again)."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._bytes: dict[Any, int] = {}
+        self._limit = limit
+
+    @staticmethod
+    def key() -> Any:
+        """The block running now and its call's signature (None outside a block)."""
+        block, call = current_block(), current_call()
+        if block is None or call is None:
+            return None
+        leaves = torch.utils._pytree.tree_leaves(call)
+        return (block, tuple(_leaf_signature(x) for x in leaves))
+
+    def get(self, key: Any) -> int | None:
+        return None if key is None else self._bytes.get(key)
+
+    def put(self, key: Any, nbytes: int) -> None:
+        if key is None:
+            return
+        if len(self._bytes) >= self._limit:
+            self._bytes.clear()
+        self._bytes[key] = nbytes
+
+
+def _leaf_signature(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), x.dtype, x.device.type)
+    if x is None or isinstance(x, bool | int | float | str):
+        return x
+    return type(x).__name__
+
+
 class _Counting(TorchDispatchMode):
-    """A plainly checkpointed block's forward: counts its op outputs, all of which the
-    recompute makes again, as recomputed (NOTE [plain blocks counted])."""
+    """A plainly checkpointed block's forward, the first time its signature runs: adds
+    up its op outputs, all of which the recompute makes again, and counts them as
+    recomputed (NOTE [plain blocks counted])."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __init__(self, stats: CheckpointStats) -> None:
+    def __init__(self, stats: CheckpointStats, counts: PlainCounts, key: Any) -> None:
         super().__init__()
         self.stats = stats
+        self.counts = counts
+        self.key = key
+        self.nbytes = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func not in _IGNORED:
-            self.stats.forward_op(2, output_bytes(out))
+            self.nbytes += output_bytes(out)
         return out
+
+    def __exit__(self, *exc: Any) -> Any:
+        if exc[0] is None:
+            self.stats.forward_op(2, self.nbytes)
+            self.counts.put(self.key, self.nbytes)
+        return super().__exit__(*exc)
+
+
+class _Counted:
+    """A plainly checkpointed block's forward whose signature was counted before: its
+    bytes, counted as recomputed, and no mode."""
+
+    def __init__(self, stats: CheckpointStats, nbytes: int) -> None:
+        self.stats = stats
+        self.nbytes = nbytes
+
+    def __enter__(self) -> None:
+        self.stats.forward_op(2, self.nbytes)
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
 
 
 class _Recomputing:
@@ -499,10 +565,16 @@ class _Recomputing:
         return None
 
 
-def plain_contexts(stats: CheckpointStats) -> tuple[TorchDispatchMode, _Recomputing]:
+def plain_contexts(
+    stats: CheckpointStats, counts: PlainCounts
+) -> tuple[TorchDispatchMode | _Counted, _Recomputing]:
     """The (forward, recompute) contexts of a block checkpointed whole (``recompute=
-    "full"``): nothing stored; the forward's op outputs counted as recomputed."""
-    return _Counting(stats), _Recomputing(stats)
+    "full"``): nothing stored; the forward's op outputs counted as recomputed, by a
+    mode the first time the block's call signature runs (NOTE [plain blocks counted])."""
+    key = counts.key()
+    known = counts.get(key)
+    forward = _Counted(stats, known) if known is not None else _Counting(stats, counts, key)
+    return forward, _Recomputing(stats)
 
 
 class _Packed:

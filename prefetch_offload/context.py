@@ -16,7 +16,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .blocks import SKIP, WrappedBlocks, find_blocks
-from .checkpointing import plain_contexts, selective_contexts
+from .checkpointing import PlainCounts, plain_contexts, selective_contexts
 from .config import (
     _TARGET_DEFAULT,
     DEFAULT_CHUNK_BYTES,
@@ -191,7 +191,8 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
     recompute = config.recompute
     stats = engine._ckpt_stats
     if recompute == "full":  # NOTE [plain blocks counted] in checkpointing.py
-        return WrappedBlocks(blocks, functools.partial(plain_contexts, stats), model=config.model)
+        contexts = functools.partial(plain_contexts, stats, PlainCounts())
+        return WrappedBlocks(blocks, contexts, model=config.model)
     compiled: Any
     if recompute == "auto":
         decider: Any = AutoDecider(

@@ -327,6 +327,33 @@ def test_recompute_full_counts_every_op_output_as_recomputed_per_step(tmp_path: 
     assert full[0][2] == full[1][2] > full[2][2] > 0  # per step, not summed over steps
 
 
+def test_recompute_full_counts_each_block_and_call_signature_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [plain blocks counted]: the counting mode runs the first time a block sees
+    a call signature; later calls reuse the sum (and the step's figure is the same)."""
+    from prefetch_offload import checkpointing
+
+    made: list[Any] = []
+
+    class Counting(checkpointing._Counting):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            made.append(self.key)
+
+    monkeypatch.setattr(checkpointing, "_Counting", Counting)
+    model = _model()
+    recomputed = []
+    with offload_context("disk", str(tmp_path), model=model, recompute="full") as engine:
+        for seq in (16, 16, 8, 16, 8):
+            tokens, targets = make_batch(2, seq, vocab=64, seed=0)
+            model(tokens, targets).backward()
+            recomputed.append(engine.stats().step_bytes_recomputed)
+    assert len(made) == 2 * 4  # two lengths, four blocks
+    assert len(set(made)) == 8 and all(key is not None for key in made)
+    assert recomputed[0] == recomputed[1] == recomputed[3] > recomputed[2] == recomputed[4] > 0
+
+
 def test_attention_with_dropout_p_zero_does_not_count_as_random() -> None:
     """NOTE [random ops]: the CPU's fused attention carries the seeded tag for its
     dropout; at dropout_p=0 it draws nothing, so a stored output is not run again."""
