@@ -352,9 +352,13 @@ def _checkpointed(
         if fn is not None and how == SELECTIVE:
             extra["context_fn"] = fn
         stack = _local.__dict__.setdefault("stack", [])
-        calls = _local.__dict__.setdefault("calls", [])
         stack.append((kind, index))  # for context_fn, which checkpoint calls first
-        calls.append((args, kwargs))
+        # The call, for an eager context_fn (NOTE [plain blocks counted]); never while
+        # compiling (the list would be a side effect for the compiler to track).
+        calls = None
+        if fn is not None and how == SELECTIVE and not torch.compiler.is_compiling():
+            calls = _local.__dict__.setdefault("calls", [])
+            calls.append((args, kwargs))
         try:
             if how == WHOLE:
                 out = inner(*args, **kwargs)
@@ -362,7 +366,8 @@ def _checkpointed(
                 out = checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
         finally:
             stack.pop()
-            calls.pop()
+            if calls is not None:
+                calls.pop()
         if modes is not None and not torch.compiler.is_compiling():
             modes.exited(kind, index)
             _hook_backward(out, lambda: modes.backward(kind, index))

@@ -53,9 +53,10 @@ learned prefetch order brings it back ahead of the recompute that needs it.
 # about 70 ops a layer, 2 CPU threads: no difference above the noise, fastest
 # steps 1.140 / 1.139 s counted every call against 1.110 / 1.164 s not; on a
 # GPU that launches small kernels it would be a share of the forward), so a
-# block and call signature (its arguments' shapes, dtypes and devices, and
-# plain scalars) is counted once and its sum reused: a new sequence length
-# counts once more. Ops that change with the data alone are not seen again.
+# block and call signature (its arguments' shapes, dtypes and devices, plain
+# scalars, and the autocast state) is counted once and its sum reused, the 4096
+# used last kept: a new sequence length counts once more. Ops that change with
+# the data alone, or with the module's training flag, are not seen again.
 # The automatic plan's plain blocks are counted from its profile instead
 # (NOTE [keep, offload, recompute] in recompute.py).
 """
@@ -473,30 +474,38 @@ class _Restoring(_Mode):
 
 class PlainCounts:
     """Op output bytes of a block checkpointed whole, per block and call signature
-    (NOTE [plain blocks counted]); at most ``limit`` kept (then they start again)."""
+    (NOTE [plain blocks counted]); the ``limit`` used last are kept."""
 
-    def __init__(self, limit: int = 256) -> None:
-        self._bytes: dict[Any, int] = {}
+    def __init__(self, limit: int = 4096) -> None:
+        self._bytes: collections.OrderedDict[Any, int] = collections.OrderedDict()
         self._limit = limit
 
     @staticmethod
     def key() -> Any:
-        """The block running now and its call's signature (None outside a block)."""
+        """The block running now, its call's signature and the autocast state (None
+        outside a block)."""
         block, call = current_block(), current_call()
         if block is None or call is None:
             return None
         leaves = torch.utils._pytree.tree_leaves(call)
-        return (block, tuple(_leaf_signature(x) for x in leaves))
+        autocast = tuple(
+            (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+        )
+        return (block, tuple(_leaf_signature(x) for x in leaves), autocast)
 
     def get(self, key: Any) -> int | None:
-        return None if key is None else self._bytes.get(key)
+        if key is None or key not in self._bytes:
+            return None
+        self._bytes.move_to_end(key)
+        return self._bytes[key]
 
     def put(self, key: Any, nbytes: int) -> None:
         if key is None:
             return
-        if len(self._bytes) >= self._limit:
-            self._bytes.clear()
         self._bytes[key] = nbytes
+        self._bytes.move_to_end(key)
+        while len(self._bytes) > self._limit:
+            self._bytes.popitem(last=False)
 
 
 def _leaf_signature(x: Any) -> Any:
@@ -530,9 +539,13 @@ class _Counting(TorchDispatchMode):
         return out
 
     def __exit__(self, *exc: Any) -> Any:
-        if exc[0] is None:
-            self.stats.forward_op(2, self.nbytes)
-            self.counts.put(self.key, self.nbytes)
+        try:
+            if exc[0] is None:
+                self.stats.forward_op(2, self.nbytes)
+                self.counts.put(self.key, self.nbytes)
+        except BaseException:
+            super().__exit__(*exc)  # off the dispatch stack whatever happens
+            raise
         return super().__exit__(*exc)
 
 

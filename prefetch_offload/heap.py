@@ -340,7 +340,8 @@ class HeapTrimmer:
             the time the slack needs to grow by a sixteenth of the bound at 1 GiB/s;
             0 measures at every call.
         allowance: bytes of slack growth tolerated beyond ``threshold`` now (the
-            engine's unfilled ``device_budget``); read at each measure, no lock held.
+            engine's unfilled ``device_budget``), unless the room below this step's or
+            the last step's most in use is larger; read at each measure, no lock held.
         step_share: if set, the bound is the larger of ``threshold`` and this share
             of the bytes the last step moved out of memory (:meth:`step_moved`);
             None keeps ``threshold`` fixed.
@@ -401,18 +402,21 @@ class HeapTrimmer:
         return self._bound
 
     def step_moved(self, nbytes: int) -> None:
-        """The last step moved ``nbytes`` of CPU activations out of memory: with a
-        ``step_share``, the bound follows it (NOTE [heap trim])."""
+        """A step ended, having moved ``nbytes`` of CPU activations out of memory:
+        with a ``step_share``, the bound follows it; the ceiling's peak starts again
+        (it keeps the ended step's too, for one step) (NOTE [heap trim])."""
         if self.threshold is not None and self._step_share is not None:
             self._bound = max(self.threshold, int(self._step_share * nbytes))
-        self._last_peak, self._peak = self._peak, 0
+        with self._lock:
+            self._last_peak, self._peak = self._peak, 0
 
     def saved(self) -> None:
         """CPU activations were saved: the slack may now be the engine's doing."""
         self._saved = True  # a plain store: no lock on this hot path (every CPU pack)
 
     def check(self) -> None:
-        """Called by the hooks: queue a trim if the slack has grown by ``threshold``."""
+        """Called by the hooks: queue a trim if the slack has grown by the bound plus
+        the larger of the allowance and the room below the peak (NOTE [heap trim])."""
         if self.threshold is None or not self._saved or self._queued:
             return  # (while a trim runs, measuring would wait on glibc's arena locks)
         start = time.perf_counter()
@@ -431,11 +435,11 @@ class HeapTrimmer:
             self._next_check = end + max(
                 self._interval, 10 * (end - start), self._bound / 16 / _SLACK_RATE
             )
-        self._peak = peak = max(self._peak, in_use)
-        # NOTE [heap trim]: the ceiling. Slack that this step or the last filled with
-        # live memory at their most is not over the bound; nor is the allowance.
-        room = max(peak, self._last_peak) - in_use
         with self._lock:
+            self._peak = peak = max(self._peak, in_use)
+            # NOTE [heap trim]: the ceiling. Slack that this step or the last filled
+            # with live memory at their most is not over the bound; nor is the allowance.
+            room = max(peak, self._last_peak) - in_use
             if self._queued or generation != self._generation:
                 return  # measured across a trim: stale
             floor = self._floor

@@ -27,8 +27,8 @@
 #   differ by. Also measured, in step (2): the
 #   bytes the engine moved (``O0``), the forward and backward stalls on writes
 #   and reads (``Ef``, ``Eb``), the IO threads' read bandwidth ``R``, forward
-#   and backward times (``Tf``, ``Tb``), the step (``Sa``); in step (3) or (5)
-#   the step ``Sr``; which outputs the recompute read back.
+#   and backward times (``Tf``, ``Tb``), the step (``Sa``); in step (3), next
+#   to it, the step ``Sr``; which outputs the recompute read back.
 # - Whole blocks: the newest blocks whose bytes (step 1) fit ``device_budget``
 #   together run whole: the engine keeps their saved tensors anyway, so they
 #   cost neither recompute nor moves nor the dispatch modes. (What the model
@@ -603,7 +603,9 @@ class AutoDecider:
         s0, s1 = self._s0, self._s1
         assert s0 is not None and s1 is not None
         f_off, b_off, n = self._block_times(_OFFLOAD_ALL)
-        f_rec, b_rec, _ = self._block_times(_RECOMPUTE_ALL)
+        # The recompute-all step next to the offload-all one: the two are differenced
+        # for the move cost, and the lower of two noisy steps would bias it upward.
+        f_rec, b_rec, _ = self._step_block_times(self._steps(_RECOMPUTE_ALL)[0])
         # What the modes measured of themselves per block, forward and recompute (NOTE
         # [dispatch cost] in checkpointing.py), the median block.
         spent = [v for i in self._steps(_RECOMPUTE_ALL) for v in self._dispatch.get(i, {}).values()]

@@ -207,13 +207,22 @@ def test_the_budget_s_allowance_and_the_room_below_the_peak_do_not_add_up() -> N
     trimmer.check()  # floor 0
     slack.in_use = 100 * MiB  # the peak: kept records fill the budget (no allowance)
     trimmer.check()
-    # Backward used the 30 MiB of kept records: 30 MiB of allowance, 30 MiB of room.
-    headroom[0], slack.in_use, slack.value = 30 * MiB, 70 * MiB, 39 * MiB
+    # Backward used 30 MiB of kept records, and 20 MiB more was freed: 30 MiB of
+    # allowance, 50 MiB of room.
+    headroom[0], slack.in_use, slack.value = 30 * MiB, 50 * MiB, 59 * MiB
     trimmer.check()
-    assert jobs.jobs == []  # within 10 + 30
-    slack.value = 40 * MiB
+    assert jobs.jobs == []  # within 10 + 50: the room, the larger
+    slack.value = 60 * MiB
     trimmer.check()
-    assert len(jobs.jobs) == 1  # not within 10 + 30 + 30
+    assert len(jobs.jobs) == 1  # not within 10 + 50 + 30
+    jobs.run_all()  # the floor is now 60 MiB
+    # Room 10 MiB (in use 90), allowance 30: the allowance, the larger, holds.
+    slack.in_use, slack.value = 90 * MiB, 99 * MiB
+    trimmer.check()
+    assert jobs.jobs == []  # 39 MiB over the floor: within 10 + 30
+    slack.value = 100 * MiB
+    trimmer.check()
+    assert len(jobs.jobs) == 1
 
 
 @glibc_only
