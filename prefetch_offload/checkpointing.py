@@ -64,6 +64,7 @@ learned prefetch order brings it back ahead of the recompute that needs it.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -549,30 +550,14 @@ class _Counting(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-class _Counted:
-    """A plainly checkpointed block's forward whose signature was counted before: its
-    bytes, counted as recomputed, and no mode."""
+class _OnEnter:
+    """A context that only calls ``call`` when entered."""
 
-    def __init__(self, stats: CheckpointStats, nbytes: int) -> None:
-        self.stats = stats
-        self.nbytes = nbytes
+    def __init__(self, call: Callable[[], None]) -> None:
+        self.call = call
 
     def __enter__(self) -> None:
-        self.stats.forward_op(2, self.nbytes)
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-class _Recomputing:
-    """A plainly checkpointed block's recompute: tells the stats that a step's
-    recompute ran (its next forward op begins the next step's counts)."""
-
-    def __init__(self, stats: CheckpointStats) -> None:
-        self.stats = stats
-
-    def __enter__(self) -> None:
-        self.stats.recompute_ran()
+        self.call()
 
     def __exit__(self, *exc: Any) -> None:
         return None
@@ -580,14 +565,19 @@ class _Recomputing:
 
 def plain_contexts(
     stats: CheckpointStats, counts: PlainCounts
-) -> tuple[TorchDispatchMode | _Counted, _Recomputing]:
+) -> tuple[TorchDispatchMode | _OnEnter, _OnEnter]:
     """The (forward, recompute) contexts of a block checkpointed whole (``recompute=
     "full"``): nothing stored; the forward's op outputs counted as recomputed, by a
-    mode the first time the block's call signature runs (NOTE [plain blocks counted])."""
+    mode the first time the block's call signature runs, else from that count (NOTE
+    [plain blocks counted]); the recompute ends the step's counts."""
     key = counts.key()
     known = counts.get(key)
-    forward = _Counted(stats, known) if known is not None else _Counting(stats, counts, key)
-    return forward, _Recomputing(stats)
+    forward: TorchDispatchMode | _OnEnter = (
+        _OnEnter(functools.partial(stats.forward_op, 2, known))
+        if known is not None
+        else _Counting(stats, counts, key)
+    )
+    return forward, _OnEnter(stats.recompute_ran)
 
 
 class _Packed:

@@ -90,11 +90,11 @@
 # two more than the bound fits in the bytes moved gave 1.10x with 2 trims, but
 # a peak of 622 MiB: the trims come early in forward, the peak is in
 # backward's recompute, and offload then cut nothing a user could see, so the
-# floor stays uncapped and ``docs/tuning.md`` gives the trade. Explicit bytes fix the
-# bound; None never trims, and a run that saves no CPU activations (CUDA
-# training) never trims. The faults left are what the trims
-# cost in time: each refault zeroes a page, which huge pages make a quarter
-# cheaper and no cheaper than that (zeroing dominates). Other placements
+# floor stays uncapped and ``docs/tuning.md`` gives the trade. Explicit bytes
+# fix the bound; None never trims, and a run that saves no CPU activations
+# (CUDA training) never trims. The faults left are what the trims cost in
+# time: each refault zeroes a page, which huge pages make a quarter cheaper and
+# no cheaper than that (zeroing dominates). Other placements
 # measured on the 6-block shape, no better: one trim per step when forward or
 # backward begins (the step's wander re-touches the heap before its peak:
 # ~316 or ~250 MiB above the start, against ~167 with the 64 MiB bound); a
@@ -376,7 +376,7 @@ class HeapTrimmer:
         self._queued = False  # a trim is queued or running: the next one would add nothing
         self._floor: int | None = None  # the slack after the last trim, or its lowest since
         # The most malloc had handed out at a measure this step and the last (NOTE [heap
-        # trim]: the ceiling); plain stores, read and written by the hooks.
+        # trim]: the ceiling); under _lock.
         self._peak = self._last_peak = 0
         self._generation = 0  # trims done: a measure from before the last one is stale
         self._next_check = 0.0
