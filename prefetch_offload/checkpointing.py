@@ -76,6 +76,7 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from .blocks import current_block, current_call
 from .errors import OffloadError
+from .streams import capturing
 
 __all__ = [
     "OFFLOAD",
@@ -398,7 +399,8 @@ def _sync(out: Any) -> None:
     """Wait for a CUDA op's kernels (a profiling step times ops one by one)."""
     for x in torch.utils._pytree.tree_leaves(out):
         if isinstance(x, torch.Tensor) and x.is_cuda:
-            torch.cuda.synchronize(x.device)
+            if not capturing(x.device):  # NOTE [capture mode]: a sync would end it
+                torch.cuda.synchronize(x.device)
             return
 
 

@@ -82,7 +82,7 @@ from .recompute import AutoDecider, RecomputePlan, RecordingDecider
 from .records import DedupEntry, Handle, Kept, Record, Resident, Wrapped, is_dtensor
 from .slab import Extent, SlabStore, prepare_save_dir
 from .stats import OffloadStats, StatsCounter
-from .streams import Fence, capture_isolated, capturing
+from .streams import Fence, capture_isolated, capturing, joined_fence
 from .writer import WritePath
 
 __all__ = ["OffloadEngine"]
@@ -418,6 +418,10 @@ class OffloadEngine:
                 ):
                     if dense:  # NOTE [dedup]: its bytes are saved elements now
                         entry.cover(vstart, vstart + vbytes)
+                    if rec.held is not None:  # NOTE [dedup]: its copy waits for this save too
+                        held = rec.held
+                        fence = joined_fence(held[2], self._device.mark(held[0]))
+                        rec.held = (held[0], held[1], fence)
                     self._stats.add(dedup_hits=1)
                     view = ViewMeta(t.dtype, shape, stride, vstart - entry.start)
                     return Handle(rec, view, entry.owner, version)
@@ -668,7 +672,7 @@ class OffloadEngine:
             return False  # subclasses (incl. Parameter), sparse, mkldnn
         if not self._device.accepts(t) or t.is_quantized or t.is_nested:
             return False
-        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        if t.is_cuda and capturing(t.device):
             return False  # side-stream copies and event queries are illegal in a capture
         if t.is_conj() or t.is_neg() or torch.is_inference(t):
             return False
@@ -715,6 +719,15 @@ class OffloadEngine:
             return packed.unpack()
         if isinstance(packed, Wrapped):
             return packed.rebuild(self._unpack(packed.inner))
+        if capturing() or capturing(packed.record.device):
+            # NOTE [capture mode]: restoring queries events, allocates and copies, each
+            # of which would invalidate the capture with a CUDA error that names nothing.
+            raise OffloadError(
+                "prefetch_offload: a tensor saved for backward outside a CUDA graph "
+                "capture was unpacked inside one. Capture the forward that saves it too "
+                "(a tensor saved under capture stays on the device), or run that forward "
+                "outside offload_context."
+            )
         self._enter_backward()
         if self._dead:
             self._drain_dead()

@@ -34,9 +34,18 @@
 # So once a CPU record's write has begun reading the tensor's memory (``frozen``),
 # a pack shares the record only if its span lies inside a dense view saved there
 # (``covered``), whose bytes autograd forbids changing; before that, the write
-# reads what every later save sees. (A device record's bytes are copied when it
-# leaves the device, at its pack or when a budget demotes it; they are not
-# checked this way.)
+# reads what every later save sees. A device record's bytes are read by its copy
+# to the host, which waits for the work its save had queued (NOTE [copy
+# streams]): a save that shares the record while it is still on the device adds
+# the work queued before it to what the copy waits for (``joined_fence``), so a
+# kernel that wrote the gaps in between is seen. Once its copy is issued (at its
+# own save where the budget keeps nothing), sharing is not checked as a CPU
+# record's is: checking would lose the sharing of q, k and v (NOTE [whole
+# storage]), whose first view is copied before the other two are saved (on the
+# CPU twin an SDPA TinyTransformer moved 35% more bytes). A write to the gaps
+# through an alias that bumps no version counter, between two saves of one
+# storage, after the first one's copy was issued, can therefore reach backward
+# stale on a device.
 #
 # NOTE [whole storage]
 # Views that overlap without one containing the other defeat containment

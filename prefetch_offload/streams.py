@@ -78,7 +78,10 @@ each copy with a :class:`Fence` that says when it has finished.
 # - The hooks and ``flush`` ask ``capturing()`` before anything else: a tensor
 #   saved under capture stays where it is, whatever its device, and ``flush``
 #   under capture returns at once (settling copies queries events, enforcing a
-#   budget issues copies).
+#   budget issues copies). An offloaded tensor (saved before the capture began)
+#   unpacked under capture is an ``OffloadError`` that says so: restoring it
+#   would query events, allocate and copy. A tensor on another device than the
+#   current one asks that device's current stream.
 # - The IO threads, which wait on copy events (a write needs its host copy),
 #   copy host bytes to the device (a read job's ``to_device``: events, a
 #   device allocation, the copy) and pin host blocks, run in thread-local
@@ -118,6 +121,7 @@ __all__ = [
     "capturing",
     "chunk_bytes",
     "isolate_from_captures",
+    "joined_fence",
 ]
 
 # cudaStreamNonBlocking: a stream that never waits for the legacy default stream.
@@ -164,10 +168,30 @@ def _cuda_ready() -> bool:
     return torch.cuda.is_initialized()
 
 
-def capturing() -> bool:
+def capturing(device: torch.device | None = None) -> bool:
     """Whether the calling thread's current CUDA stream is capturing a graph (NOTE
-    [capture mode]). Never initializes CUDA."""
-    return _cuda_ready() and torch.cuda.is_current_stream_capturing()
+    [capture mode]); with a CUDA ``device``, its current stream on that device, which
+    need not be the current device. Never initializes CUDA."""
+    if not _cuda_ready():
+        return False
+    if device is None or device.type != "cuda" or device.index is None:
+        return torch.cuda.is_current_stream_capturing()
+    if device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def joined_fence(first: Fence | None, then: Fence | None) -> Fence | None:
+    """A fence done when both are (None where neither waits for anything): a copy
+    after it waits for the work each one marks, on whichever streams."""
+    if first is None or then is None:
+        return then if first is None else first
+    return _Joined([*_parts(first), *_parts(then)])
+
+
+def _parts(fence: Fence) -> list[Fence]:
+    return list(fence._fences) if isinstance(fence, _Joined) else [fence]
 
 
 def _exchange_capture_mode(mode: int) -> int | None:
@@ -314,12 +338,16 @@ class _Inflight:
         self.poll()
 
     def drain(self) -> None:
-        """Wait for every copy and drop them all (a failure is raised where it is used)."""
+        """Wait for every copy and drop them all (a failure is raised where it is used).
+
+        Oldest first: copies issued from several threads may sit here in another order
+        than their stream runs them, so waiting on the newest and polling could spin
+        while an older one still runs."""
         while True:
             with self._lock:
                 if not self._items:
                     return
-                fence = self._items[-1][0]
+                fence = self._items[0][0]
             with contextlib.suppress(Exception):
                 fence.wait()
             self.poll()
@@ -537,8 +565,9 @@ class CudaStreams(CopyStreams):
         if after is None:
             side.wait_stream(torch.cuda.current_stream(self.device))  # read at every call
         else:  # the stream that made the tensor (NOTE [copy streams]); no query: a wait
-            assert isinstance(after, _CudaFence)  # on a finished event costs the GPU nothing
-            side.wait_event(after.event)
+            for part in _parts(after):  # on a finished event costs the GPU nothing
+                assert isinstance(part, _CudaFence)
+                side.wait_event(part.event)
         with torch.cuda.stream(side):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event(blocking=True)  # host waits sleep, not spin

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from prefetch_offload import OffloadConfig, OffloadEngine
+from prefetch_offload import OffloadConfig, OffloadEngine, OffloadError
 from prefetch_offload import streams as streams_module
 from prefetch_offload.buffers import Block, mapped_block
 from prefetch_offload.device import RoutingDevice, SpanCopyDevice
@@ -164,6 +164,27 @@ def test_capture_after_an_eager_forward_left_writes_queued(
         gate.set()
         engine.close()
     assert capture.modes  # the IO threads did switch to thread-local mode
+
+
+def test_unpacking_an_offloaded_tensor_under_capture_is_a_clear_error(
+    save_dir: Path, capture: _GlobalCapture
+) -> None:
+    """A forward run eagerly, its backward captured: restoring would query events and
+    copy inside the capture; the unpack says so before any CUDA call."""
+    layer = SpanCopyDevice("cpu", pin=capture.pin)
+    config = OffloadConfig(target="cpu", min_offload_bytes=0)
+    engine = OffloadEngine(config, device=RoutingDevice([layer]))
+    x = torch.randn(1 << 12, requires_grad=True)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+            loss = (x * 3).sin().sum()
+        engine.flush()
+        assert engine.stats().tensors_offloaded > 0
+        with capture.capturing(), pytest.raises(OffloadError, match="unpacked inside one"):
+            loss.backward()
+        assert capture.broken == []
+    finally:
+        engine.close()
 
 
 def test_io_threads_wait_for_cuda_before_isolating(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -491,3 +491,57 @@ def test_twin_copies_settle_per_device() -> None:
         assert handles[0].record.saved is None
     finally:
         engine.close()
+
+
+class _MarkedFence(_ThreadFence):
+    """A save-time mark of the twin (its work is done already) that notes the waits."""
+
+    def __init__(self, waited: list[_MarkedFence]) -> None:
+        super().__init__()
+        self.waited = waited
+        self.set()
+
+    def wait(self) -> None:
+        self.waited.append(self)
+        super().wait()
+
+
+@pytest.mark.parametrize("target", ["cpu", "disk"])
+def test_a_shared_record_s_copy_waits_for_the_later_save(
+    save_dir: Path, target: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [dedup]: a device record still on the device when a later save shares it
+    is copied after the work queued before that save too (on CUDA, bytes no saved
+    view held may be written between the two saves), not only before the first."""
+    n, first, gap, second = 10000, slice(0, 6000), slice(6000, None), slice(6000, None)
+
+    def step(engine: OffloadEngine | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        x = torch.randn(n)
+        w1 = torch.ones(6000, requires_grad=True)
+        w2 = torch.ones(4000, requires_grad=True)
+        w3 = torch.ones(20000, requires_grad=True)
+        a = x[first] * w1  # saves x[:6000]: its record spans all of x (NOTE [whole storage])
+        x.data[gap].mul_(2)  # bytes no saved view holds, no version bump
+        b = x[second] * w2  # inside a's record, still on the device: shared
+        c = torch.randn(20000) * w3  # over the budget: a's record is copied now
+        (a.sum() + b.sum() + c.sum()).backward()
+        return [w1.grad, w2.grad, w3.grad]
+
+    ref = step(None)
+    waited: list[_MarkedFence] = []
+    marks: list[_MarkedFence] = []
+
+    def mark() -> _MarkedFence:
+        marks.append(_MarkedFence(waited))
+        return marks[-1]
+
+    with twin_with_hooks(target, save_dir, device_budget=40000 + 4096) as (engine, layer):
+        monkeypatch.setattr(layer.streams(torch.device("cpu")), "mark", mark)
+        got = step(engine)
+        engine.flush()
+        assert engine.stats().dedup_hits == 1
+    for g, r in zip(got, ref, strict=True):
+        assert torch.equal(g, r)
+    assert len(marks) == 3  # a's save, b's share, c's save
+    assert marks[0] in waited and marks[1] in waited, "the copy did not wait for b's save"

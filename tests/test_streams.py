@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import time
 import weakref
 from typing import Any
@@ -229,3 +230,72 @@ def test_side_streams_fall_back_to_the_pool_with_a_warning(
     with pytest.warns(OffloadFallbackWarning, match="pooled streams"):
         CudaStreams(cuda0, max_inflight_bytes=1 << 20)
     assert pooled == [cuda0, cuda0] and wrapped == []
+
+
+class _SlowFence(streams_module.Fence):
+    """Done once ``event`` is set; counts how often it was asked."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+        self.asked = 0
+
+    def done(self) -> bool:
+        self.asked += 1
+        return self.event.is_set()
+
+    def wait(self) -> None:
+        self.event.wait()
+
+
+def test_drain_waits_on_the_oldest_copy_instead_of_spinning() -> None:
+    """Copies issued from several threads can sit in the in-flight list in another order
+    than their stream ends them: draining must wait on each, not poll in a loop."""
+    older, newer = threading.Event(), threading.Event()
+    newer.set()  # the later-listed copy is done first
+    inflight = streams_module._Inflight()
+    first, second = _SlowFence(older), _SlowFence(newer)
+    inflight.add(first, 10)
+    inflight.add(second, 10)
+    timer = threading.Timer(0.3, older.set)
+    timer.start()
+    inflight.drain()
+    timer.join()
+    assert inflight.bytes == 0
+    assert first.asked + second.asked < 10, "drain polled while it should have waited"
+
+
+def test_joined_fence_waits_for_both_and_flattens() -> None:
+    a, b, c = (_SlowFence(threading.Event()) for _ in range(3))
+    assert streams_module.joined_fence(None, None) is None
+    assert streams_module.joined_fence(a, None) is a
+    assert streams_module.joined_fence(None, b) is b
+    both = streams_module.joined_fence(streams_module.joined_fence(a, b), c)
+    assert both is not None and streams_module._parts(both) == [a, b, c]
+    a.event.set()
+    b.event.set()
+    assert not both.done()
+    c.event.set()
+    assert both.done()
+
+
+def test_capturing_asks_the_named_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture on cuda:1 while cuda:0 is current is seen when cuda:1 is named."""
+    current = [0]
+
+    @contextlib.contextmanager
+    def device(d: torch.device) -> Any:
+        before, current[0] = current[0], d.index
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(streams_module, "_cuda_ready", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: current[0] == 1)
+    assert not streams_module.capturing()
+    assert not streams_module.capturing(torch.device("cuda", 0))
+    assert not streams_module.capturing(torch.device("cpu"))
+    assert streams_module.capturing(torch.device("cuda", 1))
+    assert current[0] == 0
