@@ -70,6 +70,7 @@ def _row(mode: str, peak: float, step: float, moved: float, budget: int | None =
         "mode": mode,
         "peak_bytes": peak,
         "median_step_s": step,
+        "step_seconds": [step * 0.9, step, step * 1.2],
         "moved_per_step": moved,
         "budget_bytes": budget,
     }
@@ -95,6 +96,16 @@ def test_targets_are_judged_as_the_issue_states() -> None:
     assert not a50["moved_met"]
     assert not a50["peak_met"]  # 1200 > 500 + 500 + 50
     assert t["met"] == {"peak": False, "time": True, "moved": False}
+    # Round by round, the steps that ran side by side.
+    full, auto10 = rows[1], rows[4]
+    full["step_seconds"] = [1.5, 1.4, 2.0]
+    auto10["step_seconds"] = [1.2, 1.4, 1.0]
+    rounds = mod.targets(rows, saved)["per_budget"][0]["time_ratio_rounds"]
+    assert rounds == pytest.approx([0.8, 1.0, 0.5])
+    for row in rows:
+        row["label"] = row["mode"]
+    doc = {"rows": rows, "saved_bytes": saved}
+    assert "0.80x full (rounds 0.50-1.00) met" in mod.markdown(doc)
 
 
 def _run_gpu_path(tmp_path: Path, *extra: str) -> dict:
