@@ -90,6 +90,17 @@
 # - A ``device_budget`` below what one block's recompute holds at once (what it
 #   saves for backward, step 1) cannot be met by any plan: one warning says the
 #   smallest reachable.
+# - Not in the plan: the heap trims (NOTE [heap trim] in heap.py). Every plan
+#   runs under them, and on the CPU they are what separates a checkpointed plan
+#   from checkpointing without the engine. Measured on the 8-layer Llama of
+#   ``bench/recompute.py --model llama``: selective plans at 25% and 50% of the
+#   saved bytes ran at 1.18-1.32x ``full``'s step (per-round median ratios)
+#   with trims, at peaks of 261-333 MiB. Without trims they ran at 0.90-1.04x,
+#   at 381-428 MiB. The peak limits there are 291 and 379 MiB. (One run, 8
+#   rounds, each plan in its own lane.) A trim level derived from the profile
+#   (what the recompute-all step held, plus the budget) met the time at 25% and
+#   50% in one run, but not the peaks: the recompute-all step still holds the
+#   heap that the offload-all step before it grew.
 #
 # The measured figures decide, not a list of op names: on the benchmark
 # transformer the norms, activation functions and residual adds come out cheap
