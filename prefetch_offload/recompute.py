@@ -100,7 +100,7 @@
 #   rounds, each plan in its own lane.) A trim level taken from the profile (no
 #   trims while the process holds less than the recompute-all step's peak plus
 #   the budget) met the time at 25% and 50% in two runs (1.02-1.03x and
-#   0.93-0.95x ``full``), with peaks 13-59 MiB over the limits at every budget:
+#   0.93-0.95x ``full``), with peaks 13-69 MiB over the limits at every budget:
 #   that step, under the dispatch modes and the trims, holds more than
 #   checkpointing without them does.
 #
