@@ -543,9 +543,15 @@ class OffloadEngine:
                 with self._lock:
                     self._policy.keep(rec, DEVICE)
                 return
+        with self._lock:  # NOTE [dedup]: what shares added to the fence; none from here
+            held = rec.held
+            rec.frozen = True
+        assert held is not None
         try:
             host, base, fence = self._device.to_host(held[0], held[1], nbytes, held[2])
         except BaseException:
+            with self._lock:
+                rec.frozen = False
             if extent is not None:  # the record may be tried again: no space held meanwhile
                 assert store is not None
                 store.free(extent)
@@ -560,6 +566,7 @@ class OffloadEngine:
         with self._lock:
             rec.source = (host, base, fence)
             rec.held = rec.restored = None
+            rec.frozen = False  # NOTE [dedup]: issued: later shares are not checked
             if fence is not None:
                 queue = self._copying.setdefault(fence.device, collections.deque())
                 queue.append((fence, weakref.ref(rec)))
@@ -720,13 +727,19 @@ class OffloadEngine:
         if isinstance(packed, Wrapped):
             return packed.rebuild(self._unpack(packed.inner))
         if capturing() or capturing(packed.record.device):
-            # NOTE [capture mode]: restoring queries events, allocates and copies, each
-            # of which would invalidate the capture with a CUDA error that names nothing.
+            # NOTE [capture mode]: a span still where autograd wants it, with no copy to
+            # wait for, is handed out as it is; restoring one would query events,
+            # allocate and copy, each of which would invalidate the capture with a CUDA
+            # error that names nothing.
+            placed = packed.record.resident()
+            if placed is not None and placed[2] is None:
+                packed.check_version()
+                return make_view(placed[0], placed[1], packed.view)
             raise OffloadError(
                 "prefetch_offload: a tensor saved for backward outside a CUDA graph "
-                "capture was unpacked inside one. Capture the forward that saves it too "
-                "(a tensor saved under capture stays on the device), or run that forward "
-                "outside offload_context."
+                "capture, and moved off its device, was unpacked inside one. Capture the "
+                "forward that saves it too (a tensor saved under capture stays on the "
+                "device), or run that forward outside offload_context."
             )
         self._enter_backward()
         if self._dead:

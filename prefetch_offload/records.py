@@ -36,11 +36,12 @@
 # (``covered``), whose bytes autograd forbids changing; before that, the write
 # reads what every later save sees. A device record's bytes are read by its copy
 # to the host, which waits for the work its save had queued (NOTE [copy
-# streams]): a save that shares the record while it is still on the device adds
-# the work queued before it to what the copy waits for (``joined_fence``), so a
-# kernel that wrote the gaps in between is seen. Once its copy is issued (at its
-# own save where the budget keeps nothing), sharing is not checked as a CPU
-# record's is: checking would lose the sharing of q, k and v (NOTE [whole
+# streams]): a save that shares the record before its copy is issued adds the
+# work queued before it to what the copy waits for (``joined_fence``), so a
+# kernel that wrote the gaps in between is seen; while the copy is being issued
+# (another thread's demotion), the record is ``frozen`` as a CPU record is. Once
+# its copy is issued (at its own save where the budget keeps nothing), sharing
+# is not checked: checking would lose the sharing of q, k and v (NOTE [whole
 # storage]), whose first view is copied before the other two are saved (on the
 # CPU twin an SDPA TinyTransformer moved 35% more bytes). A write to the gaps
 # through an alias that bumps no version counter, between two saves of one

@@ -78,10 +78,12 @@ each copy with a :class:`Fence` that says when it has finished.
 # - The hooks and ``flush`` ask ``capturing()`` before anything else: a tensor
 #   saved under capture stays where it is, whatever its device, and ``flush``
 #   under capture returns at once (settling copies queries events, enforcing a
-#   budget issues copies). An offloaded tensor (saved before the capture began)
-#   unpacked under capture is an ``OffloadError`` that says so: restoring it
-#   would query events, allocate and copy. A tensor on another device than the
-#   current one asks that device's current stream.
+#   budget issues copies). A tensor saved before the capture began and
+#   unpacked under it is handed out as it is if its span is still on its device
+#   with no copy to wait for (a budget kept it); one moved off it is an
+#   ``OffloadError`` that says so: restoring it would query events, allocate and
+#   copy. A tensor on another device than the current one asks that device's
+#   current stream.
 # - The IO threads, which wait on copy events (a write needs its host copy),
 #   copy host bytes to the device (a read job's ``to_device``: events, a
 #   device allocation, the copy) and pin host blocks, run in thread-local

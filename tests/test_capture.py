@@ -187,6 +187,29 @@ def test_unpacking_an_offloaded_tensor_under_capture_is_a_clear_error(
         engine.close()
 
 
+def test_a_tensor_a_budget_kept_on_its_device_unpacks_under_capture(
+    save_dir: Path, capture: _GlobalCapture
+) -> None:
+    """Saved before the capture, kept on its device by device_budget: no copy to wait
+    for, so the captured backward gets it as it is, with no CUDA call."""
+    layer = SpanCopyDevice("cpu", pin=capture.pin)
+    config = OffloadConfig(target="cpu", min_offload_bytes=0, device_budget=1 << 30)
+    engine = OffloadEngine(config, device=RoutingDevice([layer]))
+    x = torch.randn(1 << 12, requires_grad=True)
+    (x * 3).sin().sum().backward()
+    expected, x.grad = x.grad, None
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+            loss = (x * 3).sin().sum()
+        assert engine.stats().tensors_offloaded == 0 and engine.stats().device_tier_bytes > 0
+        with capture.capturing():
+            loss.backward()
+        assert capture.broken == []
+        assert torch.equal(x.grad, expected)
+    finally:
+        engine.close()
+
+
 def test_io_threads_wait_for_cuda_before_isolating(monkeypatch: pytest.MonkeyPatch) -> None:
     """NOTE [capture mode]: a thread asked before CUDA is initialized is asked again
     (and changes nothing meanwhile); once it is, the thread switches to thread-local

@@ -510,9 +510,11 @@ class _MarkedFence(_ThreadFence):
 def test_a_shared_record_s_copy_waits_for_the_later_save(
     save_dir: Path, target: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """NOTE [dedup]: a device record still on the device when a later save shares it
-    is copied after the work queued before that save too (on CUDA, bytes no saved
-    view held may be written between the two saves), not only before the first."""
+    """NOTE [dedup]: a device record whose copy is not issued yet when a later save
+    shares it is copied after the work queued before that save too (on CUDA, bytes no
+    saved view held may be written between the two saves), not only before the first.
+    The twin's copies run after the hook thread's work whatever they wait for, so the
+    gradients only guard the twin; what the copy waited for is the test."""
     n, first, gap, second = 10000, slice(0, 6000), slice(6000, None), slice(6000, None)
 
     def step(engine: OffloadEngine | None) -> list[torch.Tensor]:
@@ -545,3 +547,31 @@ def test_a_shared_record_s_copy_waits_for_the_later_save(
         assert torch.equal(g, r)
     assert len(marks) == 3  # a's save, b's share, c's save
     assert marks[0] in waited and marks[1] in waited, "the copy did not wait for b's save"
+
+
+def test_a_save_while_the_copy_is_issued_does_not_share_an_unseen_span(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [dedup]: a save on another thread while a demotion issues the record's copy
+    cannot add to what that copy waits for: a span no dense saved view covers gets a
+    record of its own then (a dense view inside one may still share)."""
+    with twin_with_hooks("cpu", save_dir, device_budget=40000 + 4096) as (engine, layer):
+        x = torch.randn(10000)
+        first = engine.pack(x[:6000])  # a record spanning all of x, kept on the device
+        during: list[Any] = []
+        real = layer.to_host
+
+        def to_host(*args: Any, **kw: Any) -> Any:
+            if not during:  # the other thread's saves, while the copy is being issued
+                during.append(engine.pack(x[6000:]))
+                during.append(engine.pack(x[1000:2000]))
+            return real(*args, **kw)
+
+        monkeypatch.setattr(layer, "to_host", to_host)
+        engine.pack(torch.randn(20000))  # over the budget: x's record is demoted
+        assert during
+        gap, inside = during
+        assert gap.record is not first.record  # x[6000:] lies in no saved dense view
+        assert inside.record is first.record  # x[1000:2000] lies in x[:6000]
+        assert torch.equal(engine.unpack(gap), x[6000:])
+        assert torch.equal(engine.unpack(inside), x[1000:2000])
