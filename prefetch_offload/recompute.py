@@ -96,13 +96,15 @@
 #   ``bench/recompute.py --model llama``: selective plans at 25% and 50% of the
 #   saved bytes ran at 1.18-1.32x ``full``'s step (per-round median ratios)
 #   with trims, at peaks of 261-333 MiB. Without trims they ran at 0.90-1.04x,
-#   at 381-428 MiB. The peak limits there are 291 and 379 MiB. (One run, 8
-#   rounds, each plan in its own lane.) A trim level taken from the profile (no
-#   trims while the process holds less than the recompute-all step's peak plus
-#   the budget) met the time at 25% and 50% in two runs (1.02-1.03x and
-#   0.93-0.95x ``full``), with peaks 13-69 MiB over the limits at every budget:
-#   that step, under the dispatch modes and the trims, holds more than
-#   checkpointing without them does.
+#   at 381-428 MiB. The peak limits there are 291 and 379 MiB. (One run of
+#   ``bench/recompute.py --model llama --steps 8`` with two lanes beside its
+#   modes: auto with no block kept whole, once with the default heap trims and
+#   once with ``heap_trim_bytes=None``; the 25% and 50% plans came out
+#   selective.) A trim level taken from the profile (no trims while the
+#   process holds less than the recompute-all step's peak plus the budget) met
+#   the time at 25% and 50% in two runs (1.02-1.03x and 0.93-0.95x ``full``),
+#   with peaks 13-69 MiB over the limits at every budget: that step, under the
+#   dispatch modes and the trims, holds more than checkpointing without them.
 #
 # The measured figures decide, not a list of op names: on the benchmark
 # transformer the norms, activation functions and residual adds come out cheap

@@ -104,7 +104,7 @@ def test_targets_are_judged_as_the_issue_states() -> None:
     assert rounds == pytest.approx([0.8, 1.0, 0.5])
     for row in rows:
         row["label"] = row["mode"]
-    doc = {"rows": rows, "saved_bytes": saved}
+    doc = {"rows": rows, "saved_bytes": saved, "targets": mod.targets(rows, saved)}
     assert "0.80x full (rounds 0.50-1.00) met" in mod.markdown(doc)
 
 
