@@ -277,9 +277,9 @@ class Lane:
     ``step(r)`` runs training step ``r`` (forward, backward, SGD) inside the lane's
     hooks and returns its wall seconds, loss, minor page faults and memory:
     ``peak``, the most the step held above the lane's start (the process's peak
-    RSS on the CPU, allocated device memory on a GPU), and ``live``, what was
-    live at the end of forward above the start (malloc's bytes in use; on a GPU
-    allocated memory).
+    RSS on the CPU; on a GPU the caching allocator's reserved memory, with the
+    allocated peak as ``peak_allocated``), and ``live``, what was live at the end
+    of forward above the start (malloc's bytes in use; on a GPU allocated memory).
     """
 
     def __init__(self, spec: LaneSpec, shape: Shape, rounds: int, device: str, folder: str):
@@ -293,6 +293,7 @@ class Lane:
         gc.collect()
         self.base_rss, self.base_heap = read_rss_bytes(), 0
         self.base_heap = self._live()
+        self.base_reserved = torch.cuda.memory_reserved() if self.cuda else 0
         self.marks = (0.0, 0.0, 0.0)  # the last step's start, backward start, end
 
     def _live(self) -> int:
@@ -329,8 +330,10 @@ class Lane:
         if self.cuda:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        if self.cuda:
-            peak = torch.cuda.max_memory_allocated() - self.base_heap
+        allocated = None
+        if self.cuda:  # what the caching allocator holds, as a user sees it; and in use
+            peak = torch.cuda.max_memory_reserved() - self.base_reserved
+            allocated = torch.cuda.max_memory_allocated() - self.base_heap
         else:
             peak = max(peak_rss_bytes() if exact else 0, read_rss_bytes()) - self.base_rss
         self.marks = (t0, tb, t1)
@@ -340,6 +343,7 @@ class Lane:
             "loss": loss.item(),
             "faults": faults,
             "peak": peak,
+            "peak_allocated": allocated,
             "live": live,
         }
 

@@ -17,10 +17,9 @@
 #      (device_budget half the saved bytes) (90 s)
 #   4. disk, only if the preflight measured O_DIRECT through pinned memory at 1 GB/s or
 #      more (60 s)
-#   5. keep / offload / recompute (60 s): issue 23's comparison (bench/recompute.py), once
-#      it runs on a GPU: the stage runs it if its --help offers --gpu (as
-#      "bench/recompute.py --gpu [--twin] --json PATH"), and records it as skipped until
-#      then
+#   5. keep / offload / recompute (60 s): issue 23's comparison ("bench/recompute.py
+#      --gpu [--twin] --json PATH"), where its --help offers --gpu, else recorded as
+#      skipped
 #
 # Usage (repository root): bash bench/gpu_suite.sh [OUTDIR]   (default: $OUT, else
 # gpu-suite-out). It uses the machine's python3 as it is (PYTHON overrides) and installs

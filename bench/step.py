@@ -27,7 +27,8 @@ keywords for every engine lane.
 
 Memory, per lane and step: ``peak`` is the most the step held above the
 lane's start (peak RSS, ``VmHWM`` reset at each step, against the RSS before
-the first step, glibc's default allocator; on a GPU allocated memory); ``live``
+the first step, glibc's default allocator; on a GPU ``max_memory_reserved``,
+with ``max_memory_allocated`` in the JSON as ``peak_allocated``); ``live``
 is what was live at the end of forward (malloc's bytes in use; on a GPU
 allocated memory). ``act`` is a lane's peak minus what ``none`` holds beside
 its activations (``none``'s peak minus the saved bytes), and ``act cut`` the
@@ -392,7 +393,7 @@ def headline(doc: dict[str, Any]) -> list[str]:
     none = by.get("none")
     off = next((by[m] for m in ("disk", "cpu", "budget") if m in by), None)
     lines = []
-    where = "allocated GPU memory" if doc["device"] == "cuda" else "peak RSS, default allocator"
+    where = "reserved GPU memory" if doc["device"] == "cuda" else "peak RSS, default allocator"
     if none is not None and off is not None:
         if none["peak"] is not None and off["peak"] is not None:
             lines.append(
@@ -464,7 +465,7 @@ def _median(doc: dict[str, Any], name: str) -> float:
 
 _LEGEND = """\
 step s: median of forward + backward + SGD; faults: minor page faults per step
-peak: most a step held above the lane's start (peak RSS; GPU: allocated); live: malloc's
+peak: most a step held above the lane's start (peak RSS; GPU: reserved); live: malloc's
   bytes in use (GPU: allocated) at the end of forward, above the start
 act: peak - (none's peak - saved bytes); act cut: 1 - act / saved, the share of the saved
   bytes a lane took out of the peak (above 100% where a lane also gives back free heap
