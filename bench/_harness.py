@@ -277,9 +277,10 @@ class Lane:
     ``step(r)`` runs training step ``r`` (forward, backward, SGD) inside the lane's
     hooks and returns its wall seconds, loss, minor page faults and memory:
     ``peak``, the most the step held above the lane's start (the process's peak
-    RSS on the CPU; on a GPU the caching allocator's reserved memory, with the
-    allocated peak as ``peak_allocated``), and ``live``, what was live at the end
-    of forward above the start (malloc's bytes in use; on a GPU allocated memory).
+    RSS on the CPU, allocated device memory on a GPU, where ``peak_reserved`` is
+    the caching allocator's reserved memory: the process's, a lane's only where it
+    has a process of its own), and ``live``, what was live at the end of forward
+    above the start (malloc's bytes in use; on a GPU allocated memory).
     """
 
     def __init__(self, spec: LaneSpec, shape: Shape, rounds: int, device: str, folder: str):
@@ -330,10 +331,10 @@ class Lane:
         if self.cuda:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        allocated = None
-        if self.cuda:  # what the caching allocator holds, as a user sees it; and in use
-            peak = torch.cuda.max_memory_reserved() - self.base_reserved
-            allocated = torch.cuda.max_memory_allocated() - self.base_heap
+        reserved = None
+        if self.cuda:  # in use; and what the caching allocator holds (the process's)
+            peak = torch.cuda.max_memory_allocated() - self.base_heap
+            reserved = torch.cuda.max_memory_reserved() - self.base_reserved
         else:
             peak = max(peak_rss_bytes() if exact else 0, read_rss_bytes()) - self.base_rss
         self.marks = (t0, tb, t1)
@@ -343,7 +344,7 @@ class Lane:
             "loss": loss.item(),
             "faults": faults,
             "peak": peak,
-            "peak_allocated": allocated,
+            "peak_reserved": reserved,
             "live": live,
         }
 

@@ -27,8 +27,9 @@ keywords for every engine lane.
 
 Memory, per lane and step: ``peak`` is the most the step held above the
 lane's start (peak RSS, ``VmHWM`` reset at each step, against the RSS before
-the first step, glibc's default allocator; on a GPU ``max_memory_reserved``,
-with ``max_memory_allocated`` in the JSON as ``peak_allocated``); ``live``
+the first step, glibc's default allocator; on a GPU ``max_memory_reserved``
+where each lane has a process of its own, else ``max_memory_allocated``, since
+lanes in one process share the caching allocator); ``live``
 is what was live at the end of forward (malloc's bytes in use; on a GPU
 allocated memory). ``act`` is a lane's peak minus what ``none`` holds beside
 its activations (``none``'s peak minus the saved bytes), and ``act cut`` the
@@ -303,6 +304,8 @@ def summarize(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per lane of a run's JSON: medians, ratios and per-step counters."""
     steps, saved = doc["steps"], doc["saved_bytes"]
     memory = doc["isolated"] or doc["device"] == "cuda"  # else the process's, not a lane's
+    # On a GPU: reserved memory where the lane has the caching allocator to itself.
+    key = "peak_reserved" if doc["device"] == "cuda" and doc["isolated"] else "peak"
     base = None
     rows = []
     for lane in doc["lanes"]:
@@ -315,7 +318,7 @@ def summarize(doc: dict[str, Any]) -> list[dict[str, Any]]:
             "label": lane["label"],
             "step_s": statistics.median(x["seconds"] for x in s),
             "faults": statistics.fmean(x["faults"] for x in s),
-            "peak": max(x["peak"] for x in s) if memory else None,
+            "peak": max(x["peak"] if x.get(key) is None else x[key] for x in s) if memory else None,
             "live": statistics.median(x["live"] for x in s) if memory else None,
             "offloaded": c["bytes_offloaded"] / n if "bytes_offloaded" in c else None,
             "hit_rate": hits / (hits + misses) if hits is not None and hits + misses else None,
@@ -393,7 +396,9 @@ def headline(doc: dict[str, Any]) -> list[str]:
     none = by.get("none")
     off = next((by[m] for m in ("disk", "cpu", "budget") if m in by), None)
     lines = []
-    where = "reserved GPU memory" if doc["device"] == "cuda" else "peak RSS, default allocator"
+    where = "peak RSS, default allocator"
+    if doc["device"] == "cuda":
+        where = "reserved GPU memory" if doc["isolated"] else "allocated GPU memory"
     if none is not None and off is not None:
         if none["peak"] is not None and off["peak"] is not None:
             lines.append(
@@ -465,7 +470,8 @@ def _median(doc: dict[str, Any], name: str) -> float:
 
 _LEGEND = """\
 step s: median of forward + backward + SGD; faults: minor page faults per step
-peak: most a step held above the lane's start (peak RSS; GPU: reserved); live: malloc's
+peak: most a step held above the lane's start (peak RSS; GPU: reserved, or allocated
+  with --shared); live: malloc's
   bytes in use (GPU: allocated) at the end of forward, above the start
 act: peak - (none's peak - saved bytes); act cut: 1 - act / saved, the share of the saved
   bytes a lane took out of the peak (above 100% where a lane also gives back free heap
