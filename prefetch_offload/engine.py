@@ -418,7 +418,8 @@ class OffloadEngine:
                 ):
                     if dense:  # NOTE [dedup]: its bytes are saved elements now
                         entry.cover(vstart, vstart + vbytes)
-                    if rec.held is not None:  # NOTE [dedup]: its copy waits for this save too
+                    if rec.held is not None and not rec.frozen:  # NOTE [dedup]: its copy
+                        # waits for this save too (frozen: that copy is being issued)
                         held = rec.held
                         fence = joined_fence(held[2], self._device.mark(held[0]))
                         rec.held = (held[0], held[1], fence)
@@ -520,8 +521,6 @@ class OffloadEngine:
         if rec.host_only:  # host memory already: nothing to copy (NOTE [targets])
             self._demote_to_disk(rec, DEVICE)
             return
-        held = rec.held
-        assert held is not None
         store = self._store
         nbytes = rec.span.nbytes
         host_budget = self._policy.budgets[HOST]
@@ -737,8 +736,9 @@ class OffloadEngine:
                 return make_view(placed[0], placed[1], packed.view)
             raise OffloadError(
                 "prefetch_offload: a tensor saved for backward outside a CUDA graph "
-                "capture, and moved off its device, was unpacked inside one. Capture the "
-                "forward that saves it too (a tensor saved under capture stays on the "
+                "capture was unpacked inside one, and it is not on its device with no "
+                "copy to wait for (it was offloaded, or brought back by a copy). Capture "
+                "the forward that saves it too (a tensor saved under capture stays on the "
                 "device), or run that forward outside offload_context."
             )
         self._enter_backward()

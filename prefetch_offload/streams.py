@@ -80,10 +80,10 @@ each copy with a :class:`Fence` that says when it has finished.
 #   under capture returns at once (settling copies queries events, enforcing a
 #   budget issues copies). A tensor saved before the capture began and
 #   unpacked under it is handed out as it is if its span is still on its device
-#   with no copy to wait for (a budget kept it); one moved off it is an
-#   ``OffloadError`` that says so: restoring it would query events, allocate and
-#   copy. A tensor on another device than the current one asks that device's
-#   current stream.
+#   with no copy to wait for (a budget kept it); any other is an
+#   ``OffloadError`` that says so: restoring it, or waiting for the copy that
+#   brought it back, would query events, allocate or copy. A tensor on another
+#   device than the current one asks that device's current stream.
 # - The IO threads, which wait on copy events (a write needs its host copy),
 #   copy host bytes to the device (a read job's ``to_device``: events, a
 #   device allocation, the copy) and pin host blocks, run in thread-local

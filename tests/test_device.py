@@ -554,7 +554,8 @@ def test_a_save_while_the_copy_is_issued_does_not_share_an_unseen_span(
 ) -> None:
     """NOTE [dedup]: a save on another thread while a demotion issues the record's copy
     cannot add to what that copy waits for: a span no dense saved view covers gets a
-    record of its own then (a dense view inside one may still share)."""
+    record of its own then (a dense view inside one may still share). The other
+    thread's saves are played by packs from inside the copy's issue."""
     with twin_with_hooks("cpu", save_dir, device_budget=40000 + 4096) as (engine, layer):
         x = torch.randn(10000)
         first = engine.pack(x[:6000])  # a record spanning all of x, kept on the device
