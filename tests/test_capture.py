@@ -210,6 +210,28 @@ def test_a_tensor_a_budget_kept_on_its_device_unpacks_under_capture(
         engine.close()
 
 
+def test_an_in_place_change_is_still_caught_under_capture(
+    save_dir: Path, capture: _GlobalCapture
+) -> None:
+    """The span handed out as it is under capture is still checked for in-place changes
+    since its save (NOTE [version check])."""
+    layer = SpanCopyDevice("cpu", pin=capture.pin)
+    config = OffloadConfig(target="cpu", min_offload_bytes=0, device_budget=1 << 30)
+    engine = OffloadEngine(config, device=RoutingDevice([layer]))
+    x = torch.randn(1 << 12, requires_grad=True)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+            h = x * 3
+            loss = h.sin().sum()  # saves h
+        with torch.no_grad():
+            h.add_(1)
+        with capture.capturing(), pytest.raises(RuntimeError, match="inplace operation"):
+            loss.backward()
+        assert capture.broken == []
+    finally:
+        engine.close()
+
+
 def test_io_threads_wait_for_cuda_before_isolating(monkeypatch: pytest.MonkeyPatch) -> None:
     """NOTE [capture mode]: a thread asked before CUDA is initialized is asked again
     (and changes nothing meanwhile); once it is, the thread switches to thread-local
