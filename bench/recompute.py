@@ -382,9 +382,7 @@ def targets(rows: list[dict[str, Any]], saved: int) -> dict[str, Any]:
         # Round by round (each round runs every mode once), auto's step over the other
         # mode's: how far the machine's noise moves the comparison (the verdict stays on
         # the medians).
-        theirs = best.get("step_seconds", []) if best else []
-        pairs = zip(auto.get("step_seconds", []), theirs, strict=False)
-        t["time_ratio_rounds"] = [a / b for a, b in pairs if b > 0]
+        t["time_ratio_rounds"] = _round_ratios(auto, best)
         offload = by.get(f"offload{round(share * 100)}")
         if offload is not None and offload["moved_per_step"] > 0:
             t["moved_ratio"] = auto["moved_per_step"] / offload["moved_per_step"]
@@ -399,6 +397,13 @@ def targets(rows: list[dict[str, Any]], saved: int) -> dict[str, Any]:
     return out
 
 
+def _round_ratios(auto: dict[str, Any], other: dict[str, Any] | None) -> list[float]:
+    """Round by round, ``auto``'s step over ``other``'s."""
+    theirs = other.get("step_seconds", []) if other else []
+    pairs = zip(auto.get("step_seconds", []), theirs, strict=False)
+    return [a / b for a, b in pairs if b > 0]
+
+
 # -- the report --------------------------------------------------------------------------
 
 
@@ -408,15 +413,9 @@ def _f(value: float | None, spec: str) -> str:
 
 def markdown(doc: dict[str, Any]) -> str:
     """The curve and the targets as markdown tables (what docs/benchmarks.md shows): the
-    verdicts the JSON holds, with each one's round-by-round ratios taken from its rows
-    where it lacks them."""
+    verdicts the JSON holds, with each one's round-by-round ratios (from its rows where
+    the JSON lacks them)."""
     by = {r["mode"]: r for r in doc["rows"]}
-    again = {t["mode"]: t for t in targets(doc["rows"], doc["saved_bytes"])["per_budget"]}
-    per = [
-        {"time_ratio_rounds": again.get(t["mode"], {}).get("time_ratio_rounds", []), **t}
-        for t in doc["targets"]["per_budget"]
-    ]
-    doc = {**doc, "targets": {**doc["targets"], "per_budget": per}}
     none = by.get("none")
     head = ["mode", "what", "budget MiB", "peak MiB", "step s", "vs none", "moved MiB/step"]
     lines = ["| " + " | ".join(head) + " |", "| --- | --- |" + " --: |" * 5]
@@ -436,7 +435,9 @@ def markdown(doc: dict[str, Any]) -> str:
         peak = f"{a['peak_bytes'] / MB:.1f} ({_f(t.get('peak_limit', 0) / MB, '.1f')}) "
         peak += _ok(t.get("peak_met"))
         best = t["fastest_at_or_below"]
-        rounds = t.get("time_ratio_rounds") or []
+        rounds = t.get("time_ratio_rounds")
+        if rounds is None:
+            rounds = _round_ratios(a, by.get(best or ""))
         spread = f" (rounds {min(rounds):.2f}-{max(rounds):.2f})" if len(rounds) > 1 else ""
         tm = (
             f"{t['time_ratio']:.2f}x {best}{spread} {_ok(t['time_met'])}"

@@ -725,7 +725,7 @@ class OffloadEngine:
             return packed.unpack()
         if isinstance(packed, Wrapped):
             return packed.rebuild(self._unpack(packed.inner))
-        if capturing() or capturing(packed.record.device):
+        if capturing(packed.record.device):
             # NOTE [capture mode]: a span still where autograd wants it, with no copy to
             # wait for, is handed out as it is; restoring one would query events,
             # allocate and copy, each of which would invalidate the capture with a CUDA

@@ -172,14 +172,16 @@ def _cuda_ready() -> bool:
 
 def capturing(device: torch.device | None = None) -> bool:
     """Whether the calling thread's current CUDA stream is capturing a graph (NOTE
-    [capture mode]); with a CUDA ``device``, its current stream on that device, which
-    need not be the current device. Never initializes CUDA."""
+    [capture mode]), or, with a CUDA ``device`` other than the current one, its current
+    stream on that device. Never initializes CUDA."""
     if not _cuda_ready():
         return False
+    if torch.cuda.is_current_stream_capturing():
+        return True
     if device is None or device.type != "cuda" or device.index is None:
-        return torch.cuda.is_current_stream_capturing()
+        return False
     if device.index == torch.cuda.current_device():
-        return torch.cuda.is_current_stream_capturing()
+        return False
     with torch.cuda.device(device):
         return torch.cuda.is_current_stream_capturing()
 
