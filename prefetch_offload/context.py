@@ -27,6 +27,7 @@ from .config import (
 )
 from .engine import OffloadEngine, _NullEngine
 from .errors import OffloadError
+from .heap import fast_reuse_hint
 from .recompute import AutoDecider, RecordingDecider
 from .stats import OffloadStats
 
@@ -42,15 +43,26 @@ def _top_hooks() -> tuple[Any, Any] | None:
 logger = logging.getLogger("prefetch_offload")
 
 
-def _summary(stats: OffloadStats, target: str | None) -> str:
+def _summary(stats: OffloadStats, target: str | None, hint: str | None = None) -> str:
+    """The line logged at exit; ``hint`` (:func:`fast_reuse_hint`) is named when heap
+    trims ran (NOTE [heap trim])."""
     mb = 1 << 20
-    return (
+    line = (
         f"prefetch_offload ({target}): offloaded {stats.tensors_offloaded} tensors "
         f"({stats.bytes_offloaded / mb:.1f} MiB), read back {stats.bytes_read / mb:.1f} MiB, "
         f"prefetch hit rate {stats.hit_rate:.1%}, backward stalled {stats.stall_seconds:.3f} s, "
         f"pack waited {stats.pack_wait_seconds:.3f} s, {stats.fallbacks} fallbacks to memory, "
-        f"{stats.tensors_kept} tensors kept, {stats.dedup_hits} dedup hits"
+        f"{stats.tensors_kept} tensors kept, {stats.dedup_hits} dedup hits, "
+        f"{stats.heap_trims} heap trims ({stats.heap_trim_seconds:.3f} s)"
     )
+    if stats.heap_trims and hint:
+        line += (
+            f". Each trim gives heap pages back that later steps fault in again; "
+            f"starting Python with {hint} lets glibc reuse freed activations "
+            "instead, so that fewer trims run (a change to the whole process: "
+            "measure it)"
+        )
+    return line
 
 
 # The oldest torch release the engine is tested on (the CI runs 2.13; 2.11's CUDA
@@ -161,7 +173,7 @@ class OffloadContext:
             try:
                 engine.close(raise_errors=exc_type is None)
             finally:
-                logger.info("%s", _summary(engine.stats(), self.config.target))
+                logger.info("%s", _summary(engine.stats(), self.config.target, fast_reuse_hint()))
         elif engine is not None:
             engine.close()
 

@@ -17,6 +17,26 @@
 # above its start, against 1346 without offload, whose own heap keeps 376 MiB
 # beside the saved bytes.
 #
+# What keeps the holes apart is glibc's fast reuse of small chunks: a chunk in
+# a thread's cache (tcache, up to 7 of each size) or in a fastbin counts as in
+# use, so a freed activation beside one does not merge with the free space on
+# its other side. Peak RSS above the start, the model above, no trims, the
+# first four steps of one run each: disk offload 549-741 MiB with glibc's
+# defaults, 226-305 with both turned off (``GLIBC_TUNABLES=glibc.malloc.
+# tcache_count=0:glibc.malloc.mxfast=0``), 548-599 with only the cache off and
+# 591-653 with only the fastbins off. A hook with no engine, which copies each
+# saved tensor into a preallocated mapping and lets the original go at once,
+# grew the same heap beside its copies (steps 3-6): 610-667 MiB, against
+# 133-222 with both off: any offloader that frees activations during forward
+# meets it. A running process can turn off only the fastbins
+# (``mallopt(M_MXFAST, 0)``: 447-761 MiB, no gain); glibc reads the cache's
+# size once, at start. Freeing the activations on the forward thread instead
+# of the IO threads changed nothing (543-667), nor did emptying the IO
+# threads' caches into the forward thread (558-724). So the engine trims, and
+# ``docs/tuning.md`` offers the tunables as the user's choice, measured beside
+# the default in ``docs/benchmarks.md``; the summary logged at exit names them
+# when trims ran (:func:`fast_reuse_hint`).
+#
 # ``malloc_trim(0)`` returns the whole free pages inside those holes (every
 # arena, not only the top). Each page used again later costs a page fault and
 # a page of zeroing, and glibc holds the arena's lock while it gives pages back,
@@ -129,7 +149,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .stats import StatsCounter
@@ -137,7 +157,9 @@ from .stats import StatsCounter
 __all__ = [
     "AUTO_TRIM_MIN_BYTES",
     "AUTO_TRIM_STEP_SHARE",
+    "FAST_REUSE_OFF",
     "HeapTrimmer",
+    "fast_reuse_hint",
     "heap_levels",
     "heap_slack_bytes",
     "heap_trim_supported",
@@ -198,6 +220,47 @@ _LIBC = _libc()
 _MALLOC_TRIM = _function(_LIBC, "malloc_trim", [ctypes.c_size_t], ctypes.c_int)  # glibc only
 _MALLINFO2 = _function(_LIBC, "mallinfo2", [], _Mallinfo2)  # glibc >= 2.33
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+# NOTE [heap trim]: the tunables that turn off glibc's per-thread cache and fastbins.
+FAST_REUSE_OFF = "glibc.malloc.tcache_count=0:glibc.malloc.mxfast=0"
+
+
+def _start_tunables() -> str:
+    """``GLIBC_TUNABLES`` as this process started with it (what glibc read), from
+    ``/proc/self/environ``, else ``os.environ``. glibc parses the value in place and
+    leaves a NUL where each ``:`` was, so the pieces after it are joined again."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            items = f.read().split(b"\0")
+    except OSError:
+        return os.environ.get("GLIBC_TUNABLES", "")
+    prefix = b"GLIBC_TUNABLES="
+    for i, item in enumerate(items):
+        if item.startswith(prefix):
+            parts = [item[len(prefix) :]]
+            for rest in items[i + 1 :]:
+                if not rest.startswith(b"glibc."):
+                    break
+                parts.append(rest)
+            return b":".join(parts).decode(errors="replace")
+    return ""
+
+
+def fast_reuse_hint(environment: Mapping[str, str] | None = None) -> str | None:
+    """The setting to suggest when trims ran: ``GLIBC_TUNABLES`` turning off glibc's
+    per-thread cache and fastbins (NOTE [heap trim]), or None where glibc is absent or
+    ``environment`` (default: this process's at its start) already sets both."""
+    if _MALLOC_TRIM is None:
+        return None
+    text = _start_tunables() if environment is None else environment.get("GLIBC_TUNABLES", "")
+    tunables = dict(item.split("=", 1) for item in text.split(":") if "=" in item)
+    if (
+        tunables.get("glibc.malloc.tcache_count") == "0"
+        and tunables.get("glibc.malloc.mxfast") == "0"
+    ):
+        return None
+    return f"GLIBC_TUNABLES={FAST_REUSE_OFF}"
 
 
 def heap_trim_supported() -> bool:

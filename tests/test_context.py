@@ -202,3 +202,15 @@ def test_an_older_torch_fails_at_entry_naming_the_supported_versions(
 @pytest.mark.parametrize("version", ["2.11.0", "2.13.0+cpu", "2.15.0a0+git1234", "unknown"])
 def test_supported_or_unparsable_torch_versions_pass(version: str) -> None:
     check_torch_version(version)
+
+
+def test_summary_names_glibc_s_tunables_only_when_trims_ran() -> None:
+    from prefetch_offload.context import _summary
+    from prefetch_offload.stats import OffloadStats
+
+    hint = "GLIBC_TUNABLES=glibc.malloc.tcache_count=0:glibc.malloc.mxfast=0"
+    trimmed = OffloadStats(heap_trims=3, heap_trim_seconds=0.25)
+    assert "3 heap trims (0.250 s)" in _summary(trimmed, "disk", hint)
+    assert hint in _summary(trimmed, "disk", hint)
+    assert hint not in _summary(OffloadStats(), "disk", hint)  # no trims: nothing to suggest
+    assert "Each trim" not in _summary(trimmed, "disk", None)  # already set, or no glibc

@@ -7,6 +7,8 @@ import ctypes.util
 import gc
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +19,12 @@ import pytest
 import torch
 
 from prefetch_offload import OffloadConfig, OffloadEngine, heap, offload_context
-from prefetch_offload.heap import HeapTrimmer, heap_trim_supported
+from prefetch_offload.heap import (
+    FAST_REUSE_OFF,
+    HeapTrimmer,
+    fast_reuse_hint,
+    heap_trim_supported,
+)
 from prefetch_offload.stats import StatsCounter
 from prefetch_offload.testing import TinyTransformer, make_batch
 
@@ -650,3 +657,30 @@ def test_auto_bound_follows_the_bytes_the_engine_moved_last_step(tmp_path: Path)
     assert moved[0] > 0
     assert bounds[1] == int(heap.AUTO_TRIM_STEP_SHARE * moved[0])
     assert bounds[2] == int(heap.AUTO_TRIM_STEP_SHARE * (moved[1] - moved[0]))
+
+
+@pytest.mark.skipif(not heap_trim_supported(), reason="needs glibc")
+def test_fast_reuse_hint_reads_glibc_s_tunables() -> None:
+    hint = fast_reuse_hint({})
+    assert hint == f"GLIBC_TUNABLES={FAST_REUSE_OFF}"
+    off = {"GLIBC_TUNABLES": "glibc.malloc.mxfast=0:glibc.malloc.tcache_count=0"}
+    assert fast_reuse_hint(off) is None  # both already off, in any order
+    half = {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}
+    assert fast_reuse_hint(half) == hint  # one alone does not keep the holes together
+    other = {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=7:glibc.malloc.mxfast=0:junk"}
+    assert fast_reuse_hint(other) == hint
+
+
+@pytest.mark.skipif(not heap_trim_supported(), reason="needs glibc")
+def test_fast_reuse_hint_reads_the_environment_the_process_started_with(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if fast_reuse_hint() is None:
+        pytest.skip("this test process started with both tunables off")
+    # glibc read its tunables at start: setting them now changes nothing, nor the hint.
+    monkeypatch.setenv("GLIBC_TUNABLES", FAST_REUSE_OFF)
+    assert fast_reuse_hint() is not None
+    # A process that starts with them set needs no hint.
+    code = "from prefetch_offload.heap import fast_reuse_hint as f; print(f())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None"
