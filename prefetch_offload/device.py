@@ -26,6 +26,17 @@ Both directions may be asynchronous: each returns the bytes' location and a
 # O_DIRECT there; if the kernel refuses it, it warns and the engine moves those
 # bytes through the page cache. bench/gpu_preflight.py measures the same round
 # trip at size, on the GPU machine, before the rest of the suite runs.
+#
+# Pinning memory needs a CUDA context: PyTorch's host allocator uses a device
+# that has one, and where none has, it makes one on the current device, which
+# is GPU 0 in every rank of a job that enters the context before
+# ``torch.cuda.set_device`` or before its model reaches its GPU. So where no
+# device has a context when the engine is built, ``direct_io_ok`` answers None
+# (not known yet) and the engine probes at the first CUDA tensor it saves,
+# under that tensor's device, before its first pinned copy. If the kernel
+# refuses then, the store switches to the page cache while it has no slab
+# yet; a store that already holds CPU tensors' bytes cannot, and the engine
+# raises an OffloadError that names ``io_method="buffered"``.
 """
 
 from __future__ import annotations
@@ -140,10 +151,11 @@ class DeviceLayer:
     def set_host_budget(self, nbytes: int | None) -> None:
         """Cap the pinned host bytes this layer holds (None: its default limit)."""
 
-    def direct_io_ok(self, directory: str) -> bool:
+    def direct_io_ok(self, directory: str) -> bool | None:
         """Whether O_DIRECT requests from this layer's host buffers work in ``directory``
         (NOTE [direct IO from pinned memory]); False also where the folder takes no
-        O_DIRECT at all."""
+        O_DIRECT at all; None where asking now would make a CUDA context (ask again
+        under the device of the first CUDA tensor)."""
         return direct_io_supported(directory)
 
     def poll(self) -> None:
@@ -274,13 +286,15 @@ class SpanCopyDevice(DeviceLayer):
     def set_host_budget(self, nbytes: int | None) -> None:
         self.pool.set_limit(nbytes)
 
-    def direct_io_ok(self, directory: str) -> bool:
+    def direct_io_ok(self, directory: str) -> bool | None:
         ok = self._direct.get(directory)
         if ok is not None:
             return ok
         ok = direct_io_supported(directory)
         if self.device_type == "cuda" and not torch.cuda.is_available():
             return ok  # no CUDA tensor will come: nothing to pin, nothing to probe
+        if ok and self.device_type == "cuda" and not cuda_context_exists():
+            return None  # NOTE [direct IO from pinned memory]: pinning now makes one
         if ok:  # the folder takes O_DIRECT from ordinary pages: now from ours
             host, region = self.pool.lease(_DIRECT_PROBE_BYTES)
             try:
@@ -360,8 +374,11 @@ class RoutingDevice(DeviceLayer):
         for layer in self.layers:
             layer.set_host_budget(nbytes)
 
-    def direct_io_ok(self, directory: str) -> bool:
-        return all(layer.direct_io_ok(directory) for layer in self.layers)
+    def direct_io_ok(self, directory: str) -> bool | None:
+        verdicts = [layer.direct_io_ok(directory) for layer in self.layers]
+        if False in verdicts:
+            return False
+        return None if None in verdicts else True
 
     def poll(self) -> None:
         for layer in self.layers:
@@ -370,6 +387,15 @@ class RoutingDevice(DeviceLayer):
     def close(self) -> None:
         for layer in self.layers:
             layer.close()
+
+
+def cuda_context_exists() -> bool:
+    """Whether any CUDA device has its primary context (True where this torch cannot
+    tell): pinning host memory then makes none (NOTE [direct IO from pinned memory])."""
+    has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if has is None:
+        return True
+    return any(has(i) for i in range(torch.cuda.device_count()))
 
 
 def default_device_layer(

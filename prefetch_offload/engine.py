@@ -188,23 +188,19 @@ class OffloadEngine:
                 + 2 * window
             )
         store = self._store
+        verdict: bool | None = True
         if (
             store is not None
             and store.io_method == "direct"
             and config.io_method == "auto"
             and torch.cuda.is_available()
-            and not self._device.direct_io_ok(store.directory)
         ):
-            # NOTE [direct IO from pinned memory] in device.py: the page cache instead.
-            store.close()
-            self._store = SlabStore(
-                store.directory,
-                slab_bytes=config.slab_bytes,
-                io_method="buffered",
-                disk_bytes_limit=config.disk_bytes_limit,
-            )
-            self._finalizer.detach()
-            self._finalizer = weakref.finalize(self, self._store.close)
+            verdict = self._device.direct_io_ok(store.directory)
+        # NOTE [direct IO from pinned memory]: None asks again at the first CUDA tensor.
+        self._direct_pending = verdict is None
+        if verdict is False:
+            assert store is not None
+            store.use_buffered()  # NOTE [direct IO from pinned memory]: the page cache
         # Per device, records whose device-to-host copy may still run, oldest first (NOTE
         # [version check]): copies on one device's stream end in order, across devices not.
         self._copying: dict[
@@ -395,6 +391,8 @@ class OffloadEngine:
                 with self._lock:
                     self._plan.placeholder(kept, self._signature(t), key)
             return kept
+        if self._direct_pending and t.device.type != "cpu":
+            self._check_direct(t.device)  # NOTE [direct IO from pinned memory]
         storage = t.untyped_storage()
         vstart, vbytes = view_span(t)
         version = t._version
@@ -707,6 +705,22 @@ class OffloadEngine:
         """Saved-tensor unpack hook: the tensor that ``pack`` was given, restored."""
         with profiler_range("prefetch_offload::unpack"):
             return self._unpack(packed)
+
+    def _check_direct(self, device: torch.device) -> None:
+        """The O_DIRECT probe the constructor left for the first tensor on ``device``,
+        which has a context now (NOTE [direct IO from pinned memory])."""
+        self._direct_pending = False
+        store = self._store
+        assert store is not None
+        guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with guard:
+            ok = self._device.direct_io_ok(store.directory)
+        if ok is False and not store.use_buffered():
+            raise OffloadError(
+                f"prefetch_offload: {store.directory!r} takes O_DIRECT, but not from "
+                "pinned host memory, and the engine has already written CPU tensors "
+                "there with it; pass io_method='buffered' (or a save_dir on a local disk)."
+            )
 
     def _pack_subclass(self, t: torch.Tensor) -> Any:
         """NOTE [wrapper subclasses]: a DTensor's local tensor is packed; others are kept."""

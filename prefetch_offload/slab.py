@@ -246,6 +246,15 @@ class SlabStore:
         self._failed_size: int | None = None
         self._free_after_failure: tuple[int, int] = (0, 0)
 
+    def use_buffered(self) -> bool:
+        """Move bytes through the page cache from now on, if no slab exists yet (slabs
+        are opened for their method); returns whether it switched."""
+        with self._lock:
+            if self._slabs or self.io_method == "mmap":
+                return self.io_method == "buffered"
+            self.io_method = "buffered"
+            return True
+
     # -- allocation -----------------------------------------------------------------
 
     def allocate(self, length: int) -> Extent | None:

@@ -24,7 +24,13 @@ import torch
 from engine_helpers import twin_with_hooks
 
 from prefetch_offload import OffloadConfig, OffloadEngine, OffloadError, OffloadFallbackWarning
-from prefetch_offload.device import RoutingDevice, SpanCopyDevice, direct_io_roundtrip
+from prefetch_offload import device as device_module
+from prefetch_offload.device import (
+    HostDevice,
+    RoutingDevice,
+    SpanCopyDevice,
+    direct_io_roundtrip,
+)
 from prefetch_offload.slab import direct_io_supported
 from prefetch_offload.streams import ThreadStreams, _ThreadFence
 from prefetch_offload.testing import TinyTransformer, make_batch
@@ -283,6 +289,60 @@ def test_cuda_layer_without_cuda_probes_nothing(save_dir: Path) -> None:
         assert layer.direct_io_ok(str(save_dir)) == direct_io_supported(str(save_dir))
     assert not caught and layer.pool.pin_calls == 0 and layer.pageable_fallbacks() == 0
     layer.close()
+
+
+def test_cuda_layer_waits_for_a_context_before_it_pins(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [direct IO from pinned memory]: with no CUDA context anywhere, the probe is not
+    run (pinning would make a context on the current device, GPU 0 in every rank)."""
+    if not direct_io_supported(str(save_dir)):
+        pytest.skip("this folder takes no O_DIRECT")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(device_module, "cuda_context_exists", lambda: False)
+    layer = SpanCopyDevice("cuda")
+    assert layer.direct_io_ok(str(save_dir)) is None
+    assert layer.pool.pin_calls == 0 and layer.pool.leased_bytes == 0
+    assert RoutingDevice([layer, HostDevice()]).direct_io_ok(str(save_dir)) is None
+    assert layer.direct_io_ok(str(save_dir)) is None  # not decided: asked again later
+    layer.close()
+
+
+class _RefusesLater(HostDevice):
+    """A layer that cannot tell while the engine is built, and then refuses."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def direct_io_ok(self, directory: str) -> bool | None:
+        self.asked += 1
+        return None if self.asked == 1 else False
+
+
+@pytest.mark.parametrize("written_before", [False, True])
+def test_engine_probes_at_the_first_cuda_tensor(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch, written_before: bool
+) -> None:
+    """The deferred probe runs once; a refusal moves a store with no slab yet to the page
+    cache, and is an error naming io_method='buffered' once CPU bytes went with O_DIRECT."""
+    if not direct_io_supported(str(save_dir)):
+        pytest.skip("this folder takes no O_DIRECT")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    layer = _RefusesLater()
+    engine = OffloadEngine(OffloadConfig(target="disk", save_dir=str(save_dir)), device=layer)
+    try:
+        assert engine.io_method == "direct" and layer.asked == 1 and engine._direct_pending
+        if written_before:
+            assert engine._store is not None and engine._store.allocate(4096) is not None
+            with pytest.raises(OffloadError, match="io_method='buffered'"):
+                engine._check_direct(torch.device("cpu"))
+            assert engine.io_method == "direct"
+        else:
+            engine._check_direct(torch.device("cpu"))
+            assert engine.io_method == "buffered"
+        assert layer.asked == 2 and not engine._direct_pending
+    finally:
+        engine.close()
 
 
 def test_direct_io_roundtrip_checks_the_bytes(save_dir: Path) -> None:
