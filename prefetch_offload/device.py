@@ -395,7 +395,10 @@ def cuda_context_exists() -> bool:
     has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
     if has is None:
         return True
-    return any(has(i) for i in range(torch.cuda.device_count()))
+    try:
+        return any(has(i) for i in range(torch.cuda.device_count()))
+    except RuntimeError:  # the driver would not say: probe now, as without the check
+        return True
 
 
 def default_device_layer(

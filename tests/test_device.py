@@ -636,3 +636,16 @@ def test_a_save_while_the_copy_is_issued_does_not_share_an_unseen_span(
         assert inside.record is first.record  # x[1000:2000] lies in x[:6000]
         assert torch.equal(engine.unpack(gap), x[6000:])
         assert torch.equal(engine.unpack(inside), x[1000:2000])
+
+
+def test_cuda_context_exists_says_yes_when_it_cannot_tell(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fails(index: int) -> bool:
+        raise RuntimeError("CUDA driver error: initialization error")
+
+    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", fails, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert device_module.cuda_context_exists()
+    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: i == 1, raising=False)
+    assert device_module.cuda_context_exists()
+    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: False, raising=False)
+    assert not device_module.cuda_context_exists()
