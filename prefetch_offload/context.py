@@ -53,14 +53,13 @@ def _summary(stats: OffloadStats, target: str | None, hint: str | None = None) -
         f"prefetch hit rate {stats.hit_rate:.1%}, backward stalled {stats.stall_seconds:.3f} s, "
         f"pack waited {stats.pack_wait_seconds:.3f} s, {stats.fallbacks} fallbacks to memory, "
         f"{stats.tensors_kept} tensors kept, {stats.dedup_hits} dedup hits, "
-        f"{stats.heap_trims} heap trims ({stats.heap_trim_seconds:.3f} s)"
+        f"heap trims: {stats.heap_trims} ({stats.heap_trim_seconds:.3f} s)"
     )
     if stats.heap_trims and hint:
         line += (
-            f". Each trim gives heap pages back that later steps fault in again; "
-            f"starting Python with {hint} lets glibc reuse freed activations "
-            "instead, so that fewer trims run (a change to the whole process: "
-            "measure it)"
+            ". Pages a trim gives back are faulted in again by later steps; starting "
+            f"Python with {hint} lets glibc reuse freed activations instead (a change "
+            "to the whole process: measure it)."
         )
     return line
 
@@ -173,7 +172,9 @@ class OffloadContext:
             try:
                 engine.close(raise_errors=exc_type is None)
             finally:
-                logger.info("%s", _summary(engine.stats(), self.config.target, fast_reuse_hint()))
+                stats = engine.stats()
+                hint = fast_reuse_hint() if stats.heap_trims else None
+                logger.info("%s", _summary(stats, self.config.target, hint))
         elif engine is not None:
             engine.close()
 

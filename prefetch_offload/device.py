@@ -33,10 +33,10 @@ Both directions may be asynchronous: each returns the bytes' location and a
 # ``torch.cuda.set_device`` or before its model reaches its GPU. So where no
 # device has a context when the engine is built, ``direct_io_ok`` answers None
 # (not known yet) and the engine probes at the first CUDA tensor it saves,
-# under that tensor's device, before its first pinned copy. If the kernel
-# refuses then, the store switches to the page cache while it has no slab
-# yet; a store that already holds CPU tensors' bytes cannot, and the engine
-# raises an OffloadError that names ``io_method="buffered"``.
+# under that tensor's device, before its first pinned copy; another thread's
+# pack waits for it. If the kernel refuses then, the store switches to the
+# page cache as the constructor's probe would have had it, and the slabs that
+# CPU tensors' bytes opened meanwhile drop O_DIRECT (``SlabStore.use_buffered``).
 """
 
 from __future__ import annotations
@@ -151,11 +151,11 @@ class DeviceLayer:
     def set_host_budget(self, nbytes: int | None) -> None:
         """Cap the pinned host bytes this layer holds (None: its default limit)."""
 
-    def direct_io_ok(self, directory: str) -> bool | None:
+    def direct_io_ok(self, directory: str, *, now: bool = False) -> bool | None:
         """Whether O_DIRECT requests from this layer's host buffers work in ``directory``
         (NOTE [direct IO from pinned memory]); False also where the folder takes no
-        O_DIRECT at all; None where asking now would make a CUDA context (ask again
-        under the device of the first CUDA tensor)."""
+        O_DIRECT at all; None where asking would make a CUDA context, unless ``now``
+        (ask again under the device of the first tensor that needs the buffers)."""
         return direct_io_supported(directory)
 
     def poll(self) -> None:
@@ -286,14 +286,14 @@ class SpanCopyDevice(DeviceLayer):
     def set_host_budget(self, nbytes: int | None) -> None:
         self.pool.set_limit(nbytes)
 
-    def direct_io_ok(self, directory: str) -> bool | None:
+    def direct_io_ok(self, directory: str, *, now: bool = False) -> bool | None:
         ok = self._direct.get(directory)
         if ok is not None:
             return ok
         ok = direct_io_supported(directory)
         if self.device_type == "cuda" and not torch.cuda.is_available():
             return ok  # no CUDA tensor will come: nothing to pin, nothing to probe
-        if ok and self.device_type == "cuda" and not cuda_context_exists():
+        if ok and self.device_type == "cuda" and not now and not cuda_context_exists():
             return None  # NOTE [direct IO from pinned memory]: pinning now makes one
         if ok:  # the folder takes O_DIRECT from ordinary pages: now from ours
             host, region = self.pool.lease(_DIRECT_PROBE_BYTES)
@@ -374,8 +374,8 @@ class RoutingDevice(DeviceLayer):
         for layer in self.layers:
             layer.set_host_budget(nbytes)
 
-    def direct_io_ok(self, directory: str) -> bool | None:
-        verdicts = [layer.direct_io_ok(directory) for layer in self.layers]
+    def direct_io_ok(self, directory: str, *, now: bool = False) -> bool | None:
+        verdicts = [layer.direct_io_ok(directory, now=now) for layer in self.layers]
         if False in verdicts:
             return False
         return None if None in verdicts else True

@@ -198,6 +198,7 @@ class OffloadEngine:
             verdict = self._device.direct_io_ok(store.directory)
         # NOTE [direct IO from pinned memory]: None asks again at the first CUDA tensor.
         self._direct_pending = verdict is None
+        self._direct_lock = threading.Lock()
         if verdict is False:
             assert store is not None
             store.use_buffered()  # NOTE [direct IO from pinned memory]: the page cache
@@ -391,7 +392,7 @@ class OffloadEngine:
                 with self._lock:
                     self._plan.placeholder(kept, self._signature(t), key)
             return kept
-        if self._direct_pending and t.device.type != "cpu":
+        if self._direct_pending and not self._device.identity(t.device):
             self._check_direct(t.device)  # NOTE [direct IO from pinned memory]
         storage = t.untyped_storage()
         vstart, vbytes = view_span(t)
@@ -707,20 +708,20 @@ class OffloadEngine:
             return self._unpack(packed)
 
     def _check_direct(self, device: torch.device) -> None:
-        """The O_DIRECT probe the constructor left for the first tensor on ``device``,
-        which has a context now (NOTE [direct IO from pinned memory])."""
-        self._direct_pending = False
-        store = self._store
-        assert store is not None
-        guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        with guard:
-            ok = self._device.direct_io_ok(store.directory)
-        if ok is False and not store.use_buffered():
-            raise OffloadError(
-                f"prefetch_offload: {store.directory!r} takes O_DIRECT, but not from "
-                "pinned host memory, and the engine has already written CPU tensors "
-                "there with it; pass io_method='buffered' (or a save_dir on a local disk)."
-            )
+        """The O_DIRECT probe the constructor left for the first tensor that needs host
+        buffers, on ``device``, which has a context now (NOTE [direct IO from pinned
+        memory]). Other packs wait for it; the flag drops once the store is settled."""
+        with self._direct_lock:
+            if not self._direct_pending:
+                return  # another thread's pack probed
+            store = self._store
+            assert store is not None
+            cuda = device.type == "cuda"
+            with torch.cuda.device(device) if cuda else contextlib.nullcontext():
+                ok = self._device.direct_io_ok(store.directory, now=True)
+            if ok is False:
+                store.use_buffered()
+            self._direct_pending = False
 
     def _pack_subclass(self, t: torch.Tensor) -> Any:
         """NOTE [wrapper subclasses]: a DTensor's local tensor is packed; others are kept."""

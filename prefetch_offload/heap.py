@@ -134,8 +134,9 @@
 # on; in the child of a fork (a DataLoader worker) it stops without a word.
 # Records of CUDA tensors do not count: their host memory is pinned or mapped,
 # not glibc's heap. Where glibc is absent (musl, macOS, Windows) this does
-# nothing; where only mallinfo2 is missing (glibc < 2.33), the slack is the
-# anonymous RSS minus the engine's mapped buffers.
+# nothing, nor where another allocator is preloaded (tcmalloc, jemalloc: glibc's
+# trims would not reach its memory); where only mallinfo2 is missing (glibc <
+# 2.33), the slack is the anonymous RSS minus the engine's mapped buffers.
 """
 
 from __future__ import annotations
@@ -145,6 +146,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -216,8 +218,22 @@ def _function(libc: Any, name: str, argtypes: list[Any], restype: Any) -> Any:
     return fn
 
 
+def _interposed(libc: Any) -> bool:
+    """Whether ``malloc`` resolves to another allocator than ``libc``'s (one preloaded:
+    tcmalloc, jemalloc), whose memory glibc's trims and counts do not see."""
+    try:
+        ours = ctypes.cast(ctypes.CDLL(None).malloc, ctypes.c_void_p).value
+        return ours != ctypes.cast(libc.malloc, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return False
+
+
 _LIBC = _libc()
-_MALLOC_TRIM = _function(_LIBC, "malloc_trim", [ctypes.c_size_t], ctypes.c_int)  # glibc only
+_MALLOC_TRIM = (  # glibc only, and only where glibc's malloc is the process's
+    None
+    if _LIBC is None or _interposed(_LIBC)
+    else _function(_LIBC, "malloc_trim", [ctypes.c_size_t], ctypes.c_int)
+)
 _MALLINFO2 = _function(_LIBC, "mallinfo2", [], _Mallinfo2)  # glibc >= 2.33
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -226,45 +242,59 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 FAST_REUSE_OFF = "glibc.malloc.tcache_count=0:glibc.malloc.mxfast=0"
 
 
+_ENV_NAME = re.compile(rb"[A-Z_][A-Z0-9_]*=")
+
+
 def _start_tunables() -> str:
-    """``GLIBC_TUNABLES`` as this process started with it (what glibc read), from
-    ``/proc/self/environ``, else ``os.environ``. glibc parses the value in place and
-    leaves a NUL where each ``:`` was, so the pieces after it are joined again."""
+    """``GLIBC_TUNABLES`` as this process started with it (what glibc read): from
+    ``/proc/self/environ``, where glibc left a NUL after each tunable it took, so the
+    pieces up to the next variable are joined again; from ``os.environ`` where that
+    text is unreadable or no longer an environment (a process title written over it)."""
     try:
         with open("/proc/self/environ", "rb") as f:
             items = f.read().split(b"\0")
     except OSError:
-        return os.environ.get("GLIBC_TUNABLES", "")
+        items = []
     prefix = b"GLIBC_TUNABLES="
     for i, item in enumerate(items):
         if item.startswith(prefix):
             parts = [item[len(prefix) :]]
             for rest in items[i + 1 :]:
-                if not rest.startswith(b"glibc."):
+                if not rest or _ENV_NAME.match(rest):
                     break
                 parts.append(rest)
             return b":".join(parts).decode(errors="replace")
-    return ""
+    if any(_ENV_NAME.match(item) for item in items):
+        return ""  # started without it (a later os.environ change reaches no glibc)
+    return os.environ.get("GLIBC_TUNABLES", "")  # unreadable, or rewritten (setproctitle)
+
+
+def _tunable_is_zero(tunables: dict[str, str], name: str) -> bool:
+    try:
+        return int(tunables.get(name, ""), 0) == 0
+    except ValueError:
+        return False
 
 
 def fast_reuse_hint(environment: Mapping[str, str] | None = None) -> str | None:
     """The setting to suggest when trims ran: ``GLIBC_TUNABLES`` turning off glibc's
-    per-thread cache and fastbins (NOTE [heap trim]), or None where glibc is absent or
-    ``environment`` (default: this process's at its start) already sets both."""
+    per-thread cache and fastbins (NOTE [heap trim]), or None where glibc's malloc is
+    not the process's, or ``environment`` (default: this process's at its start)
+    already sets both."""
     if _MALLOC_TRIM is None:
         return None
     text = _start_tunables() if environment is None else environment.get("GLIBC_TUNABLES", "")
     tunables = dict(item.split("=", 1) for item in text.split(":") if "=" in item)
-    if (
-        tunables.get("glibc.malloc.tcache_count") == "0"
-        and tunables.get("glibc.malloc.mxfast") == "0"
+    if _tunable_is_zero(tunables, "glibc.malloc.tcache_count") and _tunable_is_zero(
+        tunables, "glibc.malloc.mxfast"
     ):
         return None
     return f"GLIBC_TUNABLES={FAST_REUSE_OFF}"
 
 
 def heap_trim_supported() -> bool:
-    """Whether this process's C library can give free heap pages back (glibc)."""
+    """Whether this process's allocator can give free heap pages back (glibc's malloc,
+    not a preloaded one)."""
     return _MALLOC_TRIM is not None
 
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import secrets
@@ -246,14 +247,17 @@ class SlabStore:
         self._failed_size: int | None = None
         self._free_after_failure: tuple[int, int] = (0, 0)
 
-    def use_buffered(self) -> bool:
-        """Move bytes through the page cache from now on, if no slab exists yet (slabs
-        are opened for their method); returns whether it switched."""
+    def use_buffered(self) -> None:
+        """Move bytes through the page cache from now on (io_method "direct" becomes
+        "buffered"; the slabs open now drop O_DIRECT, their bytes stay where they are).
+        Requests in flight end as they began. "mmap" and "buffered" stay as they are."""
         with self._lock:
-            if self._slabs or self.io_method == "mmap":
-                return self.io_method == "buffered"
+            if self.io_method != "direct":
+                return
+            for slab in self._slabs.values():
+                flags = fcntl.fcntl(slab.fd, fcntl.F_GETFL)
+                fcntl.fcntl(slab.fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
             self.io_method = "buffered"
-            return True
 
     # -- allocation -----------------------------------------------------------------
 

@@ -210,7 +210,7 @@ def test_summary_names_glibc_s_tunables_only_when_trims_ran() -> None:
 
     hint = "GLIBC_TUNABLES=glibc.malloc.tcache_count=0:glibc.malloc.mxfast=0"
     trimmed = OffloadStats(heap_trims=3, heap_trim_seconds=0.25)
-    assert "3 heap trims (0.250 s)" in _summary(trimmed, "disk", hint)
+    assert "heap trims: 3 (0.250 s)" in _summary(trimmed, "disk", hint)
     assert hint in _summary(trimmed, "disk", hint)
     assert hint not in _summary(OffloadStats(), "disk", hint)  # no trims: nothing to suggest
-    assert "Each trim" not in _summary(trimmed, "disk", None)  # already set, or no glibc
+    assert "faulted in again" not in _summary(trimmed, "disk", None)  # already set, or no glibc

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import fcntl
 import gc
 import os
 import threading
@@ -308,39 +309,51 @@ def test_cuda_layer_waits_for_a_context_before_it_pins(
     layer.close()
 
 
-class _RefusesLater(HostDevice):
-    """A layer that cannot tell while the engine is built, and then refuses."""
+class _TwinRefusingLater(SpanCopyDevice):
+    """The CPU twin, which cannot tell while the engine is built and then refuses."""
 
     def __init__(self) -> None:
-        self.asked = 0
+        super().__init__("cpu")
+        self.asked: list[bool] = []
 
-    def direct_io_ok(self, directory: str) -> bool | None:
-        self.asked += 1
-        return None if self.asked == 1 else False
+    def direct_io_ok(self, directory: str, *, now: bool = False) -> bool | None:
+        self.asked.append(now)
+        return None if not now else False
 
 
-@pytest.mark.parametrize("written_before", [False, True])
-def test_engine_probes_at_the_first_cuda_tensor(
-    save_dir: Path, monkeypatch: pytest.MonkeyPatch, written_before: bool
+@pytest.mark.parametrize("cpu_bytes_first", [False, True])
+def test_engine_probes_at_the_first_tensor_that_needs_host_buffers(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch, cpu_bytes_first: bool
 ) -> None:
-    """The deferred probe runs once; a refusal moves a store with no slab yet to the page
-    cache, and is an error naming io_method='buffered' once CPU bytes went with O_DIRECT."""
+    """NOTE [direct IO from pinned memory]: the probe the constructor could not run runs
+    at the first pack of a device tensor, once; a refusal moves the store, and any slab
+    CPU tensors' bytes opened first, to the page cache; the gradients stay exact."""
     if not direct_io_supported(str(save_dir)):
         pytest.skip("this folder takes no O_DIRECT")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    layer = _RefusesLater()
-    engine = OffloadEngine(OffloadConfig(target="disk", save_dir=str(save_dir)), device=layer)
+    layer = _TwinRefusingLater()
+    config = OffloadConfig(target="disk", save_dir=str(save_dir), min_offload_bytes=0)
+    engine = OffloadEngine(config, device=RoutingDevice([layer]))
     try:
-        assert engine.io_method == "direct" and layer.asked == 1 and engine._direct_pending
-        if written_before:
-            assert engine._store is not None and engine._store.allocate(4096) is not None
-            with pytest.raises(OffloadError, match="io_method='buffered'"):
-                engine._check_direct(torch.device("cpu"))
-            assert engine.io_method == "direct"
-        else:
-            engine._check_direct(torch.device("cpu"))
-            assert engine.io_method == "buffered"
-        assert layer.asked == 2 and not engine._direct_pending
+        assert engine.io_method == "direct" and layer.asked == [False]
+        store = engine._store
+        assert store is not None
+        if cpu_bytes_first:  # a slab opened with O_DIRECT before the first device tensor
+            extent = store.allocate(4096)
+            assert extent is not None
+            fd = store._slabs[extent.slab].fd
+            assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
+        x = torch.randn(1 << 14, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+            loss = (x * 2).sin().sum()
+            engine.flush()
+        loss.backward()
+        assert layer.asked == [False, True]  # asked again at the first pack, and only then
+        assert engine.io_method == "buffered"
+        if cpu_bytes_first:
+            assert not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
+        assert engine.stats().bytes_read > 0
+        assert torch.equal(x.grad, 2 * (2 * x.detach()).cos())
     finally:
         engine.close()
 

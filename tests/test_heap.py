@@ -669,6 +669,61 @@ def test_fast_reuse_hint_reads_glibc_s_tunables() -> None:
     assert fast_reuse_hint(half) == hint  # one alone does not keep the holes together
     other = {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=7:glibc.malloc.mxfast=0:junk"}
     assert fast_reuse_hint(other) == hint
+    as_glibc_reads = {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=00:glibc.malloc.mxfast=0x0"}
+    assert fast_reuse_hint(as_glibc_reads) is None
+
+
+def test_start_tunables_joins_what_glibc_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """glibc leaves a NUL after each tunable it took, in the environment's own bytes."""
+    real_open = open
+
+    def environ(raw: bytes) -> None:
+        def fake_open(path: Any, *args: Any, **kw: Any) -> Any:
+            if path == "/proc/self/environ":
+                import io
+
+                return io.BytesIO(raw)
+            return real_open(path, *args, **kw)
+
+        monkeypatch.setattr("builtins.open", fake_open)
+
+    environ(
+        b"GLIBC_TUNABLES=glibc.malloc.tcache_count=0\0junk=1:glibc.malloc.mxfast=0\0"
+        b"http_proxy=x\0HOME=/root\0COPY=glibc.malloc.tcache_count=7\0"
+    )
+    joined = heap._start_tunables()
+    assert joined == "glibc.malloc.tcache_count=0:junk=1:glibc.malloc.mxfast=0:http_proxy=x"
+    assert fast_reuse_hint() is None
+    monkeypatch.setenv("GLIBC_TUNABLES", FAST_REUSE_OFF)
+    environ(b"HOME=/root\0")  # started without it: a later os.environ change is too late
+    assert heap._start_tunables() == ""
+    environ(b"ray::worker\0\0\0")  # a process title written over it: os.environ says
+    assert heap._start_tunables() == FAST_REUSE_OFF
+
+
+def test_a_preloaded_allocator_turns_trimming_off() -> None:
+    """tcmalloc or jemalloc in LD_PRELOAD: glibc's trims and counts do not see its memory."""
+    lib = next(
+        (
+            p
+            for p in (
+                "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+            )
+            if os.path.exists(p)
+        ),
+        None,
+    )
+    if lib is None or not heap_trim_supported():
+        pytest.skip("needs glibc and a preloadable allocator")
+    code = (
+        "from prefetch_offload.heap import heap_trim_supported as s, fast_reuse_hint as f; "
+        "print(s(), f())"
+    )
+    env = {**os.environ, "LD_PRELOAD": lib}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "None"]
 
 
 @pytest.mark.skipif(not heap_trim_supported(), reason="needs glibc")
@@ -682,5 +737,8 @@ def test_fast_reuse_hint_reads_the_environment_the_process_started_with(
     assert fast_reuse_hint() is not None
     # A process that starts with them set needs no hint.
     code = "from prefetch_offload.heap import fast_reuse_hint as f; print(f())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    env = {**os.environ, "GLIBC_TUNABLES": FAST_REUSE_OFF}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
     assert out.stdout.strip() == "None"
