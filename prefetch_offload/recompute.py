@@ -76,7 +76,7 @@
 #   moves what the budget does not keep. The kept blocks stay out of both
 #   medians: they run whole in either plan, and move nothing, so a median over
 #   every block hid the stalls of the moved ones (the IO-bound shape of
-#   ``bench/recompute.py`` at 50%: three of six blocks kept, offload alone
+#   ``bench/recompute.py`` at 6 blocks and 50%: three blocks kept, offload alone
 #   chosen at 0.777 s against 0.793 s expected of checkpointing, then run at
 #   1.38 s a step against 1.36 s for ``recompute="full"``). On the CPU,
 #   where the IO threads and the recompute share the cores, this is often so at
