@@ -73,7 +73,7 @@ from .device import DeviceLayer, default_device_layer
 from .errors import ErrorSlot, OffloadError, OffloadFallbackWarning
 from .heap import AUTO_TRIM_MIN_BYTES, AUTO_TRIM_STEP_SHARE, HeapTrimmer
 from .io_pool import InlineAfterShutdown, InlineIOPool, IOPool, ThreadIOPool
-from .packed import Span, ViewMeta, make_view, view_span
+from .packed import Span, ViewMeta, is_dense, make_view, view_span
 from .plan import PrefetchPlan, current_group_key
 from .policy import DEVICE, DISK, HOST, TierPolicy
 from .profiling import profiler_range
@@ -400,7 +400,7 @@ class OffloadEngine:
         itemsize = t.element_size()
         shape, stride = tuple(t.shape), t.stride()
         owner_t = t._base if t._base is not None else t
-        dense = t.numel() * itemsize == vbytes  # no gaps: every spanned byte is an element
+        dense = is_dense(shape, stride)  # every spanned byte is an element, and only once
         with self._lock:
             key = storage.data_ptr()
             for entry in self._dedup.get(key, ()):

@@ -38,6 +38,7 @@ __all__ = [
     "ALIGN",
     "Span",
     "ViewMeta",
+    "is_dense",
     "make_view",
     "new_read_buffer",
     "source_buffer",
@@ -64,6 +65,21 @@ def view_span(t: torch.Tensor) -> tuple[int, int]:
     """``(start, nbytes)``: the byte range of ``t``'s storage that ``t`` covers."""
     itemsize = t.element_size()
     return t.storage_offset() * itemsize, span_bytes(tuple(t.shape), t.stride(), itemsize)
+
+
+def is_dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a view of ``shape`` and ``stride`` holds every element of its span once:
+    no gaps, no element twice (a permutation of a contiguous layout). Counting elements
+    is not enough: an expanded strided view can hold as many as its span while
+    repeating some and skipping the rest."""
+    if 0 in shape:
+        return True  # no element: nothing spanned
+    expected = 1
+    for step, size in sorted((st, sz) for sz, st in zip(shape, stride, strict=True) if sz != 1):
+        if step != expected:
+            return False
+        expected *= size
+    return True
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,9 @@
 # So once a CPU record's write has begun reading the tensor's memory (``frozen``),
 # a pack shares the record only if its span lies inside a dense view saved there
 # (``covered``), whose bytes autograd forbids changing; before that, the write
-# reads what every later save sees. A device record's bytes are read by its copy
+# reads what every later save sees. Dense: each byte of the span in exactly one
+# element (``is_dense`` in packed.py); an expanded strided view may count as
+# many elements as its span has bytes and still skip most of them. A device record's bytes are read by its copy
 # to the host, which waits for the work its save had queued (NOTE [copy
 # streams]): a save that shares the record before its copy is issued adds the
 # work queued before it to what the copy waits for (``joined_fence``), so a

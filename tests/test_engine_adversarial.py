@@ -80,24 +80,37 @@ def _write_unsaved(x: torch.Tensor, index: slice, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["data", "numpy"])
 @pytest.mark.parametrize("flush", [False, True], ids=["write-pending", "written"])
-@pytest.mark.parametrize("layout", ["strided-gaps", "rest-of-storage"])
+@pytest.mark.parametrize("layout", ["strided-gaps", "rest-of-storage", "expanded-gaps"])
 def test_bytes_outside_saved_views_may_change_between_saves(
     save_dir: Path, how: str, flush: bool, layout: str
 ) -> None:
     """NOTE [dedup]: the gaps of a strided view, and the rest of a whole storage (NOTE
     [whole storage]), hold no saved element; writing them through ``x.data`` or numpy
-    between two saves is legal, and the second save must see the new values."""
+    between two saves is legal, and the second save must see the new values. An
+    expanded strided view has as many elements as bytes in its span yet skips most of
+    them: it covers none of its gaps."""
     if layout == "strided-gaps":  # a spans 19999 of 50000 elements: no whole storage
-        n, first, gap, second = 50000, slice(0, 20000, 2), slice(1, 20000, 2), slice(1, 19999, 2)
-    else:  # a spans 60% of the storage: its record takes all of it
-        n, first, gap, second = 10000, slice(0, 6000), slice(6000, None), slice(6000, None)
+        n, gap, second = 50000, slice(1, 20000, 2), slice(1, 19999, 2)
+
+        def first(x: torch.Tensor) -> torch.Tensor:
+            return x[0:20000:2]
+    elif layout == "rest-of-storage":  # a spans 60% of the storage: its record takes all of it
+        n, gap, second = 10000, slice(6000, None), slice(6000, None)
+
+        def first(x: torch.Tensor) -> torch.Tensor:
+            return x[:6000]
+    else:  # stride (101, 0), 100 x 100: 10000 elements over 10000 spanned, 100 distinct
+        n, gap, second = 50000, slice(1, 101), slice(1, 101)
+
+        def first(x: torch.Tensor) -> torch.Tensor:
+            return x[::101][:100].unsqueeze(1).expand(100, 100)
 
     def step(engine: OffloadEngine | None) -> Grads:
         torch.manual_seed(0)
         x = torch.randn(n)
-        w1 = torch.ones(x[first].shape, requires_grad=True)
+        w1 = torch.ones(first(x).shape, requires_grad=True)
         w2 = torch.ones(x[second].shape, requires_grad=True)
-        a = x[first] * w1  # saves the view x[first]
+        a = first(x) * w1  # saves the view first(x)
         if engine is not None and flush:
             engine.flush()  # its record's bytes are on disk now
         _write_unsaved(x, gap, how)

@@ -17,6 +17,7 @@ from prefetch_offload.packed import (
     ALIGN,
     Span,
     ViewMeta,
+    is_dense,
     make_view,
     new_read_buffer,
     source_buffer,
@@ -138,3 +139,18 @@ def test_round_trip_through_the_engine(tmp_path: Path, t: torch.Tensor) -> None:
             nbytes = whole
         assert engine.stats().bytes_read == nbytes
         assert out.data_ptr() % ALIGN == t.data_ptr() % ALIGN
+
+
+def test_is_dense_counts_each_element_of_the_span_once() -> None:
+    x = torch.randn(50000)
+    dense = [x[:6000], x.view(100, 500).t(), x.view(10, 50, 100).permute(2, 0, 1), x[:1]]
+    dense += [x.view(100, 500)[:, :0], x.view(100, 1, 500)]
+    for t in dense:
+        assert is_dense(tuple(t.shape), t.stride()), (t.shape, t.stride())
+    gappy = [x[::2], x.view(100, 500)[:, :10], x[::101][:100].unsqueeze(1).expand(100, 100)]
+    gappy += [x[:3].unsqueeze(0).expand(4, 3), x.as_strided((3, 3), (2, 1))]
+    for t in gappy:
+        assert not is_dense(tuple(t.shape), t.stride()), (t.shape, t.stride())
+    # the expanded strided view has as many elements as its span, and is still not dense
+    t = gappy[2]
+    assert t.numel() * t.element_size() == view_span(t)[1]
