@@ -37,8 +37,8 @@
 # reads what every later save sees. Dense: each byte of the span in exactly one
 # element (``is_dense`` in packed.py); an expanded strided view may count as
 # many elements as its span has bytes and still skip most of them. A device
-# record's bytes are read by its copy to the host, which waits for the work its save had queued (NOTE [copy
-# streams]): a save that shares the record before its copy is issued adds the
+# record's bytes are read by its copy to the host, which waits for the work its
+# save had queued (NOTE [copy streams]): a save that shares the record before its copy is issued adds the
 # work queued before it to what the copy waits for (``joined_fence``), so a
 # kernel that wrote the gaps in between is seen; while the copy is being issued
 # (another thread's demotion), the record is ``frozen`` as a CPU record is. Once
