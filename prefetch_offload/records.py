@@ -38,8 +38,8 @@
 # element (``is_dense`` in packed.py); an expanded strided view may count as
 # many elements as its span has bytes and still skip most of them. A device
 # record's bytes are read by its copy to the host, which waits for the work its
-# save had queued (NOTE [copy streams]): a save that shares the record before its copy is issued adds the
-# work queued before it to what the copy waits for (``joined_fence``), so a
+# save had queued (NOTE [copy streams]): a save that shares the record before
+# its copy is issued adds the work queued before it to what the copy waits for (``joined_fence``), so a
 # kernel that wrote the gaps in between is seen; while the copy is being issued
 # (another thread's demotion), the record is ``frozen`` as a CPU record is. Once
 # its copy is issued (at its own save where the budget keeps nothing), sharing
