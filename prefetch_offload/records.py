@@ -17,38 +17,38 @@
 # write batch (NOTE [write batches]) is held by the batch until it is submitted
 # or skipped, even if its graph was dropped: at most one batch of bytes.
 #
-# NOTE [dedup] The same storage is often saved several times: one tensor by
-# several ops (a layer's input feeds q, k and v), or several views of it
-# (softmax saves the 4-D attention probabilities, the next matmul a 3-D view of
-# them). A pack whose span lies inside a live record's span of the same storage,
-# at the same version, shares that record: its bytes are written once and read
-# once. The storage is identified by a weak reference to the storage object,
-# never by address alone: a freed tensor's address is reused by the next
-# allocation, and a dead weak reference can never match a new storage. The
-# version counter (shared by all views of a tensor) catches in-place updates
-# between two saves. Not every byte of a span is a saved element: the gaps of a
-# strided view (x[::2] spans x[1::2]) and the rest of a whole storage (NOTE
-# [whole storage]) may still be written legally through a tensor with a counter
-# of its own (``x.data``, a numpy or frombuffer alias of the same memory),
-# unseen by the version check. So once a CPU record's write has begun reading
-# the tensor's memory (``frozen``), a pack shares the record only if its span
-# lies inside a dense view saved there (``covered``), whose bytes autograd
-# forbids changing; before that, the write reads what every later save sees.
-# Dense: each byte of the span in exactly one element (``is_dense`` in
-# packed.py); an expanded strided view may count as many elements as its span
-# has bytes and still skip most of them. A device record's bytes are read by its
-# copy to the host, which waits for the work its save had queued (NOTE [copy
-# streams]): a save that shares the record before its copy is issued adds the
-# work queued before it to what the copy waits for (``joined_fence``), so a
-# kernel that wrote the gaps in between is seen; while the copy is being issued
-# (another thread's demotion), the record is ``frozen`` as a CPU record is. Once
-# its copy is issued (at its own save where the budget keeps nothing), sharing
-# is not checked: checking would lose the sharing of q, k and v (NOTE [whole
-# storage]), whose first view is copied before the other two are saved (on the
-# CPU twin an SDPA TinyTransformer moved 35% more bytes). A write to the gaps
-# through an alias that bumps no version counter, between two saves of one
-# storage, after the first one's copy was issued, can therefore reach backward
-# stale on a device.
+# NOTE [dedup]
+# The same storage is often saved several times: one tensor by several ops (a
+# layer's input feeds q, k and v), or several views of it (softmax saves the 4-D
+# attention probabilities, the next matmul a 3-D view of them). A pack whose
+# span lies inside a live record's span of the same storage, at the same
+# version, shares that record: its bytes are written once and read once. The
+# storage is identified by a weak reference to the storage object, never by
+# address alone: a freed tensor's address is reused by the next allocation, and
+# a dead weak reference can never match a new storage. The version counter
+# (shared by all views of a tensor) catches in-place updates between two saves.
+# Not every byte of a span is a saved element: the gaps of a strided view
+# (x[::2] spans x[1::2]) and the rest of a whole storage (NOTE [whole storage])
+# may still be written legally through a tensor with a counter of its own
+# (``x.data``, a numpy or frombuffer alias of the same memory), unseen by the
+# version check. So once a CPU record's write has begun reading the tensor's
+# memory (``frozen``), a pack shares the record only if its span lies inside a
+# dense view saved there (``covered``), whose bytes autograd forbids changing;
+# before that, the write reads what every later save sees. Dense: each byte of
+# the span in exactly one element (``is_dense`` in packed.py); an expanded
+# strided view may count as many elements as its span has bytes and still skip
+# most of them. A device record's bytes are read by its copy to the host, which
+# waits for the work its save had queued (NOTE [copy streams]): a save that
+# shares the record before its copy is issued adds the work queued before it to
+# what the copy waits for (``joined_fence``), so a kernel that wrote the gaps in
+# between is seen; while the copy is being issued (another thread's demotion),
+# the record is ``frozen`` as a CPU record is. Once its copy is issued (at its
+# own save where the budget keeps nothing), sharing is not checked: checking
+# would lose the sharing of q, k and v (NOTE [whole storage]), whose first view
+# is copied before the other two are saved (on the CPU twin an SDPA
+# TinyTransformer moved 35% more bytes). A write to the gaps through an alias
+# that bumps no version counter, between two saves of one storage, after the
+# first one's copy was issued, can therefore reach backward stale on a device.
 #
 # NOTE [whole storage]
 # Views that overlap without one containing the other defeat containment
