@@ -289,7 +289,12 @@ class WritePath:
                     for view in pieces:
                         view.release()
             for rec, _, _ in run:
-                self._write_done(rec, exc, culprit)
+                try:
+                    self._write_done(rec, exc, culprit)
+                except BaseException as failure:  # NOTE [errors from workers]
+                    # (a warning made an error by the user's filters): the other records
+                    # of the batch are still settled, and the user hears of it.
+                    self._report(failure)
 
     def _staged_write(
         self, first: Extent, views: list[memoryview], sums: list[_Sum | None]

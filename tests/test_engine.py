@@ -8,6 +8,7 @@ import gc
 import itertools
 import os
 import threading
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -1142,3 +1143,26 @@ def test_an_engine_is_freed_without_the_cycle_collector(save_dir: Path) -> None:
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_a_warning_made_an_error_in_a_write_settles_the_batch_and_is_raised(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [errors from workers]: with warnings turned into errors, the full-disk warning
+    raised in an IO thread must not leave the rest of its batch pending (the write cap
+    would never be given back) and must reach the user."""
+    x = torch.randn(3, 4096, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OffloadFallbackWarning)
+        with engine_with_hooks(save_dir, chunk_bytes=1 << 20) as engine:
+
+            def no_space(*args: Any) -> None:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            monkeypatch.setattr(engine._store, "write", no_space)
+            ys = [(x[i] * 2).sin() for i in range(3)]  # three records, one batch
+            with pytest.raises(OffloadFallbackWarning, match="no space left"):
+                engine.flush()
+            assert engine._writer.pending_bytes == 0  # every record of the batch settled
+            sum(y.sum() for y in ys).backward()
+    assert torch.equal(x.grad, 2 * (2 * x.detach()).cos())
