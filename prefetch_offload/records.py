@@ -73,6 +73,22 @@
 # span: an alias sharing the dead owner's counter (``y.detach()``) may modify it
 # after the write, and a later unpack must read the written bytes instead.
 #
+# NOTE [handouts]
+# Every unpack builds a new tensor over the record's memory, with a version
+# counter of its own, and the next unpack of the record may hand out the same
+# memory again (a span still in memory, or one read back and still held). A
+# backward function that changes what it unpacked, while another node still
+# needs that saved tensor, would then pass the change on unseen, where autograd
+# without hooks raises at the other node's unpack. So the results handed out
+# over one memory share one version counter: the record keeps a 0-element
+# sentinel tensor for it (``handout``: the memory, weakly, the sentinel, its
+# version), and each result is the sentinel's ``detach()`` (which shares the
+# counter) given the view's data (``.data =`` keeps the counter). An unpack over
+# the same memory first checks the sentinel's version and raises autograd's
+# error if it moved; memory read afresh gets a new sentinel (its bytes are the
+# written ones). A write that lands after such a change taints the record. The
+# sentinel holds no memory, so it lives as long as the record.
+#
 # NOTE [no cycles]
 # When an op saves its own output, the tensor handed to pack holds the op's
 # grad_fn, which holds the saved-tensor payload. A payload that kept that tensor
@@ -241,6 +257,7 @@ class Record:
         "exposed",
         "extent",
         "frozen",
+        "handout",
         "held",
         "host_only",
         "key",
@@ -313,6 +330,8 @@ class Record:
         self.prefetch: IOFuture[Fetched] | None = None
         # The span on its device, while any view handed to autograd keeps it alive.
         self.restored: tuple[weakref.ref[torch.UntypedStorage], int, Fence | None] | None = None
+        # NOTE [handouts]: the memory last handed out, the sentinel, its version then.
+        self.handout: tuple[weakref.ref[torch.UntypedStorage], torch.Tensor, int] | None = None
 
     def describe(self) -> str:
         v = self.view0
@@ -320,6 +339,32 @@ class Record:
             f"saved tensor #{self.seq} (shape {list(v.shape)}, {v.dtype}, "
             f"{self.span.nbytes} bytes on {self.device})"
         )
+
+    def hand_out(self, storage: torch.UntypedStorage, view: torch.Tensor) -> torch.Tensor:
+        """``view`` (over ``storage``) as an unpack's result, sharing one version counter
+        with the results handed out before over the same memory; raises autograd's
+        in-place error if one of those was changed since (NOTE [handouts]). Call it
+        under the engine's lock."""
+        last = self.handout
+        if last is not None and last[0]() is storage:
+            sentinel, version = last[1], last[2]
+            if sentinel._version != version:
+                raise version_error(
+                    f"{self.describe()}, as handed to an earlier unpack in backward,",
+                    sentinel._version,
+                    version,
+                )
+        else:
+            sentinel = torch.empty((0,), dtype=view.dtype, device=view.device)
+            self.handout = (weakref.ref(storage), sentinel, sentinel._version)
+        out = sentinel.detach()
+        out.data = view
+        return out
+
+    def handout_changed(self, storage: torch.UntypedStorage) -> bool:
+        """Whether a result handed out over ``storage`` was changed in place since."""
+        last = self.handout
+        return last is not None and last[0]() is storage and last[1]._version != last[2]
 
     def check_version(self) -> None:
         """Raise autograd's in-place error if the saved bytes are not the saved values."""

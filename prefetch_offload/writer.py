@@ -344,9 +344,11 @@ class WritePath:
             self.pending_bytes -= rec.span.extent_bytes
             self._writes_idle.notify_all()
             if exc is None:
-                saved = rec.saved
+                saved, source = rec.saved, rec.source
                 if saved is not None and saved._version != rec.version:
                     rec.tainted = True  # NOTE [version check]: modified before it was written
+                if source is not None and rec.handout_changed(source[0]):
+                    rec.tainted = True  # NOTE [handouts]: changed in backward before written
                 rec.on_disk = True
                 rec.saved = None
                 rec.source = None  # NOTE [record lifetime]: the activation can go now
