@@ -775,10 +775,12 @@ class OffloadEngine:
         else:
             self._reader.prefetch_after(rec)
             storage, base, built = self._reader.materialize(rec)
-        if built is None or packed.view is not rec.view0:  # NOTE [views built by the reader]
-            built = make_view(storage, base, packed.view)
+        if built is not None and packed.view is rec.view0:  # NOTE [views built by the reader]
+            with self._lock:
+                return rec.hand_out(storage, None, built)  # NOTE [handouts]
+        view = make_view(storage, base, packed.view)
         with self._lock:
-            return rec.hand_out(storage, built)  # NOTE [handouts]
+            return rec.hand_out(storage, view)
 
     def _enter_backward(self) -> None:
         """An unpack: the switch into backward at the first one after packs (the write

@@ -68,7 +68,7 @@ from .io_pool import READ, IOFuture, IOPool
 from .packed import make_view, new_read_buffer, span_part
 from .plan import PrefetchPlan, current_group_key
 from .profiling import profiler_range
-from .records import Fetched, Record
+from .records import Fetched, Record, sentinel_for
 from .slab import SlabStore
 from .stats import StatsCounter
 from .streams import Fence
@@ -140,7 +140,9 @@ class ReadPath:
         pool's idle blocks are (NOTE [read buffer pool])."""
         self.recent.clear()
 
-    def materialize(self, rec: Record) -> tuple[torch.UntypedStorage, int, torch.Tensor | None]:
+    def materialize(
+        self, rec: Record
+    ) -> tuple[torch.UntypedStorage, int, tuple[torch.Tensor, torch.Tensor] | None]:
         """The record's span on its device, ready for the current stream: shared, in
         memory, prefetched, or copied and read now; and the first view, if built."""
         placed = rec.resident()
@@ -224,7 +226,7 @@ class ReadPath:
             placed = to_device(buf.untyped_storage(), base, span.nbytes, device, None, align)
             if placed[2] is not None:  # still being copied: built after use() instead
                 return placed, None
-            return placed, make_view(placed[0], placed[1], meta)
+            return placed, sentinel_for(make_view(placed[0], placed[1], meta))
 
         return job
 

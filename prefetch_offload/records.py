@@ -138,15 +138,26 @@ __all__ = [
     "Resident",
     "Wrapped",
     "is_dtensor",
+    "sentinel_for",
     "version_error",
 ]
 
 # A span in memory: bytes [base, base + nbytes) of an untyped storage, there once
 # its fence (if any) is done (NOTE [copy streams]).
 Resident = Placed
-# A fetch's result: the span, and the record's first view over it when the fetching
-# thread could build it (NOTE [views built by the reader]).
-Fetched = tuple[Resident, "torch.Tensor | None"]
+# A fetch's result: the span, and the record's first view over it, handed out (with
+# its sentinel: NOTE [handouts]), when the fetching thread could build it (NOTE
+# [views built by the reader]).
+Fetched = tuple[Resident, "tuple[torch.Tensor, torch.Tensor] | None"]
+
+
+def sentinel_for(view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(view as a result to hand out, its sentinel)``: a 0-element tensor that shares
+    the result's version counter and holds no memory (NOTE [handouts])."""
+    sentinel = torch.empty((0,), dtype=view.dtype, device=view.device)
+    out = sentinel.detach()
+    out.data = view
+    return out, sentinel
 
 
 def version_error(what: str, now: int, then: int) -> OffloadError:
@@ -340,11 +351,17 @@ class Record:
             f"{self.span.nbytes} bytes on {self.device})"
         )
 
-    def hand_out(self, storage: torch.UntypedStorage, view: torch.Tensor) -> torch.Tensor:
+    def hand_out(
+        self,
+        storage: torch.UntypedStorage,
+        view: torch.Tensor | None,
+        built: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """``view`` (over ``storage``) as an unpack's result, sharing one version counter
         with the results handed out before over the same memory; raises autograd's
-        in-place error if one of those was changed since (NOTE [handouts]). Call it
-        under the engine's lock."""
+        in-place error if one of those was changed since (NOTE [handouts]). ``built``
+        instead: a result and its sentinel (:func:`sentinel_for`) made by the reading
+        thread over memory read afresh. Call it under the engine's lock."""
         last = self.handout
         if last is not None and last[0]() is storage:
             sentinel, version = last[1], last[2]
@@ -354,11 +371,14 @@ class Record:
                     sentinel._version,
                     version,
                 )
-        else:
-            sentinel = torch.empty((0,), dtype=view.dtype, device=view.device)
-            self.handout = (weakref.ref(storage), sentinel, sentinel._version)
-        out = sentinel.detach()
-        out.data = view
+            if built is not None:
+                view = built[0]
+            assert view is not None
+            out = sentinel.detach()
+            out.data = view
+            return out
+        out, sentinel = built if built is not None else sentinel_for(view)  # type: ignore[arg-type]
+        self.handout = (weakref.ref(storage), sentinel, sentinel._version)
         return out
 
     def handout_changed(self, storage: torch.UntypedStorage) -> bool:
