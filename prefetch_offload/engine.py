@@ -562,6 +562,8 @@ class OffloadEngine:
                 store.free(extent)
                 extent = self._allocate(store, rec.span.extent_bytes)
         with self._lock:
+            if rec.handout_changed(held[0]):  # NOTE [handouts]: changed in a backward since
+                rec.tainted = True
             rec.source = (host, base, fence)
             rec.held = rec.restored = None
             rec.frozen = False  # NOTE [dedup]: issued: later shares are not checked
@@ -776,11 +778,8 @@ class OffloadEngine:
             self._reader.prefetch_after(rec)
             storage, base, built = self._reader.materialize(rec)
         if built is not None and packed.view is rec.view0:  # NOTE [views built by the reader]
-            with self._lock:
-                return rec.hand_out(storage, None, built)  # NOTE [handouts]
-        view = make_view(storage, base, packed.view)
-        with self._lock:
-            return rec.hand_out(storage, view)
+            return rec.hand_out(storage, None, built)  # NOTE [handouts]
+        return rec.hand_out(storage, make_view(storage, base, packed.view))
 
     def _enter_backward(self) -> None:
         """An unpack: the switch into backward at the first one after packs (the write

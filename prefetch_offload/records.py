@@ -86,8 +86,9 @@
 # counter) given the view's data (``.data =`` keeps the counter). An unpack over
 # the same memory first checks the sentinel's version and raises autograd's
 # error if it moved; memory read afresh gets a new sentinel (its bytes are the
-# written ones). A write that lands after such a change taints the record. The
-# sentinel holds no memory, so it lives as long as the record.
+# written ones). A write that lands after such a change, or a copy of a device
+# span to the host issued after it, taints the record. The sentinel holds no
+# memory, so it lives as long as the record.
 #
 # NOTE [no cycles]
 # When an op saves its own output, the tensor handed to pack holds the op's
@@ -361,7 +362,8 @@ class Record:
         with the results handed out before over the same memory; raises autograd's
         in-place error if one of those was changed since (NOTE [handouts]). ``built``
         instead: a result and its sentinel (:func:`sentinel_for`) made by the reading
-        thread over memory read afresh. Call it under the engine's lock."""
+        thread over memory read afresh. Needs no lock (the tensor calls release the
+        GIL, and may wait to get it back): ``handout`` is read and replaced whole."""
         last = self.handout
         if last is not None and last[0]() is storage:
             sentinel, version = last[1], last[2]

@@ -17,6 +17,7 @@ from engine_helpers import (
     engine_with_hooks,
     grads_of,
     tiny_model,
+    twin_with_hooks,
 )
 from torch.utils.checkpoint import checkpoint
 
@@ -502,3 +503,30 @@ def test_a_saved_tensor_changed_in_place_during_backward_raises(
             engine.flush()
         with pytest.raises(RuntimeError, match=r"inplace|in place"):
             (z + y).sum().backward()  # the zeroing node runs first
+
+
+def test_a_device_span_changed_in_backward_then_demoted_raises_in_the_next_pass(
+    save_dir: Path,
+) -> None:
+    """NOTE [handouts]: a retained graph's device-kept span, changed by its last user in
+    one pass and copied to the host before the next pass, taints its record there (plain
+    autograd raises in the second pass too)."""
+    w = torch.randn(4096, requires_grad=True)
+    h = w * 1.5
+    y = _ZeroesItsSaved.apply(h)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()  # plain autograd: the first pass changed h
+    nbytes = 4096 * 4
+    with twin_with_hooks("cpu", save_dir, device_budget=nbytes) as (engine, _):
+        h = w * 1.5
+        y = _ZeroesItsSaved.apply(h)  # h kept on the (twin) device within the budget
+        del h
+        y.sum().backward(retain_graph=True)  # changes the span it unpacked
+        assert engine.stats().bytes_demoted_to_host == 0
+        z = (w * 3).sin()  # a forward pack past the budget: h's record is copied out
+        engine.flush()
+        assert engine.stats().bytes_demoted_to_host >= nbytes
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+        del z
