@@ -271,7 +271,10 @@ class PinnedArena:
         arena, offset = got
         whole = memoryview(arena.block.buffer)  # a view: slicing an mmap would copy
         out = torch.frombuffer(whole[offset : offset + size], dtype=torch.uint8)
-        weakref.finalize(out.untyped_storage(), self._returned.append, (arena, offset, size))
+        returned = weakref.finalize(
+            out.untyped_storage(), self._returned.append, (arena, offset, size)
+        )
+        returned.atexit = False  # NOTE [read buffer pool]: only once the storage is dead
         return out, whole[offset : offset + nbytes]
 
     def fits(self, nbytes: int) -> bool:

@@ -190,7 +190,10 @@ class HostBufferPool:
             with self._lock:
                 self._count_lease(size)
         out = torch.frombuffer(block.buffer, dtype=torch.uint8)
-        weakref.finalize(out.untyped_storage(), self._give_back, block)
+        # Never at interpreter exit while the storage lives (atexit handlers may still
+        # train): a block handed back early could be leased again under a live tensor.
+        returned = weakref.finalize(out.untyped_storage(), self._give_back, block)
+        returned.atexit = False
         return out, memoryview(block.buffer)[:nbytes]
 
     def _count_lease(self, size: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import mmap
+import subprocess
 import sys
 
 import pytest
@@ -140,3 +141,29 @@ def test_mapped_bytes_is_anonymous_memory() -> None:
     del leased, tensor
     gc.collect()
     pool.close()
+
+
+def test_a_live_lease_is_not_handed_back_at_interpreter_exit() -> None:
+    """A handler that runs at exit after weakref's own (registered before the first
+    lease) may still lease: it must not get a block a live tensor still uses."""
+    code = """
+import atexit
+
+def at_exit():
+    for pool, held in ((POOL, HELD), (ARENA, HELD_ARENA)):
+        again, _ = pool.lease(1 << 20)
+        print("shared" if again.data_ptr() == held.data_ptr() else "apart")
+
+atexit.register(at_exit)  # before any import makes a finalizer: runs after weakref's hook
+
+from prefetch_offload.arena import PinnedArena
+from prefetch_offload.buffers import HostBufferPool, mapped_block
+
+POOL = HostBufferPool(16 << 20)
+HELD, _ = POOL.lease(1 << 20)
+ARENA = PinnedArena(mapped_block, step_bytes=4 << 20)
+HELD_ARENA, _ = ARENA.lease(1 << 20)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["apart", "apart"]
