@@ -20,7 +20,11 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 # forward hook, FSDP2's all-gathers, DDP's and a compiled module's wrapper) is
 # untouched, so parameter names, state dicts and hooks stay the same. On
 # restore the attribute is deleted again, or set back when the block had an
-# instance ``forward`` of its own. Hugging Face's own gradient checkpointing
+# instance ``forward`` of its own. A deep copy of the model taken meanwhile (an
+# EMA, a reference model) gets its blocks' own forwards, not the wrapper, which
+# would run the original blocks. The block's keyword arguments are bound before
+# ``checkpoint`` sees them, which would take the names it shares with them.
+# Hugging Face's own gradient checkpointing
 # wraps the same blocks around ``__call__``; a block that has it switched on is
 # refused at its forward (NOTE [double checkpointing]).
 #
@@ -64,6 +68,8 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 
 from __future__ import annotations
 
+import copy
+import functools
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
@@ -363,7 +369,10 @@ def _checkpointed(
             if how == WHOLE:
                 out = inner(*args, **kwargs)
             else:
-                out = checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+                # The block's keywords are bound first: checkpoint would take those it
+                # shares a name with (debug, determinism_check, preserve_rng_state, ...).
+                fn_kw = functools.partial(inner, **kwargs) if kwargs else inner
+                out = checkpoint(fn_kw, *args, use_reentrant=False, **extra)
         finally:
             stack.pop()
             if calls is not None:
@@ -373,7 +382,34 @@ def _checkpointed(
             _hook_backward(out, lambda: modes.backward(kind, index))
         return out
 
-    return forward
+    return _BlockForward(forward, module, inner)
+
+
+class _BlockForward:
+    """A wrapped block's ``forward`` (NOTE [wrapping blocks]). A deep copy of the model
+    made while it is wrapped (an EMA, a reference model) gets its block's own forward
+    back: this wrapper runs the original block, in this context's engine."""
+
+    __slots__ = ("_call", "_inner", "_module")
+
+    def __init__(self, call: Callable[..., Any], module: nn.Module, inner: Any) -> None:
+        self._call = call
+        self._module = module
+        self._inner = inner  # the forward it wraps (bound to the block)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        clone = memo.get(id(self._module))
+        if clone is None:  # the wrapper copied on its own: it still runs the original
+            return self
+        inner = self._inner
+        if getattr(inner, "__self__", None) is self._module and getattr(
+            inner, "__func__", None
+        ) is getattr(type(self._module), "forward", None):
+            return type(self._module).forward.__get__(clone)  # the class's forward
+        return copy.deepcopy(inner, memo)  # a forward of the block's own (e.g. a wrapper)
 
 
 def _hook_backward(out: Any, call: Callable[[], None]) -> None:

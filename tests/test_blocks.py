@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from pathlib import Path
 from typing import ClassVar
 
@@ -169,3 +170,52 @@ def test_no_grad_forward_is_not_checkpointed(tmp_path: Path) -> None:
         with torch.no_grad():
             out = model(tokens, tokens)
     assert torch.equal(out, ref.detach())
+
+
+def test_a_deep_copy_taken_while_wrapped_runs_its_own_blocks(tmp_path: Path) -> None:
+    """NOTE [wrapping blocks]: an EMA or reference model copied inside the context must
+    not run the original blocks (their parameters, this context's engine)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Layer() for _ in range(4)])
+    x = torch.randn(2, 8, requires_grad=True)
+    with offload_context("disk", str(tmp_path), model=model, recompute="full"):
+        clone = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in clone.parameters():
+                p.zero_()
+        assert torch.equal(clone(x), torch.zeros(2, 8))  # inside: the clone's own weights
+    assert torch.equal(clone(x), torch.zeros(2, 8))  # and after exit
+    assert not torch.equal(model(x), torch.zeros(2, 8))
+    clone(x).sum().backward()  # the clone trains on its own, with no engine
+
+
+class _Keyworded(nn.Module):
+    """A block with keyword arguments named as ``torch.utils.checkpoint``'s own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(
+        self, x: torch.Tensor, debug: bool = False, preserve_rng_state: bool = False
+    ) -> torch.Tensor:
+        y = torch.relu(self.lin(x))
+        return y * (2 if debug else 1) * (3 if preserve_rng_state else 1)
+
+
+def test_block_keywords_reach_the_block_under_checkpoint(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.ModuleList([_Keyworded() for _ in range(3)])
+    x = torch.randn(2, 8, requires_grad=True)
+
+    def run() -> torch.Tensor:
+        h = x
+        for block in model:
+            h = block(h, debug=True, preserve_rng_state=True)
+        return h
+
+    want = run()
+    with offload_context("disk", str(tmp_path), model=model, recompute="full"):
+        got = run()
+        got.sum().backward()
+    assert torch.equal(got, want)
