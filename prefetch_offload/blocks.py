@@ -260,6 +260,7 @@ class WrappedBlocks:
     ) -> None:
         self.blocks = blocks
         self._saved: list[tuple[nn.Module, bool, Any]] = []
+        self._mine: list[_BlockForward] = []  # the wrappers this object installed
         self._caches: list[Any] = []  # NOTE [kv cache]: configs whose use_cache was on
         try:
             for config in _configs_with_cache(model, blocks):
@@ -268,7 +269,9 @@ class WrappedBlocks:
             for index, (name, module) in enumerate(blocks):
                 own = "forward" in module.__dict__
                 self._saved.append((module, own, module.__dict__.get("forward")))
-                module.forward = _checkpointed(module, name, index, context_fn, compiled, modes)  # type: ignore[method-assign]
+                wrapper = _checkpointed(module, name, index, context_fn, compiled, modes)
+                self._mine.append(wrapper)
+                module.forward = wrapper  # type: ignore[method-assign]
         except BaseException:
             self.restore()
             raise
@@ -279,7 +282,17 @@ class WrappedBlocks:
         return [name for name, _ in self.blocks]
 
     def restore(self) -> None:
-        """Put every block's ``forward`` back as it was (idempotent)."""
+        """Put every block's ``forward`` back as it was (idempotent). Raises
+        :class:`OffloadError`, changing nothing, where another context has wrapped
+        these blocks since and is still entered (exit that one first)."""
+        for (module, _, _), mine in zip(self._saved, self._mine, strict=False):
+            current = module.__dict__.get("forward")
+            if isinstance(current, _BlockForward) and current is not mine:
+                raise OffloadError(
+                    "prefetch_offload: an offload_context with model= was exited while "
+                    "another one that wraps the same model's blocks is still entered; "
+                    "exit contexts in reverse order of entering them."
+                )
         while self._caches:
             self._caches.pop().use_cache = True
         while self._saved:
@@ -288,6 +301,7 @@ class WrappedBlocks:
                 module.forward = previous  # type: ignore[method-assign]
             else:
                 module.__dict__.pop("forward", None)
+        self._mine.clear()
 
 
 def _configs_with_cache(model: nn.Module | None, blocks: list[tuple[str, nn.Module]]) -> list[Any]:
@@ -328,7 +342,7 @@ def _checkpointed(
     context_fn: ContextFn | None,
     compiled: ContextFn | str | None,
     modes: BlockModes | None = None,
-) -> Callable[..., Any]:
+) -> _BlockForward:
     inner = type(module).forward.__get__(module)
     if "forward" in module.__dict__:
         inner = module.__dict__["forward"]

@@ -145,9 +145,6 @@ class OffloadContext:
         tb: TracebackType | None,
     ) -> None:
         engine, hooks = self._engine, self._hooks
-        if self._wrapped is not None:  # NOTE [wrapping blocks]: the model as it was
-            self._wrapped.restore()
-            self._wrapped = None
         if hooks is not None:
             assert isinstance(engine, OffloadEngine)
             if threading.get_ident() != self._thread:
@@ -166,6 +163,10 @@ class OffloadContext:
                     "after it are still installed; exit contexts in reverse order of "
                     "entering them (nest the with blocks)."
                 )
+        if self._wrapped is not None:  # NOTE [wrapping blocks]: the model as it was
+            self._wrapped.restore()  # (after the checks above: a refused exit changes nothing)
+            self._wrapped = None
+        if hooks is not None:
             hooks.__exit__(exc_type, exc, tb)
             self._hooks = None
         if isinstance(engine, OffloadEngine):

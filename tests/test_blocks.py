@@ -219,3 +219,31 @@ def test_block_keywords_reach_the_block_under_checkpoint(tmp_path: Path) -> None
         got = run()
         got.sum().backward()
     assert torch.equal(got, want)
+
+
+def test_two_contexts_on_one_model_exited_out_of_order(tmp_path: Path) -> None:
+    """A refused exit changes nothing; exiting in the right order then restores all."""
+    model = nn.Sequential(*[_Layer() for _ in range(3)])
+    a = offload_context("disk", str(tmp_path), model=model, recompute="full")
+    b = offload_context("disk", str(tmp_path), model=model, recompute="full")
+    a.__enter__()
+    b.__enter__()
+    with pytest.raises(OffloadError, match="reverse order"):
+        a.__exit__(None, None, None)
+    b.__exit__(None, None, None)
+    a.__exit__(None, None, None)
+    assert not any("forward" in block.__dict__ for block in model)
+
+
+def test_blocks_wrapped_again_on_another_thread_refuse_the_first_restore() -> None:
+    """The same, where the hooks cannot tell (each thread has its own): the blocks do."""
+    model = nn.Sequential(*[_Layer() for _ in range(3)])
+    blocks = find_blocks(model)
+    first = WrappedBlocks(blocks, None, model=model)
+    second = WrappedBlocks(blocks, None, model=model)
+    with pytest.raises(OffloadError, match="reverse order"):
+        first.restore()
+    assert all("forward" in block.__dict__ for block in model)  # nothing changed
+    second.restore()
+    first.restore()
+    assert not any("forward" in block.__dict__ for block in model)
