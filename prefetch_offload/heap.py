@@ -17,25 +17,29 @@
 # above its start, against 1346 without offload, whose own heap keeps 376 MiB
 # beside the saved bytes.
 #
-# What keeps the holes apart is glibc's fast reuse of small chunks: a chunk in
-# a thread's cache (tcache, up to 7 of each size) or in a fastbin counts as in
+# What keeps the holes apart is glibc's fast reuse of small chunks: a chunk in a
+# thread's cache (tcache, up to 7 of each size) or in a fastbin counts as in
 # use, so a freed activation beside one does not merge with the free space on
-# its other side. Peak RSS above the start, the model above, no trims, the
-# first four steps of one run each: disk offload 549-741 MiB with glibc's
-# defaults, 226-305 with both turned off (``GLIBC_TUNABLES=glibc.malloc.
+# its other side. Peak RSS above the start, the model above, no trims, the first
+# four steps of one run each: disk offload 549-741 MiB with glibc's defaults,
+# 226-305 with both turned off (``GLIBC_TUNABLES=glibc.malloc.
 # tcache_count=0:glibc.malloc.mxfast=0``), 548-599 with only the cache off and
 # 591-653 with only the fastbins off. A hook with no engine, which copies each
 # saved tensor into a preallocated mapping and lets the original go at once,
-# grew the same heap beside its copies (steps 3-6): 610-667 MiB, against
-# 133-222 with both off: any offloader that frees activations during forward
-# meets it. A running process can turn off only the fastbins
-# (``mallopt(M_MXFAST, 0)``: 447-761 MiB, no gain); glibc reads the cache's
-# size once, at start. Freeing the activations on the forward thread instead
-# of the IO threads changed nothing (543-667), nor did emptying the IO
-# threads' caches into the forward thread (558-724). So the engine trims, and
-# ``docs/tuning.md`` offers the tunables as the user's choice, measured beside
-# the default in ``docs/benchmarks.md``; the summary logged at exit names them
-# when trims ran (:func:`fast_reuse_hint`).
+# grew the same heap beside its copies (steps 3-6): 610-667 MiB, against 133-222
+# with both off: any offloader that frees activations during forward meets it. A
+# running process can turn off only the fastbins (``mallopt(M_MXFAST, 0)``:
+# 447-761 MiB, no gain); glibc reads the cache's size once, at start. Freeing
+# the activations on the forward thread instead of the IO threads changed
+# nothing (543-667), nor did emptying the IO threads' caches into the forward
+# thread (558-724), nor free 96 KiB chunks kept for small requests to split
+# instead of the holes (763 against 741). Asking huge pages for the heap
+# (``MADV_HUGEPAGE``) with the default trims took the faults from 233k to 134k a
+# step but the step from 3.44 to 3.58 s (side by side, one run of
+# bench/step.py, 5 steps): the count of faults is not the cost. So the engine trims, and ``docs/tuning.md``
+# offers the tunables as the user's choice, measured beside the default in
+# ``docs/benchmarks.md``; the summary logged at exit names them when trims ran
+# (:func:`fast_reuse_hint`).
 #
 # ``malloc_trim(0)`` returns the whole free pages inside those holes (every
 # arena, not only the top). Each page used again later costs a page fault and
