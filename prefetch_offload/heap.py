@@ -35,11 +35,11 @@
 # thread (558-724), nor free 96 KiB chunks kept for small requests to split
 # instead of the holes (763 against 741). Asking huge pages for the heap
 # (``MADV_HUGEPAGE``) with the default trims took the faults from 233k to 134k a
-# step but the step from 3.44 to 3.58 s (side by side, one run of
-# bench/step.py, 5 steps): the count of faults is not the cost. So the engine trims, and ``docs/tuning.md``
-# offers the tunables as the user's choice, measured beside the default in
-# ``docs/benchmarks.md``; the summary logged at exit names them when trims ran
-# (:func:`fast_reuse_hint`).
+# step but the step from 3.44 to 3.58 s (side by side, one run of bench/step.py,
+# 5 steps): the count of faults is not the cost. So the engine trims, and
+# ``docs/tuning.md`` offers the tunables as the user's choice, measured beside
+# the default in ``docs/benchmarks.md``; the summary logged at exit names them
+# when trims ran (:func:`fast_reuse_hint`).
 #
 # ``malloc_trim(0)`` returns the whole free pages inside those holes (every
 # arena, not only the top). Each page used again later costs a page fault and
