@@ -471,7 +471,7 @@ def test_cuda_direct_io_from_pinned_memory(save_dir: Path) -> None:
     layer = SpanCopyDevice("cuda")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ok = layer.direct_io_ok(str(save_dir))
+        ok = layer.direct_io_ok(str(save_dir), now=True)
     warned = [w for w in caught if issubclass(w.category, OffloadFallbackWarning)]
     assert len(warned) == (0 if ok else 1)
     block = pin_block(64 << 20)
@@ -485,6 +485,35 @@ def test_cuda_direct_io_from_pinned_memory(save_dir: Path) -> None:
         buf.release()
     assert ok == works
     layer.close()
+
+
+def test_building_an_engine_makes_no_cuda_context(save_dir: Path) -> None:
+    """NOTE [direct IO from pinned memory]: a rank that enters the context before
+    ``torch.cuda.set_device`` must not get a context on GPU 0 from the probe; the probe
+    runs at the first CUDA tensor, on its device."""
+    import subprocess
+    import sys
+
+    code = f"""
+import torch
+from prefetch_offload import OffloadConfig, OffloadEngine
+engine = OffloadEngine(OffloadConfig(target="disk", save_dir={str(save_dir)!r}))
+before = [torch._C._cuda_hasPrimaryContext(i) for i in range(torch.cuda.device_count())]
+device = torch.cuda.device_count() - 1
+x = torch.randn(1 << 20, device=device, requires_grad=True)
+with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+    (x * 2).sin().sum().backward()
+after = [torch._C._cuda_hasPrimaryContext(i) for i in range(torch.cuda.device_count())]
+engine.close()
+print(any(before), after[0] if device else True, after[device], engine.io_method)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    before, first, last, _ = out.stdout.split()
+    assert before == "False"  # building the engine made no context
+    assert last == "True"
+    if torch.cuda.device_count() > 1:
+        assert first == "False"  # a tensor on the last GPU made none on GPU 0
 
 
 def test_cuda_peak_memory_drops_by_the_offloaded_bytes(save_dir: Path) -> None:
