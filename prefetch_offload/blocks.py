@@ -343,9 +343,8 @@ def _checkpointed(
     compiled: ContextFn | str | None,
     modes: BlockModes | None = None,
 ) -> _BlockForward:
-    inner = type(module).forward.__get__(module)
-    if "forward" in module.__dict__:
-        inner = module.__dict__["forward"]
+    own = module.__dict__.get("forward")  # a forward of the block's own, if any
+    inner = own if own is not None else type(module).forward.__get__(module)
     kind = type(module).__name__
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -396,7 +395,7 @@ def _checkpointed(
             _hook_backward(out, lambda: modes.backward(kind, index))
         return out
 
-    return _BlockForward(forward, module, inner)
+    return _BlockForward(forward, module, own)
 
 
 class _BlockForward:
@@ -404,12 +403,12 @@ class _BlockForward:
     made while it is wrapped (an EMA, a reference model) gets its block's own forward
     back: this wrapper runs the original block, in this context's engine."""
 
-    __slots__ = ("_call", "_inner", "_module")
+    __slots__ = ("_call", "_module", "_own")
 
-    def __init__(self, call: Callable[..., Any], module: nn.Module, inner: Any) -> None:
+    def __init__(self, call: Callable[..., Any], module: nn.Module, own: Any) -> None:
         self._call = call
         self._module = module
-        self._inner = inner  # the forward it wraps (bound to the block)
+        self._own = own  # the block's own forward it wraps; None: its class's
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(*args, **kwargs)
@@ -418,12 +417,9 @@ class _BlockForward:
         clone = memo.get(id(self._module))
         if clone is None:  # the wrapper copied on its own: it still runs the original
             return self
-        inner = self._inner
-        if getattr(inner, "__self__", None) is self._module and getattr(
-            inner, "__func__", None
-        ) is getattr(type(self._module), "forward", None):
+        if self._own is None:
             return type(self._module).forward.__get__(clone)  # the class's forward
-        return copy.deepcopy(inner, memo)  # a forward of the block's own (e.g. a wrapper)
+        return copy.deepcopy(self._own, memo)  # a forward of the block's own (a wrapper)
 
 
 def _hook_backward(out: Any, call: Callable[[], None]) -> None:

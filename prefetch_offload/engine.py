@@ -400,7 +400,9 @@ class OffloadEngine:
         itemsize = t.element_size()
         shape, stride = tuple(t.shape), t.stride()
         owner_t = t._base if t._base is not None else t
-        dense = is_dense(shape, stride)  # every spanned byte is an element, and only once
+        # Every spanned byte an element, and only once (is_dense sorts the dims: most
+        # saved tensors are contiguous, which answers in C).
+        dense = t.is_contiguous() or is_dense(shape, stride)
         with self._lock:
             key = storage.data_ptr()
             for entry in self._dedup.get(key, ()):

@@ -365,22 +365,19 @@ class Record:
         thread over memory read afresh. Needs no lock (the tensor calls release the
         GIL, and may wait to get it back): ``handout`` is read and replaced whole."""
         last = self.handout
-        if last is not None and last[0]() is storage:
-            sentinel, version = last[1], last[2]
-            if sentinel._version != version:
-                raise version_error(
-                    f"{self.describe()}, as handed to an earlier unpack in backward,",
-                    sentinel._version,
-                    version,
-                )
-            if built is not None:
-                view = built[0]
-            assert view is not None
-            out = sentinel.detach()
-            out.data = view
+        if last is None or last[0]() is not storage:  # memory not handed out before
+            out, sentinel = built if built is not None else sentinel_for(view)  # type: ignore[arg-type]
+            self.handout = (weakref.ref(storage), sentinel, sentinel._version)
             return out
-        out, sentinel = built if built is not None else sentinel_for(view)  # type: ignore[arg-type]
-        self.handout = (weakref.ref(storage), sentinel, sentinel._version)
+        sentinel, version = last[1], last[2]
+        if sentinel._version != version:
+            raise version_error(
+                f"{self.describe()}, as handed to an earlier unpack in backward,",
+                sentinel._version,
+                version,
+            )
+        out = sentinel.detach()
+        out.data = built[0] if built is not None else view
         return out
 
     def handout_changed(self, storage: torch.UntypedStorage) -> bool:
