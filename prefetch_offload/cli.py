@@ -4,6 +4,7 @@ Commands::
 
     python -m prefetch_offload probe --save-dir /scratch/acts [--json]
     python -m prefetch_offload bench -- --steps 4 --modes none,disk
+    python -m prefetch_offload run train.py --lr 3e-4
 
 ``probe`` measures the folder's raw write and read bandwidth (:mod:`.probe`)
 and prints a table and a suggested ``offload_context(...)`` call, or one JSON
@@ -13,6 +14,14 @@ a terminal (or with ``--progress``).
 ``bench`` runs ``bench/step.py`` from the source checkout this package was
 imported from, with this Python, passing on every argument after ``bench``
 (after an optional ``--``); the benchmarks are not part of an installed wheel.
+
+``run`` starts this Python on the arguments after ``run`` (a script, ``-m
+module``, ``-c code``) with glibc's per-thread cache and fastbins turned off in
+``GLIBC_TUNABLES`` (other tunables kept), so that the heap reuses freed
+activations instead of needing trims (NOTE [heap trim] in heap.py). glibc reads
+the setting only when a process starts: this command replaces itself with the
+new Python (``exec``), whose children (DataLoader workers, ``torchrun``'s ranks)
+inherit it.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TextIO
 
+from .heap import fast_reuse_tunables, heap_trim_supported
 from .probe import (
     LOW_READ_GBPS,
     TOLERANCE,
@@ -38,7 +48,7 @@ from .probe import (
 )
 from .slab import direct_io_supported
 
-__all__ = ["ProgressBar", "bench_script", "main"]
+__all__ = ["ProgressBar", "bench_script", "main", "run_environment"]
 
 PROG = "python -m prefetch_offload"
 
@@ -102,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Tuning tools for prefetch_offload (see docs/tuning.md).",
     )
-    sub = p.add_subparsers(dest="command", required=True, metavar="{probe,bench}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{probe,bench,run}")
     probe = sub.add_parser(
         "probe",
         help="measure a folder's write/read bandwidth and suggest settings",
@@ -146,6 +156,11 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "bench",
         help="run bench/step.py (source checkout only); every argument after bench goes to it",
+        add_help=False,
+    )
+    sub.add_parser(
+        "run",
+        help="run python on the arguments after run, with glibc's fast reuse caches off",
         add_help=False,
     )
     return p
@@ -260,11 +275,48 @@ def _run_bench(rest: list[str]) -> int:
     return 128 - rc if rc < 0 else rc
 
 
+def run_environment(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` with ``GLIBC_TUNABLES`` set as ``run`` starts Python with it."""
+    out = dict(environ)
+    out["GLIBC_TUNABLES"] = fast_reuse_tunables(environ.get("GLIBC_TUNABLES", ""))
+    return out
+
+
+def _run_python(rest: list[str]) -> int:
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    if not rest:
+        print(
+            f"{PROG} run: error: say what to run, as you would after `python`: "
+            f"`{PROG} run train.py --lr 3e-4`, `{PROG} run -m torch.distributed.run "
+            "--nproc-per-node 2 train.py`",
+            file=sys.stderr,
+        )
+        return 2
+    if not heap_trim_supported():
+        print(
+            f"{PROG} run: note: this process's malloc is not glibc's (another allocator "
+            "is preloaded, or another C library): GLIBC_TUNABLES changes nothing here.",
+            file=sys.stderr,
+        )
+    env = run_environment(dict(os.environ))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, [sys.executable, *rest], env)
+    except OSError as exc:
+        print(f"{PROG} run: could not start {sys.executable}: {exc}", file=sys.stderr)
+        return 1
+    raise AssertionError("unreachable")  # pragma: no cover - execve does not return
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return _run_bench(argv[1:])
+    if argv[:1] == ["run"]:
+        return _run_python(argv[1:])
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error argparse has already printed

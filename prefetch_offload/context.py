@@ -58,8 +58,9 @@ def _summary(stats: OffloadStats, target: str | None, hint: str | None = None) -
     if stats.heap_trims and hint:
         line += (
             ". Pages a trim gives back are faulted in again by later steps; starting "
-            f"Python with {hint} lets glibc reuse freed activations instead (a change "
-            "to the whole process: measure it)."
+            f"Python with {hint} (`python -m prefetch_offload run train.py` does it) lets "
+            "glibc reuse freed activations instead (a change to the whole process: "
+            "measure it)."
         )
     return line
 

@@ -166,6 +166,7 @@ __all__ = [
     "FAST_REUSE_OFF",
     "HeapTrimmer",
     "fast_reuse_hint",
+    "fast_reuse_tunables",
     "heap_levels",
     "heap_slack_bytes",
     "heap_trim_supported",
@@ -294,6 +295,14 @@ def fast_reuse_hint(environment: Mapping[str, str] | None = None) -> str | None:
     ):
         return None
     return f"GLIBC_TUNABLES={FAST_REUSE_OFF}"
+
+
+def fast_reuse_tunables(current: str = "") -> str:
+    """A ``GLIBC_TUNABLES`` value that turns off glibc's per-thread cache and fastbins
+    (NOTE [heap trim]) and keeps every other tunable of ``current`` as it was."""
+    wanted = dict(item.split("=", 1) for item in FAST_REUSE_OFF.split(":"))
+    kept = [i for i in current.split(":") if i and i.split("=", 1)[0] not in wanted]
+    return ":".join([*kept, FAST_REUSE_OFF])
 
 
 def heap_trim_supported() -> bool:

@@ -1,16 +1,17 @@
-"""``python -m prefetch_offload``: the probe command, the recommendation rules, bench."""
+"""``python -m prefetch_offload``: the probe command, the recommendation rules, bench, run."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from prefetch_offload import cli
+from prefetch_offload import cli, heap
 from prefetch_offload.probe import ProbeResult, combined_gbps, probe_bandwidth, recommend
 
 MiB = 1 << 20
@@ -196,3 +197,49 @@ def test_probe_tilde_save_dir_is_expanded_for_every_check(
     assert doc["save_dir"] == str(tmp_path / "acts")
     assert seen == [str(tmp_path / "acts")]
     assert doc["io_method"] == ("direct" if real(str(tmp_path / "acts")) else "buffered")
+
+
+def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "prefetch_offload", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def test_run_starts_python_with_the_fast_reuse_caches_off() -> None:
+    code = (
+        "import os, sys; from prefetch_offload.heap import fast_reuse_hint, "
+        "heap_trim_supported; print(os.environ['GLIBC_TUNABLES']); "
+        "print(sys.argv[1:]); print(heap_trim_supported() and fast_reuse_hint())"
+    )
+    env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.arena_max=4:glibc.malloc.mxfast=64")
+    proc = _run(["--", "-c", code, "a", "--b"], env)
+    assert proc.returncode == 0, proc.stderr
+    tunables, argv, hint = proc.stdout.splitlines()
+    # The user's other tunables kept; the two the setting needs replaced, once each.
+    assert tunables == f"glibc.malloc.arena_max=4:{heap.FAST_REUSE_OFF}"
+    assert argv == "['a', '--b']"
+    # The new process started with it, where glibc reads it: no hint left to give.
+    assert hint in ("None", "False")
+
+
+def test_run_passes_the_exit_status_through() -> None:
+    proc = _run(["-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"])
+    assert proc.returncode == 3 and "boom" in proc.stderr
+
+
+def test_run_without_a_program_says_what_to_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["run"]) == 2
+    assert cli.main(["run", "--"]) == 2
+    err = capsys.readouterr().err
+    assert "run train.py" in err and "-m torch.distributed.run" in err
+
+
+def test_run_environment_keeps_the_rest() -> None:
+    env = cli.run_environment({"HOME": "/h"})
+    assert env == {"HOME": "/h", "GLIBC_TUNABLES": heap.FAST_REUSE_OFF}
+    env = cli.run_environment({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=7:x=1:"})
+    assert env["GLIBC_TUNABLES"] == f"x=1:{heap.FAST_REUSE_OFF}"

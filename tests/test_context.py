@@ -212,5 +212,6 @@ def test_summary_names_glibc_s_tunables_only_when_trims_ran() -> None:
     trimmed = OffloadStats(heap_trims=3, heap_trim_seconds=0.25)
     assert "heap trims: 3 (0.250 s)" in _summary(trimmed, "disk", hint)
     assert hint in _summary(trimmed, "disk", hint)
+    assert "python -m prefetch_offload run" in _summary(trimmed, "disk", hint)
     assert hint not in _summary(OffloadStats(), "disk", hint)  # no trims: nothing to suggest
     assert "faulted in again" not in _summary(trimmed, "disk", None)  # already set, or no glibc
