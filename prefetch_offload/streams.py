@@ -92,6 +92,12 @@ each copy with a :class:`Fence` that says when it has finished.
 #   by a capture of its own, never by another thread's, and its calls leave
 #   other threads' captures intact. ``flush`` and ``aflush`` wait in that mode
 #   too (``capture_isolated``), since ``aflush`` waits in a thread it borrows.
+# - The exchange is a CUDA runtime call, and a new thread's current device is
+#   0: made there, it would create GPU 0's primary context (about half a GiB)
+#   in every rank of a multi-GPU job. So it runs with a device current that
+#   already has its context (the thread's own if it has one); where no device
+#   has one yet, no capture can be running, and the thread is asked again at
+#   its next job (``_context_device``).
 """
 
 from __future__ import annotations
@@ -198,14 +204,38 @@ def _parts(fence: Fence) -> list[Fence]:
     return list(fence._fences) if isinstance(fence, _Joined) else [fence]
 
 
+@contextlib.contextmanager
+def _context_device() -> Iterator[bool]:
+    """For a raw CUDA runtime call in this thread: make current a device that already
+    has its primary context, the current one if it has (NOTE [capture mode]). Yields
+    False, changing nothing, where no device has one. The thread stays on that device
+    afterwards (torch restores a device only if it has a context)."""
+    has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    current = torch.cuda.current_device()
+    try:
+        if has is None or has(current):
+            index: int | None = current
+        else:
+            index = next((i for i in range(torch.cuda.device_count()) if has(i)), None)
+    except RuntimeError:  # the driver would not say: as the current device
+        index = current
+    if index is None:
+        yield False
+        return
+    with torch.cuda.device(index):
+        yield True
+
+
 def _exchange_capture_mode(mode: int) -> int | None:
-    """Set the calling thread's capture mode; the previous one (None: no CUDA runtime)."""
+    """Set the calling thread's capture mode; the previous one (None: no CUDA runtime,
+    or no device has a context yet, so nothing can be capturing)."""
     lib = _cudart()
     if lib is None:
         return None
     value = ctypes.c_int(mode)
-    if lib.cudaThreadExchangeStreamCaptureMode(ctypes.byref(value)) != 0:
-        return None
+    with _context_device() as ready:
+        if not ready or lib.cudaThreadExchangeStreamCaptureMode(ctypes.byref(value)) != 0:
+            return None
     return value.value
 
 
@@ -217,16 +247,16 @@ def isolate_from_captures() -> bool:
     [capture mode]): for threads the library owns, before their CUDA work.
 
     Returns:
-        False while that cannot be done yet (CUDA is built but not initialized: call
-        again before the next job); True once done, or where no CUDA will come.
+        False while that cannot be done yet (CUDA is built but not initialized, no
+        device has a context yet, or the runtime refused: call again before the next
+        job); True once done, or where no CUDA will come.
     """
     if getattr(_thread, "isolated", False):
         return True
     if _cudart() is None:
         return True  # no CUDA runtime in this process: nothing can capture
-    if not _cuda_ready():
+    if not _cuda_ready() or _exchange_capture_mode(_CAPTURE_MODE_THREAD_LOCAL) is None:
         return False
-    _exchange_capture_mode(_CAPTURE_MODE_THREAD_LOCAL)
     _thread.isolated = True
     return True
 

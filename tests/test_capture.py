@@ -45,17 +45,60 @@ def _capture_cases() -> dict[str, bool]:
     return dict(module.CAPTURE_CASES)
 
 
+class _Devices:
+    """Two GPUs as the CUDA runtime sees them: each thread's current device (0 in a new
+    thread), the primary contexts, and a runtime call that makes its device's context."""
+
+    def __init__(self, contexts: set[int]) -> None:
+        self.contexts = set(contexts)
+        self.made: list[int] = []  # contexts a runtime call created
+        self._local = threading.local()
+
+    def current_device(self) -> int:
+        return getattr(self._local, "index", 0)
+
+    def device_count(self) -> int:
+        return 2
+
+    def has_context(self, index: int) -> bool:
+        return index in self.contexts
+
+    @contextlib.contextmanager
+    def device(self, index: int) -> Iterator[None]:
+        before, self._local.index = self.current_device(), index
+        try:
+            yield
+        finally:
+            if before in self.contexts:  # as torch restores it: never making a context
+                self._local.index = before
+
+    def runtime_call(self) -> None:
+        if self.current_device() not in self.contexts:
+            self.contexts.add(self.current_device())
+            self.made.append(self.current_device())
+
+    def patch(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Make streams.py's _context_device see these devices."""
+        monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", self.has_context, raising=False)
+        monkeypatch.setattr(torch.cuda, "current_device", self.current_device)
+        monkeypatch.setattr(torch.cuda, "device_count", self.device_count)
+        monkeypatch.setattr(torch.cuda, "device", self.device)
+
+
 class _GlobalCapture:
     """A capture in the global mode, and libcudart's thread capture modes."""
 
-    def __init__(self) -> None:
+    def __init__(self, devices: _Devices | None = None) -> None:
         self.cases = _capture_cases()
         self.capturer: int | None = None
         self.modes: dict[int, int] = {}
         self.broken: list[str] = []  # the preflight case of each call that broke it
+        self.devices = devices
 
     # The CUDA runtime, as streams.py calls it.
     def cudaThreadExchangeStreamCaptureMode(self, mode: Any) -> int:
+        if self.devices is not None:
+            self.devices.runtime_call()
         me = threading.get_ident()
         before = self.modes.get(me, _GLOBAL)
         self.modes[me], mode._obj.value = mode._obj.value, before
@@ -98,6 +141,7 @@ def capture(monkeypatch: pytest.MonkeyPatch) -> _GlobalCapture:
     cap = _GlobalCapture()
     monkeypatch.setattr(streams_module, "_cudart", lambda: cap, raising=False)
     monkeypatch.setattr(streams_module, "_cuda_ready", lambda: True, raising=False)
+    monkeypatch.setattr(streams_module, "_context_device", lambda: contextlib.nullcontext(True))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", cap.is_current_stream_capturing)
     done, wait = _ThreadFence.done, _ThreadFence.wait
 
@@ -240,6 +284,7 @@ def test_io_threads_wait_for_cuda_before_isolating(monkeypatch: pytest.MonkeyPat
     ready = [False]
     monkeypatch.setattr(streams_module, "_cudart", lambda: cap, raising=False)
     monkeypatch.setattr(streams_module, "_cuda_ready", lambda: ready[0])
+    monkeypatch.setattr(streams_module, "_context_device", lambda: contextlib.nullcontext(True))
     outcomes: list[bool] = []
 
     def thread() -> None:
@@ -253,6 +298,47 @@ def test_io_threads_wait_for_cuda_before_isolating(monkeypatch: pytest.MonkeyPat
     t.join()
     assert outcomes == [False, True, True]
     assert list(cap.modes.values()) == [_THREAD_LOCAL]
+
+
+def test_isolating_makes_no_context_on_gpu_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [capture mode]: a rank on GPU 1 whose IO thread (current device 0, as in
+    every new thread) switches its capture mode makes no context on GPU 0; while no
+    GPU has a context nothing can capture, and the thread is asked again."""
+    devices = _Devices(contexts=set())
+    devices.patch(monkeypatch)
+    cap = _GlobalCapture(devices)
+    monkeypatch.setattr(streams_module, "_cudart", lambda: cap, raising=False)
+    monkeypatch.setattr(streams_module, "_cuda_ready", lambda: True)
+    outcomes: list[object] = []
+
+    def io_thread() -> None:
+        outcomes.append(streams_module.isolate_from_captures())  # no context anywhere
+        devices.contexts.add(1)  # the rank's training reaches GPU 1
+        outcomes.append(streams_module.isolate_from_captures())
+        outcomes.append(devices.current_device())  # it stays there for later calls
+
+    t = threading.Thread(target=io_thread)
+    t.start()
+    t.join()
+    assert outcomes == [False, True, 1]
+    assert devices.made == [] and devices.contexts == {1}
+    assert cap.modes == {t.ident: _THREAD_LOCAL}
+
+    def borrowed_thread() -> None:  # aflush's executor thread: isolated while it waits
+        with streams_module.capture_isolated():
+            outcomes.append(cap.modes[threading.get_ident()])
+
+    cap.modes.clear()  # a new thread may reuse the ident of the one that ended
+    t = threading.Thread(target=borrowed_thread)
+    t.start()
+    t.join()
+    assert outcomes[-1] == _THREAD_LOCAL and cap.modes[t.ident] == _GLOBAL
+    assert devices.made == []
+    devices.contexts.add(0)  # a thread whose own device has one stays on it
+    t = threading.Thread(target=lambda: outcomes.append(streams_module.isolate_from_captures()))
+    t.start()
+    t.join()
+    assert outcomes[-1] is True and devices.made == []
 
 
 def test_flush_from_a_borrowed_thread_restores_its_capture_mode(
