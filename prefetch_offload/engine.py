@@ -426,7 +426,7 @@ class OffloadEngine:
                         rec.held = (held[0], held[1], fence)
                     self._stats.add(dedup_hits=1)
                     view = ViewMeta(t.dtype, shape, stride, vstart - entry.start)
-                    return Handle(rec, view, entry.owner, version)
+                    return Handle(rec, view, version)
         start, nbytes = vstart, vbytes
         whole = storage.nbytes()
         if nbytes < whole <= 2 * nbytes:  # NOTE [whole storage]
@@ -474,7 +474,7 @@ class OffloadEngine:
         if rec.host_only:
             self._heap.saved()  # NOTE [heap trim]
         self._heap.check()
-        return Handle(rec, view, owner, version)
+        return Handle(rec, view, version)
 
     # -- tiers ------------------------------------------------------------------------------
 

@@ -64,9 +64,12 @@
 # modified in place after it was saved, but skips that check whenever
 # saved-tensor hooks are installed. An offloading engine makes the mistake
 # worse (the async write may capture either value), so every handle remembers
-# the version of the tensor that owns the saved view's version counter (its
-# base), weakly, and unpack raises the same error autograd would. If the owner
-# is gone, nothing can have modified it since.
+# the version the saved tensor had, and unpack raises the same error autograd
+# would if its version counter moved since. The record reads that counter
+# through ``counter``: a 0-element tensor that shares it (``detach()`` shares
+# the counter, and ``.data =`` gives it other memory and keeps the counter),
+# so it holds none of the saved memory and sees a change made through any alias
+# of it, a ``detach()`` of an owner that has since died included.
 # A CPU record in memory hands out the saved tensor's own memory. Once written,
 # the record lets go of the tensor (``saved``) and cannot see that memory's
 # version any more, so that memory is never remembered as the record's restored
@@ -141,6 +144,7 @@ __all__ = [
     "is_dtensor",
     "sentinel_for",
     "version_error",
+    "version_probe",
 ]
 
 # A span in memory: bytes [base, base + nbytes) of an untyped storage, there once
@@ -232,25 +236,32 @@ class Wrapped:
         )
 
 
+def version_probe(t: torch.Tensor) -> torch.Tensor | None:
+    """A 0-element tensor sharing ``t``'s version counter and none of its memory (NOTE
+    [version check]); None where this tensor type refuses new data."""
+    probe = t.detach()
+    try:
+        probe.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    except (RuntimeError, TypeError):
+        return None
+    return probe
+
+
 class Handle:
     """What autograd stores for an offloaded tensor: a view of a record's span."""
 
-    __slots__ = ("owner", "pass_no", "record", "version", "view")
+    __slots__ = ("pass_no", "record", "version", "view")
 
-    def __init__(
-        self, record: Record, view: ViewMeta, owner: weakref.ref[torch.Tensor], version: int
-    ) -> None:
+    def __init__(self, record: Record, view: ViewMeta, version: int) -> None:
         self.record = record
         self.view = view
         self.pass_no = -1  # NOTE [backward passes]
-        # NOTE [version check]: the tensor that owns the saved view's version counter.
-        self.owner = owner
-        self.version = version
+        self.version = version  # NOTE [version check]: the saved view's version then
 
     def check_version(self) -> None:
-        owner = self.owner()
-        if owner is not None and owner._version != self.version:
-            raise version_error(self.record.describe(), owner._version, self.version)
+        counter = self.record.counter
+        if counter is not None and counter._version != self.version:
+            raise version_error(self.record.describe(), counter._version, self.version)
         self.record.check_version()
 
     def __repr__(self) -> str:
@@ -263,6 +274,7 @@ class Record:
     __slots__ = (
         "__weakref__",
         "align",
+        "counter",
         "crcs",
         "device",
         "engine",
@@ -311,6 +323,7 @@ class Record:
         # memory (shares its version counter), the version at save time, and whether
         # the bytes on disk may hold a later value.
         self.saved = saved
+        self.counter = None if saved is None else version_probe(saved)
         self.version = version
         self.tainted = False
         # NOTE [dedup]: whether a write has begun reading the span from the tensor's memory.
@@ -387,8 +400,8 @@ class Record:
 
     def check_version(self) -> None:
         """Raise autograd's in-place error if the saved bytes are not the saved values."""
-        saved = self.saved
-        now = saved._version if saved is not None else self.version
+        counter = self.counter
+        now = counter._version if counter is not None else self.version
         if self.tainted or now != self.version:
             raise version_error(self.describe(), max(now, self.version + 1), self.version)
 

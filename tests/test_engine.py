@@ -34,6 +34,7 @@ from prefetch_offload import (
     offload_context,
 )
 from prefetch_offload import writer as writer_module
+from prefetch_offload.records import version_probe
 from prefetch_offload.testing import TinyTransformer, make_batch
 
 
@@ -324,6 +325,42 @@ def test_in_place_through_a_detached_alias_is_caught(
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             engine.flush()
             loss.backward()
+
+
+def test_in_place_through_a_detached_alias_after_the_write_is_caught(save_dir: Path) -> None:
+    """NOTE [version check]: the write has landed and the record let go of the tensor,
+    the owner is dead; a change through a .detach() alias still raises, as autograd
+    does, whatever the IO's timing."""
+    x = torch.randn(1 << 14, requires_grad=True)
+    with engine_with_hooks(save_dir) as engine:
+        y = (x * 2).exp()  # exp saves its output
+        alias = y.detach()
+        loss = y.sum()
+        del y
+        gc.collect()
+        engine.flush()  # written: the record no longer holds the tensor
+        assert engine.stats().bytes_offloaded > 0
+        alias.mul_(3)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+def test_the_version_probe_holds_no_memory_and_shares_the_counter() -> None:
+    t = torch.randn(1 << 16)
+    storage = weakref.ref(t.untyped_storage())
+    alias = t.detach()
+    probe = version_probe(t)
+    assert probe is not None and probe.numel() == 0
+    assert probe.untyped_storage().nbytes() == 0
+    del t
+    gc.collect()
+    assert storage() is not None  # the alias keeps it, not the probe
+    before = probe._version
+    alias.add_(1)
+    assert probe._version == before + 1
+    del alias
+    gc.collect()
+    assert storage() is None
 
 
 def test_dedup_needs_the_same_version_counter(save_dir: Path) -> None:
