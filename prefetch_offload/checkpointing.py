@@ -30,6 +30,18 @@ learned prefetch order brings it back ahead of the recompute that needs it.
 # As in torch's modes, a stored output that is modified in place before the
 # recompute uses it raises (the engine's version check for offloaded outputs,
 # a version counter for saved ones), unless allow_cache_entry_mutation=True.
+# A version counter misses a change made through another tensor over the same
+# memory that does not share it: ``matmul`` on a 3-d input runs ``mm`` and
+# then ``_unsafe_view`` of its output, which has a counter of its own, so a
+# ``mul_`` of the matmul's result changes the stored ``mm`` output unseen, and
+# the recompute would apply the ``mul_`` a second time. So the forward mode
+# also knows each stored output's storage (weakly: the storage object, which
+# torch keeps one of per memory) and, at every op that writes an input, looks
+# up the storages it writes. A stored output found there is recomputed
+# instead (its stored value released) where the choice was a ``PREFER_*`` one
+# (the automatic plan's are): the recompute replays the forward's ops in order,
+# so making it again is always right. A ``MUST_*`` one raises at its recompute,
+# as a counted change does.
 #
 # NOTE [dispatch cost]
 # In a pass the decider times (``timing()`` when the mode is entered: the
@@ -66,6 +78,7 @@ from __future__ import annotations
 import collections
 import functools
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -243,6 +256,12 @@ class CheckpointStats:
     def recompute_ran(self) -> None:
         self._recomputed_since = True
 
+    def recomputed_instead(self, which: int, nbytes: int) -> None:
+        """A stored output (kept: 0, offloaded: 1) of the current step became recomputed
+        (NOTE [cache entry mutation])."""
+        self.current[which] -= nbytes
+        self.current[2] += nbytes
+
     def last_step(self) -> tuple[int, int, int]:
         """(kept, offloaded, recomputed) of the last finished step: the current one once
         its recompute ran, else the one before it."""
@@ -266,12 +285,36 @@ _MISMATCH = (
 
 
 class _Entry:
-    __slots__ = ("mode", "value", "versions")
+    __slots__ = ("changed", "mode", "must", "nbytes", "value", "versions")
 
-    def __init__(self, mode: int, value: Any, versions: Any) -> None:
+    def __init__(self, mode: int, value: Any, versions: Any, must: bool, nbytes: int) -> None:
         self.mode = mode  # 0 saved, 1 offloaded
         self.value = value
         self.versions = versions
+        self.must = must  # a MUST_* policy: never recomputed instead
+        self.nbytes = nbytes
+        self.changed = False  # NOTE [cache entry mutation]: written in forward since
+
+
+_WRITES: dict[Any, tuple[int, ...] | None] = {}
+
+
+def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an op writes (its arguments marked ``(a!)`` in its schema)."""
+    where = _WRITES.get(func, ())
+    if where == ():
+        schema = func._schema
+        marked = tuple(
+            i
+            for i, a in enumerate(schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+        where = _WRITES[func] = marked or None
+    if where is None:
+        return []
+    names = func._schema.arguments
+    values = [args[i] if i < len(args) else kwargs.get(names[i].name) for i in where]
+    return [x for x in torch.utils._pytree.tree_leaves(values) if isinstance(x, torch.Tensor)]
 
 
 class _Mode(TorchDispatchMode):
@@ -352,13 +395,42 @@ class _Saving(_Mode):
     ) -> None:
         super().__init__(decider, hooks, storage, stats)
         self.block = current_block() or ("", -1)
+        # NOTE [cache entry mutation]: storage address -> (the storage, weakly, the key
+        # of a stored output over it).
+        self.memory: dict[int, list[tuple[weakref.ref[Any], Any]]] = {}
 
     def _block(self) -> tuple[str, int]:
         return self.block
 
+    def _remember(self, key: Any, out: Any) -> None:
+        for x in torch.utils._pytree.tree_leaves(out):
+            if isinstance(x, torch.Tensor) and x.layout == torch.strided:
+                storage = x.untyped_storage()
+                entries = self.memory.setdefault(storage.data_ptr(), [])
+                entries.append((weakref.ref(storage), key))
+
+    def _writes(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        """NOTE [cache entry mutation]: a stored output over memory this op writes is
+        recomputed instead, or (``MUST_*``) raises at its recompute."""
+        for t in _written(func, args, kwargs):
+            if t.layout != torch.strided:
+                continue
+            storage = t.untyped_storage()
+            for ref, key in self.memory.get(storage.data_ptr(), ()):
+                entry = self.storage.get(key)
+                if ref() is not storage or not isinstance(entry, _Entry):
+                    continue
+                if entry.must:
+                    entry.changed = True
+                else:  # its value (an engine record too) goes now
+                    self.storage[key] = _RECOMPUTE
+                    self.stats.recomputed_instead(entry.mode, entry.nbytes)
+
     def _dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         if func in _IGNORED:
             return self._call(func, args, kwargs)
+        if self.memory:
+            self._writes(func, args, kwargs)
         before = self.op_seconds
         out = self._call(func, args, kwargs, sync=True)
         seconds = self.op_seconds - before
@@ -380,14 +452,17 @@ class _Saving(_Mode):
                 ),
                 out,
             )
-            self.storage[(func, count)] = _Entry(1, value, None)
+            self.storage[(func, count)] = _Entry(1, value, None, must, nbytes)
+            self._remember((func, count), out)
             self.stats.forward_op(1, nbytes)
         elif policy in SAVE or policy in OFFLOAD:  # offload with no engine: kept
             value = tree_map(_detach, out)
             versions = tree_map(
                 lambda x: x._version if isinstance(x, torch.Tensor) else None, value
             )
-            self.storage[(func, count)] = _Entry(0, value, versions)
+            must = policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_CPU_OFFLOAD)
+            self.storage[(func, count)] = _Entry(0, value, versions, must, nbytes)
+            self._remember((func, count), out)
             self.stats.forward_op(0, nbytes)
         else:
             self.storage[(func, count)] = _RECOMPUTE
@@ -453,6 +528,13 @@ class _Restoring(_Mode):
         self.decider.consumed((block[0], block[1], func, count))
         if draws_random(func, args, kwargs):  # NOTE [random ops]
             self._call(func, args, kwargs)
+        if entry.changed and not self.allow_mutation:  # NOTE [cache entry mutation]
+            raise OffloadError(
+                f"prefetch_offload: the output of {func} kept by a selective checkpoint "
+                "(a MUST_* policy) was modified in place later in the forward (directly, or "
+                "through a tensor over the same memory); let the policy return PREFER_* for "
+                "it (it is then recomputed), or pass allow_cache_entry_mutation=True."
+            )
         if entry.mode == 1:
             hooks = self.hooks
             assert hooks is not None

@@ -258,6 +258,94 @@ def test_a_stored_output_modified_in_place_raises(tmp_path: Path) -> None:
             loss.backward()
 
 
+class _ScalesMatmul(nn.Module):
+    """``x @ w`` on a 3-d input runs ``mm`` then ``_unsafe_view`` of its output (a
+    version counter of its own); ``mul_`` then changes the mm output's memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 32) / 4)
+        self.w2 = nn.Parameter(torch.randn(32, 16) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.w
+        h.mul_(2.0)
+        g = torch.bmm(x, self.w[:, :16][None].expand(x.shape[0], 16, 16))
+        g.add_(1.0)  # a bmm output changed directly: its own counter moves
+        return x + h @ self.w2 + g
+
+
+def _mutating_grads(model: nn.Module, steps: int) -> list[list[torch.Tensor]]:
+    out = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        x = torch.randn(2, 8, 16, requires_grad=True)
+        model.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+        out.append([*(p.grad.clone() for p in model.parameters()), x.grad])
+    return out
+
+
+@pytest.mark.parametrize("target", ["disk", "cpu"])
+@pytest.mark.parametrize("store", [P.PREFER_CPU_OFFLOAD, P.PREFER_SAVE])
+def test_a_stored_output_written_later_in_the_forward_is_recomputed(
+    tmp_path: Path, target: str, store: CheckpointPolicy
+) -> None:
+    """NOTE [cache entry mutation]: a PREFER_* output whose memory a later op of the
+    forward writes (through an _unsafe_view, or directly) is recomputed instead."""
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return store if op in _MATMULS else P.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    ref_model = nn.Sequential(*(_ScalesMatmul() for _ in range(3)))
+    model = copy.deepcopy(ref_model)
+    ref = _mutating_grads(ref_model, 2)
+    where = str(tmp_path) if target == "disk" else None
+    with offload_context(
+        target, where, model=model, recompute=policy, min_offload_bytes=0
+    ) as engine:
+        got = _mutating_grads(model, 2)
+        stats = engine.stats()
+    assert _same(ref, got)
+    # Three matmuls a block; the two written later are recomputed instead, the third
+    # (``h @ w2``: 2 x 8 x 16 floats) stays stored.
+    assert stats.step_bytes_kept + stats.step_bytes_offloaded == 3 * 2 * 8 * 16 * 4
+
+
+@pytest.mark.parametrize("must", [P.MUST_CPU_OFFLOAD, P.MUST_SAVE])
+def test_a_must_output_written_later_in_the_forward_raises(
+    tmp_path: Path, must: CheckpointPolicy
+) -> None:
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return must if op is torch.ops.aten.mm.default else P.PREFER_RECOMPUTE
+
+    model = nn.Sequential(_ScalesMatmul(), _ScalesMatmul())
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    with offload_context("disk", str(tmp_path), model=model, recompute=policy):
+        loss = model(x).sum()
+        with pytest.raises(OffloadError, match="through a tensor over the same memory"):
+            loss.backward()
+
+
+def test_auto_recomputes_what_the_forward_writes_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The automatic plan's profiling step offloads every output, and a selective plan
+    offloads matmul outputs: those written later are recomputed, bit-identical."""
+    from prefetch_offload import recompute as recompute_module
+
+    monkeypatch.setattr(recompute_module, "OFFLOAD_ALONE", False)
+    monkeypatch.setattr(recompute_module, "_DISPATCH_SWITCH", 0.0)  # selective on a toy
+    torch.manual_seed(0)
+    ref_model = nn.Sequential(*(_ScalesMatmul() for _ in range(4)))
+    model = copy.deepcopy(ref_model)
+    ref = _mutating_grads(ref_model, 9)
+    with offload_context("disk", str(tmp_path), model=model, recompute="auto", min_offload_bytes=0):
+        got = _mutating_grads(model, 9)
+    assert _same(ref, got)
+
+
 def test_a_second_recompute_of_a_block_is_refused(tmp_path: Path) -> None:
     model = _model()
     tokens, targets = make_batch(2, 16, vocab=64)
