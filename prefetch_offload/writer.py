@@ -203,6 +203,14 @@ class WritePath:
                     self.staging = True  # NOTE [write staging]: forward waits on writes
                 start = time.perf_counter()
                 while self.pending_bytes and self.pending_bytes + nbytes > cap:
+                    if self._open:  # another pack's, since the check above: no job
+                        batch = self._take_batch()  # would write it while this waits
+                        self._lock.release()
+                        try:
+                            self._submit_batch(batch)
+                        finally:
+                            self._lock.acquire()
+                        continue
                     self._writes_idle.wait()
                 self._stats.add(pack_wait_seconds=time.perf_counter() - start)
             self.pending_bytes += nbytes

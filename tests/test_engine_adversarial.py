@@ -525,3 +525,51 @@ def test_a_device_span_changed_in_backward_then_demoted_raises_in_the_next_pass(
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             y.sum().backward()
         del z
+
+
+def test_a_pack_waiting_at_the_write_cap_submits_another_pack_s_open_batch(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two threads pack at once (packs inside concurrent backwards): A finds the cap
+    full and, between its two looks, B adds a small record to the open batch, below
+    the size that submits it. A must not wait for bytes no job will write."""
+    from prefetch_offload import writer as writer_module
+
+    real = writer_module.source_buffer
+    a_inside, b_done = threading.Event(), threading.Event()
+
+    def widened(*args: Any) -> Any:
+        if threading.current_thread().name == "pack-A":
+            a_inside.set()
+            assert b_done.wait(10)
+        return real(*args)
+
+    monkeypatch.setattr(writer_module, "source_buffer", widened)
+    page = 4096
+    with engine_with_hooks(
+        save_dir, io_method="buffered", chunk_bytes=4 * page, max_pending_write_bytes=8 * page
+    ) as engine:
+        first = torch.randn(page // 4).mul(1)
+        kept = {"first": engine.pack(first)}  # one page open: counted as pending
+        big, small = torch.randn(7 * page // 4).mul(1), torch.randn(page // 4).mul(1)
+        a = threading.Thread(target=lambda: kept.update(big=engine.pack(big)), name="pack-A")
+
+        def b() -> None:
+            assert a_inside.wait(10)
+            kept["small"] = engine.pack(small)
+            b_done.set()
+
+        threads = [a, threading.Thread(target=b, name="pack-B")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        hung = a.is_alive()
+        if hung:
+            engine._writer.wait()  # let it finish before the test fails
+            a.join(10)
+        assert not hung, "a pack waited for the open batch that nobody submits"
+        engine.flush()
+        assert engine.stats().tensors_offloaded == 3
+        for name, t in (("first", first), ("big", big), ("small", small)):
+            assert torch.equal(engine.unpack(kept[name]), t)
