@@ -64,6 +64,11 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 # whatever saved-tensor hooks are active). It is told when each block's forward
 # starts and ends, and, through a gradient hook on the block's first output
 # that requires grad, when backward reaches the block (before its recompute).
+# A block forward that runs inside a backward replays one: the recompute of a
+# checkpoint the user put around several blocks. It must save what that
+# forward saved, so it runs in the mode the block's last forward outside
+# backward had, and the caller is neither asked nor told (its steps and
+# timings are the forward's).
 """
 
 from __future__ import annotations
@@ -320,6 +325,7 @@ def _configs_with_cache(model: nn.Module | None, blocks: list[tuple[str, nn.Modu
 # The block running now, for the contexts a checkpoint's context_fn makes
 # (NOTE [op keys] in checkpointing.py): its class name and position.
 _local = threading.local()
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 def current_block() -> tuple[str, int] | None:
@@ -346,6 +352,7 @@ def _checkpointed(
     own = module.__dict__.get("forward")  # a forward of the block's own, if any
     inner = own if own is not None else type(module).forward.__get__(module)
     kind = type(module).__name__
+    last = [SELECTIVE]  # NOTE [block modes]: the mode of the last forward outside backward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if getattr(module, "gradient_checkpointing", False):  # NOTE [double checkpointing]
@@ -360,13 +367,18 @@ def _checkpointed(
             return inner(*args, **kwargs)
         fn = context_fn
         how = SELECTIVE
+        replay = False
         if torch.compiler.is_compiling():  # NOTE [compiled blocks]
             if compiled == SKIP:
                 return inner(*args, **kwargs)
             fn = compiled  # type: ignore[assignment]
         elif modes is not None:  # NOTE [block modes]
-            how = modes.mode(kind, index)
-            modes.entered(kind, index)
+            replay = _graph_task_id() >= 0
+            if replay:
+                how = last[0]
+            else:
+                how = last[0] = modes.mode(kind, index)
+                modes.entered(kind, index)
         extra: dict[str, Any] = {}
         if fn is not None and how == SELECTIVE:
             extra["context_fn"] = fn
@@ -390,7 +402,7 @@ def _checkpointed(
             stack.pop()
             if calls is not None:
                 calls.pop()
-        if modes is not None and not torch.compiler.is_compiling():
+        if modes is not None and not torch.compiler.is_compiling() and not replay:
             modes.exited(kind, index)
             _hook_backward(out, lambda: modes.backward(kind, index))
         return out

@@ -276,6 +276,7 @@ class CheckpointStats:
         return source[0], source[1], source[2]
 
 
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _RECOMPUTE = object()
 _CONSUMED = object()
 _MISMATCH = (
@@ -401,6 +402,12 @@ class _Saving(_Mode):
 
     def _block(self) -> tuple[str, int]:
         return self.block
+
+    def __enter__(self) -> _Saving:
+        super().__enter__()
+        if _graph_task_id() >= 0:  # a forward replayed by an outer checkpoint's
+            self.timed = False  # recompute (NOTE [block modes]): not the step's forward
+        return self
 
     def _remember(self, key: Any, out: Any) -> None:
         for x in torch.utils._pytree.tree_leaves(out):

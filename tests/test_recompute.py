@@ -421,6 +421,78 @@ def test_auto_is_bit_identical_and_plans_once(
     assert stats.step_bytes_offloaded + stats.step_bytes_recomputed > 0
 
 
+class _DropBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.drop = nn.Linear(32, 64), nn.Linear(64, 32), nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(self.drop(torch.tanh(self.a(x))))
+
+
+class _CheckpointsItsLayers(nn.Module):
+    """A model that puts its own non-reentrant checkpoint around all its layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_DropBlock() for _ in range(3))
+        self.head = nn.Linear(32, 32)
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False))
+
+
+@pytest.mark.parametrize("how", ["auto", "selective", "full"])
+def test_blocks_inside_the_model_s_own_checkpoint_replay_their_forward(
+    tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [block modes]: the outer checkpoint's recompute runs each block's forward
+    again inside backward; it runs as that forward did, and the plan's steps do not
+    move (profiling, then the plan, bit-identical with dropout)."""
+    monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
+    if how == "selective":
+        monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", 0.0)  # selective on a toy
+    torch.manual_seed(0)
+    ref_model = _CheckpointsItsLayers()
+    model = copy.deepcopy(ref_model)
+
+    def grads(m: nn.Module) -> list[list[torch.Tensor]]:
+        out = []
+        for step in range(9):
+            torch.manual_seed(100 + step)
+            x = torch.randn(4, 32, requires_grad=True)
+            m.zero_grad(set_to_none=True)
+            m(x).square().sum().backward()
+            out.append([*(p.grad.clone() for p in m.parameters()), x.grad])
+        return out
+
+    ref = grads(ref_model)
+    with offload_context(
+        "disk",
+        str(tmp_path),
+        model=model,
+        recompute="full" if how == "full" else "auto",
+        min_offload_bytes=0,
+    ) as engine:
+        got = grads(model)
+        plan = engine.recompute_plan()
+    assert all(
+        torch.equal(a, b)
+        for ga, gb in zip(ref, got, strict=True)
+        for a, b in zip(ga, gb, strict=True)
+    )
+    if how != "full":
+        assert plan is not None and plan.plans_made == 1
+        assert "3 whole" not in str(plan)  # checkpointed blocks planned
+        if how == "selective":
+            assert "3 selectively" in str(plan)
+
+
 class _Branchy(nn.Module):
     def __init__(self) -> None:
         super().__init__()
