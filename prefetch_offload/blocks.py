@@ -74,7 +74,6 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 from __future__ import annotations
 
 import copy
-import functools
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
@@ -394,10 +393,10 @@ def _checkpointed(
             if how == WHOLE:
                 out = inner(*args, **kwargs)
             else:
-                # The block's keywords are bound first: checkpoint would take those it
-                # shares a name with (debug, determinism_check, preserve_rng_state, ...).
-                fn_kw = functools.partial(inner, **kwargs) if kwargs else inner
-                out = checkpoint(fn_kw, *args, use_reentrant=False, **extra)
+                # The block's keywords go in as one positional dict: checkpoint would
+                # take those it shares a name with (debug, preserve_rng_state, ...), and
+                # it saves the RNG state of the devices of its positional tensors only.
+                out = checkpoint(_call, inner, args, kwargs, use_reentrant=False, **extra)
         finally:
             stack.pop()
             if calls is not None:
@@ -408,6 +407,10 @@ def _checkpointed(
         return out
 
     return _BlockForward(forward, module, own)
+
+
+def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return fn(*args, **kwargs)
 
 
 class _BlockForward:

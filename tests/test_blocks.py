@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -219,6 +219,32 @@ def test_block_keywords_reach_the_block_under_checkpoint(tmp_path: Path) -> None
         got = run()
         got.sum().backward()
     assert torch.equal(got, want)
+
+
+def test_the_checkpoint_sees_keyword_tensors_for_their_devices_rng(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block called with its input as a keyword: torch's checkpoint saves the RNG state
+    of the devices of its positional arguments' tensors (``get_device_states(*args)``,
+    through their trees), which a CUDA dropout's mask depends on, so the keyword tensors
+    must reach it positionally (CPU twin: what the checkpoint is called with)."""
+    import prefetch_offload.blocks as blocks_module
+
+    seen: list[torch.Tensor] = []
+    real = blocks_module.checkpoint
+
+    def recorded(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.extend(x for x in torch.utils._pytree.tree_leaves(args) if isinstance(x, torch.Tensor))
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(blocks_module, "checkpoint", recorded)
+    torch.manual_seed(0)
+    model = nn.ModuleList([_Keyworded() for _ in range(2)])
+    x = torch.randn(2, 8, requires_grad=True)
+    with offload_context("disk", str(tmp_path), model=model, recompute="full"):
+        h = model[0](x=x, debug=True)
+        model[1](x=h).sum().backward()
+    assert any(t is x for t in seen) and any(t is h for t in seen)
 
 
 def test_two_contexts_on_one_model_exited_out_of_order(tmp_path: Path) -> None:

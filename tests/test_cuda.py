@@ -541,3 +541,36 @@ def test_cuda_peak_memory_drops_by_the_offloaded_bytes(save_dir: Path) -> None:
     saved = engine.stats().bytes_offloaded
     assert peak < 0.5 * plain
     assert plain - peak >= 0.5 * saved
+
+
+class _KeywordDropout(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, *, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(torch.tanh(self.lin(x)))
+
+
+def test_cuda_dropout_in_a_block_called_by_keyword_recomputes_the_same_mask(
+    save_dir: Path,
+) -> None:
+    """recompute="full": the checkpoint restores the CUDA RNG for the recompute's
+    dropout only where it sees the block's tensors, keywords included."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList(_KeywordDropout() for _ in range(3)).cuda()
+    reference = copy.deepcopy(model)
+
+    def grads(m: torch.nn.ModuleList) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        h = torch.randn(8, 64, device="cuda")
+        for block in m:
+            h = block(x=h)
+        h.square().sum().backward()
+        return [p.grad.clone() for p in m.parameters()]
+
+    want = grads(reference)
+    with offload_context("disk", str(save_dir), model=model, recompute="full"):
+        got = grads(model)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
