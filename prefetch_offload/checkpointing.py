@@ -524,13 +524,16 @@ class _Restoring(_Mode):
             )
         if entry is _CONSUMED:
             raise OffloadError(
-                "prefetch_offload: a selectively checkpointed block was recomputed a second "
-                "time; backward may run only once through such a block (do not pass "
-                "retain_graph=True across it)."
+                f"prefetch_offload: a selectively checkpointed block was recomputed a second "
+                f"time, and the output of {func} its policy kept in memory (*_SAVE) went with "
+                "the first: do not pass retain_graph=True across it, or let the policy "
+                "offload that output (*_CPU_OFFLOAD), which a second backward reads again."
             )
         if entry is _RECOMPUTE:
             return self._call(func, args, kwargs)
-        self.storage[(func, count)] = _CONSUMED
+        if entry.mode == 0:  # in memory: let go once used. An offloaded one keeps its
+            self.storage[(func, count)] = _CONSUMED  # handle, which holds no memory,
+            # for a second backward (retain_graph=True), as the engine's records are
         block = self.block()
         self.decider.consumed((block[0], block[1], func, count))
         if draws_random(func, args, kwargs):  # NOTE [random ops]

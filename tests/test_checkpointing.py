@@ -346,14 +346,55 @@ def test_auto_recomputes_what_the_forward_writes_later(
     assert _same(ref, got)
 
 
-def test_a_second_recompute_of_a_block_is_refused(tmp_path: Path) -> None:
+def test_a_second_recompute_of_a_block_whose_outputs_were_kept_is_refused(
+    tmp_path: Path,
+) -> None:
     model = _model()
     tokens, targets = make_batch(2, 16, vocab=64)
-    with offload_context("disk", str(tmp_path), model=model, recompute=_matmuls_offloaded()):
+    with offload_context("disk", str(tmp_path), model=model, recompute=_saves_matmuls):
         loss = model(tokens, targets)
         loss.backward(retain_graph=True)
         with pytest.raises(OffloadError, match="recomputed a second time"):
             loss.backward()
+
+
+@pytest.mark.parametrize("recompute", ["policy", "auto"])
+def test_offloaded_outputs_serve_a_second_backward(
+    tmp_path: Path, recompute: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """retain_graph=True: the second backward recomputes each block again and reads its
+    offloaded outputs again; both backwards bit-identical to plain autograd's. Under
+    "auto" every profiling step and the plan see it."""
+    from prefetch_offload import recompute as recompute_module
+
+    monkeypatch.setattr(recompute_module, "OFFLOAD_ALONE", False)
+    monkeypatch.setattr(recompute_module, "_DISPATCH_SWITCH", 0.0)  # selective on a toy
+
+    def twice(model: nn.Module, steps: int, flush: Any = None) -> list[list[torch.Tensor]]:
+        out = []
+        for step in range(steps):
+            tokens, targets = make_batch(2, 16, vocab=64, seed=step)
+            model.zero_grad(set_to_none=True)
+            loss = model(tokens, targets)
+            if flush is not None:
+                flush()  # on disk: both backwards read them back
+            loss.backward(retain_graph=True)
+            out.append([p.grad.clone() for p in model.parameters()])
+            loss.backward()
+            out.append([p.grad.clone() for p in model.parameters()])
+        return out
+
+    steps = 8 if recompute == "auto" else 2
+    ref = twice(_model(), steps)
+    model = _model()
+    policy: Any = "auto" if recompute == "auto" else _matmuls_offloaded()
+    with offload_context(
+        "disk", str(tmp_path), model=model, recompute=policy, min_offload_bytes=0
+    ) as engine:
+        got = twice(model, steps, engine.flush)
+        stats = engine.stats()
+    assert _same(ref, got)
+    assert stats.step_bytes_offloaded > 0 and stats.bytes_read > 0
 
 
 def test_a_policy_that_returns_something_else_is_a_type_error(tmp_path: Path) -> None:
