@@ -43,6 +43,17 @@ learned prefetch order brings it back ahead of the recompute that needs it.
 # so making it again is always right. A ``MUST_*`` one raises at its recompute,
 # as a counted change does.
 #
+# NOTE [autocast casts]
+# Under autocast a parameter's cast (``_to_copy`` of a leaf that requires grad)
+# is cached for the rest of the autocast region: a block run twice, or a weight
+# cast before the block in the same region, reaches the dispatch modes in
+# forward only on the first use, or not at all, while the recompute (which
+# enters autocast afresh) casts again. Counted among the ``_to_copy`` calls,
+# those casts would shift the keys of every later ``_to_copy`` (NOTE [op keys]):
+# a missing op at best, another call's stored output at worst. So such a cast
+# is neither counted nor stored, in forward and in the recompute: it runs
+# (it is cheap, and the recompute needs it on any path).
+#
 # NOTE [dispatch cost]
 # In a pass the decider times (``timing()`` when the mode is entered: the
 # profiling steps), each mode times its ``__torch_dispatch__`` from entry to
@@ -145,6 +156,17 @@ def output_bytes(out: Any) -> int:
         for x in torch.utils._pytree.tree_leaves(out)
         if isinstance(x, torch.Tensor)
     )
+
+
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def _cached_cast(func: Any, args: Any) -> bool:
+    """A cast autocast may have cached (NOTE [autocast casts])."""
+    if func is not _TO_COPY or not args:
+        return False
+    x = args[0]
+    return isinstance(x, torch.Tensor) and x.is_leaf and x.requires_grad
 
 
 def _detach(x: Any) -> Any:
@@ -434,7 +456,7 @@ class _Saving(_Mode):
                     self.stats.recomputed_instead(entry.mode, entry.nbytes)
 
     def _dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        if func in _IGNORED:
+        if func in _IGNORED or _cached_cast(func, args):  # NOTE [autocast casts]
             return self._call(func, args, kwargs)
         if self.memory:
             self._writes(func, args, kwargs)
@@ -512,7 +534,7 @@ class _Restoring(_Mode):
         return self.block()
 
     def _dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        if func in _IGNORED:
+        if func in _IGNORED or _cached_cast(func, args):  # NOTE [autocast casts]
             return self._call(func, args, kwargs)
         count = self.counts[func]
         self.counts[func] = count + 1

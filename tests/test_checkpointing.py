@@ -346,6 +346,75 @@ def test_auto_recomputes_what_the_forward_writes_later(
     assert _same(ref, got)
 
 
+class _CastBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+class _RunsBlocksTwice(nn.Module):
+    """Under autocast each block runs twice, its weights cast once (autocast's cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(32, 32)
+        self.layers = nn.ModuleList(_CastBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.pre(x)
+            for _ in range(2):
+                for layer in self.layers:
+                    h = layer(h)
+            return h.float()
+
+
+@pytest.mark.parametrize("recompute", ["matmuls", "recompute_all", "auto"])
+def test_autocast_s_cached_weight_casts_keep_the_op_keys(
+    tmp_path: Path, recompute: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [autocast casts]: the second run of a block gets its weights' casts from
+    autocast's cache in forward, and casts again in the recompute."""
+    from prefetch_offload import recompute as recompute_module
+
+    monkeypatch.setattr(recompute_module, "OFFLOAD_ALONE", False)
+    monkeypatch.setattr(recompute_module, "_DISPATCH_SWITCH", 0.0)  # selective on a toy
+    torch.manual_seed(0)
+    ref_model = _RunsBlocksTwice()
+    model = copy.deepcopy(ref_model)
+
+    def grads(m: nn.Module, steps: int) -> list[list[torch.Tensor]]:
+        out = []
+        for step in range(steps):
+            torch.manual_seed(step)
+            x = torch.randn(16, 32, requires_grad=True)
+            m.zero_grad(set_to_none=True)
+            m(x).square().sum().backward()
+            out.append([*(p.grad.clone() for p in m.parameters()), x.grad])
+        return out
+
+    policies: dict[str, Any] = {
+        "matmuls": _matmuls_offloaded(),
+        "recompute_all": lambda ctx, op, *a, **k: P.PREFER_RECOMPUTE,
+        "auto": "auto",
+    }
+    steps = 8 if recompute == "auto" else 2
+    ref = grads(ref_model, steps)
+    with offload_context(
+        "disk",
+        str(tmp_path),
+        model=model,
+        recompute=policies[recompute],
+        recompute_blocks=[_CastBlock],
+        min_offload_bytes=0,
+    ):
+        got = grads(model, steps)
+    assert _same(ref, got)
+
+
 def test_a_second_recompute_of_a_block_whose_outputs_were_kept_is_refused(
     tmp_path: Path,
 ) -> None:
