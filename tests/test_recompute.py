@@ -185,6 +185,17 @@ def test_a_slow_link_recomputes_what_is_cheap_per_byte_and_offloads_the_rest() -
     assert measured["dispatch_s_per_block"] == pytest.approx(0.015)
 
 
+def test_matmul_s_unsafe_view_counts_as_an_alias() -> None:
+    """Its schema marks no alias, but its output is its input's memory: storing both
+    would move the same bytes twice, so the plan recomputes the view."""
+    unsafe_view = torch.ops.aten._unsafe_view.default
+    out = torch.ops.aten.mm.default(torch.randn(6, 4), torch.randn(4, 5))
+    view = unsafe_view(out, [2, 3, 5])
+    assert view.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+    assert unsafe_view._schema.returns[0].alias_info is None
+    assert recompute._aliases(unsafe_view) and not recompute._aliases(MM)
+
+
 def test_selective_that_saves_less_than_its_dispatch_costs_checkpoints_plainly() -> None:
     """The same link, but the dispatch modes measured 0.5 s of their own per block:
     offloading the matmul saves less than they cost, so the block is checkpointed
