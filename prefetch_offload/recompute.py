@@ -49,9 +49,12 @@
 #   threads' share of the cores and page faults; on a GPU near zero). Positions
 #   in order of compute seconds per byte, cheapest first: each is recomputed when
 #   its compute time is below what its bytes cost to move, else offloaded. Never
-#   read back by the recompute: recomputed (free). Views and in-place ops:
-#   recomputed (storing one would keep another tensor alive). Random ops:
-#   recomputed (NOTE [random ops] in checkpointing.py).
+#   read back by the recompute: recomputed (free). Views, ``_unsafe_view``
+#   (its output is its input's memory, though its schema marks no alias) and
+#   in-place ops: recomputed (storing one would keep another tensor alive, or
+#   move its bytes twice). Random ops: recomputed (NOTE [random ops] in
+#   checkpointing.py). An output a later op of the forward writes is
+#   recomputed whatever the plan said (NOTE [cache entry mutation]).
 # - Plain or selective: selective only when its offloads save more (compute
 #   time less move cost, summed) than the dispatch modes cost the blocks; else
 #   every non-whole block is checkpointed plainly and its ops all recompute.
