@@ -206,9 +206,13 @@ class OffloadConfig:
                 "prefetch_offload: save_dir must be a str path, got "
                 f"{type(save_dir).__name__}; pass the folder as a str or pathlib.Path."
             )
-        if save_dir is not None:
-            # "~" means the home folder, as in a shell, not a folder named "~" here.
-            object.__setattr__(self, "save_dir", os.path.expanduser(save_dir))
+        if save_dir:
+            # "~" means the home folder, as in a shell, not a folder named "~" here; a
+            # relative path is the folder it names now, whatever the working directory
+            # is when a later slab file is made.
+            object.__setattr__(self, "save_dir", os.path.abspath(os.path.expanduser(save_dir)))
+        elif save_dir is not None:
+            object.__setattr__(self, "save_dir", save_dir)
         if self.target == "disk" and not self.save_dir:
             raise ValueError(
                 "activation_offloading='disk' requires save_dir: pass a scratch folder, "

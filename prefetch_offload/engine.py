@@ -65,7 +65,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .checkpointing import CheckpointStats, selective_contexts
 from .config import OffloadConfig
@@ -135,6 +135,35 @@ class _NullEngine:
     def close(self, *, raise_errors: bool = True) -> None:
         """Mark the context exited."""
         self._closed = True
+
+    def recompute_plan(self) -> RecomputePlan | None:
+        """No ``recompute=`` runs with offloading off: None."""
+        return None
+
+    def checkpoint_context_fn(
+        self,
+        policy: Callable[..., Any] | list[Any],
+        *,
+        allow_cache_entry_mutation: bool = False,
+    ) -> tuple[Any, Any]:
+        """PyTorch's selective checkpoint contexts for ``policy``; with nothing to offload
+        to, a ``*_CPU_OFFLOAD`` output is kept (``*_SAVE``) rather than recomputed."""
+        if callable(policy):
+            user = policy
+
+            def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+                choice = user(ctx, op, *args, **kwargs)
+                return _OFFLOAD_AS_SAVE.get(choice, choice)
+
+        return create_selective_checkpoint_contexts(
+            policy, allow_cache_entry_mutation=allow_cache_entry_mutation
+        )
+
+
+_OFFLOAD_AS_SAVE = {
+    CheckpointPolicy.MUST_CPU_OFFLOAD: CheckpointPolicy.MUST_SAVE,
+    CheckpointPolicy.PREFER_CPU_OFFLOAD: CheckpointPolicy.PREFER_SAVE,
+}
 
 
 class OffloadEngine:

@@ -144,7 +144,16 @@ def prepare_save_dir(save_dir: str) -> Path:
             read-only filesystem; the message says what to change.
     """
     path = Path(save_dir)
-    if path.is_symlink() and not path.exists():
+    try:
+        dangling = path.is_symlink() and not path.exists()
+        path.is_dir()
+    except (OSError, ValueError) as exc:  # a folder above it unreadable, a name too long
+        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise ValueError(
+            f"prefetch_offload: save_dir {save_dir!r} cannot be used ({reason}); pass a "
+            "folder path this user can reach and write to."
+        ) from exc
+    if dangling:
         raise ValueError(
             f"prefetch_offload: save_dir {save_dir!r} is a dangling symlink; "
             "point it at an existing folder or pass a real folder path."
@@ -156,9 +165,10 @@ def prepare_save_dir(save_dir: str) -> Path:
         )
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
         raise ValueError(
-            f"prefetch_offload: cannot create save_dir {save_dir!r} ({exc.strerror}); "
+            f"prefetch_offload: cannot create save_dir {save_dir!r} ({reason}); "
             "pass a folder you can write to."
         ) from exc
     check_writable(save_dir)

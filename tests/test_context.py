@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,6 +30,52 @@ def test_none_target_is_a_no_op() -> None:
         engine.flush()
     assert engine.stats() == OffloadStats()
     assert torch.equal(x.grad, 2 * (2 * x.detach()).cos())
+
+
+def test_the_none_engine_answers_the_recompute_api() -> None:
+    """Code written for an offloading run also runs with offloading off: no plan, and
+    PyTorch's selective checkpointing with offload choices kept as saves."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op is torch.ops.aten.mm.default:
+            return CheckpointPolicy.MUST_CPU_OFFLOAD
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(8, 16)
+    (torch.tanh(x @ w) @ w).sum().backward()
+    want, w.grad = w.grad, None
+    with offload_context(None) as engine:
+        assert engine.recompute_plan() is None
+        forward, _ = engine.checkpoint_context_fn(policy)
+        assert forward.policy_fn(None, torch.ops.aten.mm.default) is CheckpointPolicy.MUST_SAVE
+        out = checkpoint(
+            lambda a: torch.tanh(a @ w) @ w,
+            x,
+            use_reentrant=False,
+            context_fn=lambda: engine.checkpoint_context_fn(policy),
+        )
+        out.sum().backward()
+    assert torch.equal(w.grad, want)
+
+
+def test_a_relative_save_dir_is_the_folder_it_named_at_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    monkeypatch.chdir(first)
+    x = torch.randn(1 << 16, requires_grad=True)
+    with offload_context("disk", "acts", min_offload_bytes=0) as engine:
+        assert engine.config.save_dir == str(first / "acts")
+        monkeypatch.chdir(second)  # the training script changes folder meanwhile
+        y = (x * 2).sin()
+        engine.flush()
+        y.sum().backward()
+        assert engine.stats().bytes_offloaded > 0
+    assert (first / "acts").is_dir() and not (second / "acts").exists()
 
 
 def test_cpu_target_on_cpu_training_keeps_tensors_in_ram() -> None:

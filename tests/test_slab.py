@@ -432,6 +432,27 @@ def test_prepare_save_dir_errors(tmp_path: Path) -> None:
         prepare_save_dir(str(dangling))
     created = prepare_save_dir(str(tmp_path / "new" / "dir"))
     assert created.is_dir() and stat.S_IMODE(created.stat().st_mode) == 0o700
+    with pytest.raises(ValueError, match="cannot be used"):  # ENAMETOOLONG from stat
+        prepare_save_dir(str(tmp_path / ("x" * 300) / "acts"))
+    with pytest.raises(ValueError, match="pass a folder"):  # os's bare "embedded null byte"
+        prepare_save_dir(str(tmp_path / "nul\0byte"))
+
+
+def test_prepare_save_dir_under_an_unreadable_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder above it this user may not enter: stat raises EACCES (root passes any
+    mode bits, so the refusal is simulated)."""
+    real = Path.is_symlink
+
+    def refused(self: Path) -> bool:
+        if "locked" in self.parts:
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real(self)
+
+    monkeypatch.setattr(Path, "is_symlink", refused)
+    with pytest.raises(ValueError, match="Permission denied"):
+        prepare_save_dir(str(tmp_path / "locked" / "inner" / "acts"))
 
 
 def test_prepare_save_dir_unwritable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
