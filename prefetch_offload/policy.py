@@ -28,6 +28,12 @@
 # (a slab file that cannot be created) returns its record, and those handed out
 # after it, to the oldest end of the queue, to be tried at the next pack.
 #
+# The queues hold records weakly and learn late that one died or left: they
+# drop such entries when over() meets them, and are rebuilt without them once
+# those are half an entry list (a tier never over its budget, or with none,
+# never pops; a tier with no budget has no queue), so their length follows the
+# live records, not the records ever packed.
+#
 # The policy has no lock of its own; the engine calls it under its lock.
 """
 
@@ -40,6 +46,9 @@ from typing import Protocol
 __all__ = ["DEVICE", "DISK", "HOST", "TIER_NAMES", "TierPolicy", "Tiered"]
 
 DEVICE, HOST, DISK = 0, 1, 2
+# NOTE [tiers]: a queue is rebuilt once this many of its entries, and half of them,
+# died or left.
+_STALE_MIN = 64
 TIER_NAMES = ("device", "host", "disk")
 
 
@@ -77,6 +86,34 @@ class TierPolicy:
         # that a dead record's successor may reuse): their bytes, and per tier.
         self._leaving: dict[int, int] = {}
         self._leaving_bytes = [0, 0, 0]
+        # Kept for good (keep()): never handed out, though still in a queue (by seq).
+        self._kept: set[int] = set()
+        # Per queue: entries that died or left since it was last rebuilt (NOTE [tiers]).
+        self._stale = [0, 0]
+
+    def _enqueue(self, rec: Tiered, tier: int, *, oldest: bool = False) -> None:
+        if self.budgets[tier] is None:
+            return  # never over its budget: nothing would ever pop it
+        queue = self._queues[tier]
+        if oldest:
+            queue.appendleft(weakref.ref(rec))
+        else:
+            queue.append(weakref.ref(rec))
+
+    def _went_stale(self, tier: int) -> None:
+        if tier > HOST:
+            return
+        self._stale[tier] += 1
+        queue = self._queues[tier]
+        if self._stale[tier] >= _STALE_MIN and 2 * self._stale[tier] >= len(queue):
+            live = [
+                ref
+                for ref in queue
+                if (rec := ref()) is not None and rec.tier == tier and rec.seq not in self._kept
+            ]
+            queue.clear()
+            queue.extend(live)
+            self._stale[tier] = 0
 
     def headroom(self, tier: int) -> int:
         """Bytes of ``tier``'s budget that its records do not fill now (0 for no limit)."""
@@ -87,7 +124,7 @@ class TierPolicy:
         """A newly packed record enters DEVICE, at the newest end (call :meth:`over` next)."""
         rec.tier = DEVICE
         self.bytes[DEVICE] += rec.nbytes
-        self._queues[DEVICE].append(weakref.ref(rec))
+        self._enqueue(rec, DEVICE)
 
     def _add(self, rec: Tiered, tier: int) -> None:
         self.bytes[tier] += rec.nbytes
@@ -121,6 +158,8 @@ class TierPolicy:
                 rec = queue.popleft()()
                 if rec is None or rec.tier != tier or rec.seq in self._leaving:
                     continue  # died (drained soon) or moved already
+                if rec.seq in self._kept:
+                    continue  # NOTE [tiers]: never tried again
                 picked.append(rec)
                 self._leaving[rec.seq] = rec.nbytes
                 self._leaving_bytes[tier] += rec.nbytes
@@ -146,19 +185,21 @@ class TierPolicy:
     def demote(self, rec: Tiered, tier: int) -> None:
         """Move ``rec`` to the slower ``tier``; HOST records may be demoted again later."""
         self._leave(rec)
+        self._went_stale(rec.tier)  # its entry in the old tier's queue
         rec.tier = tier
         self.bytes[tier] += rec.nbytes
         if tier == DISK:  # a memory tier's peak is noted once over() has made room
             self._note_peak(tier)
         self.demoted[tier] += rec.nbytes
         if tier == HOST:
-            self._queues[HOST].append(weakref.ref(rec))
+            self._enqueue(rec, HOST)
 
     def keep(self, rec: Tiered, tier: int) -> None:
         """``rec`` stays in (or returns to) memory ``tier`` for good: never demoted."""
         self._leave(rec)
         rec.tier = tier
         self._add(rec, tier)
+        self._kept.add(rec.seq)
 
     def readmit(self, recs: list[Tiered], tier: int) -> None:
         """Cancelled demotions: ``recs`` return to the oldest end of ``tier``."""
@@ -167,7 +208,7 @@ class TierPolicy:
             self.demoted[rec.tier] -= rec.nbytes
             rec.tier = tier
             self._add(rec, tier)
-            self._queues[tier].appendleft(weakref.ref(rec))
+            self._enqueue(rec, tier, oldest=True)
 
     def release(self, recs: list[Tiered]) -> None:
         """Records over() handed out that were neither moved nor kept (a demotion
@@ -177,7 +218,7 @@ class TierPolicy:
             nbytes = self._leaving.pop(rec.seq, None)
             if nbytes is not None:
                 self._leaving_bytes[rec.tier] -= nbytes
-                self._queues[rec.tier].appendleft(weakref.ref(rec))
+                self._enqueue(rec, rec.tier, oldest=True)
 
     def died(self, tier: int, nbytes: int, seq: int) -> None:
         """The record ``seq`` of ``tier`` died (if over() had handed it out, it is not
@@ -186,3 +227,5 @@ class TierPolicy:
         leaving = self._leaving.pop(seq, None)
         if leaving is not None:
             self._leaving_bytes[tier] -= leaving
+        self._kept.discard(seq)
+        self._went_stale(tier)

@@ -86,6 +86,38 @@ def test_kept_records_are_never_offered_again_and_readmitted_ones_come_first() -
     assert policy.over(DEVICE) == []  # a was kept
 
 
+def test_a_record_taken_then_kept_is_never_offered_again() -> None:
+    """take() (a record that must leave) leaves its entry in the queue; once the
+    demotion failed and the record was kept, over() must not hand it out again."""
+    policy = TierPolicy(0, None)
+    a = Rec(0)
+    policy.admit(a)
+    assert policy.take(a, force=True)
+    policy.keep(a, DEVICE)  # e.g. its write found the disk full
+    assert policy.over(DEVICE) == []
+
+
+@pytest.mark.parametrize(("device_budget", "host_budget"), [(0, None), (1 << 40, 0)])
+def test_the_queues_follow_the_live_records_not_every_record_packed(
+    device_budget: int, host_budget: int | None
+) -> None:
+    """NOTE [tiers]: a tier never over its budget (or with none) never pops its queue;
+    dead and moved entries must not pile up over a long run."""
+    policy = TierPolicy(device_budget, host_budget)
+    for step in range(200):
+        live = [Rec(step * 50 + i) for i in range(50)]
+        for r in live:
+            policy.admit(r)
+            for moved in policy.over(DEVICE):
+                policy.demote(moved, HOST)
+        for r in live:
+            policy.died(r.tier, r.nbytes, r.seq)
+        del live, r
+    assert policy.bytes == [0, 0, 0]
+    assert len(policy._queues[DEVICE]) + len(policy._queues[HOST]) <= 200
+    assert not policy._kept
+
+
 def test_no_limit_demotes_nothing_and_deaths_are_subtracted() -> None:
     policy = TierPolicy(0, None)
     r = Rec(0)
