@@ -772,6 +772,7 @@ class OffloadEngine:
                         self._plan.unpacked(packed, current_group_key())
             return packed.unpack()
         if isinstance(packed, Wrapped):
+            packed.check_version()
             return packed.rebuild(self._unpack(packed.inner))
         if capturing(packed.record.device):
             # NOTE [capture mode]: a span still where autograd wants it, with no copy to

@@ -214,7 +214,7 @@ def is_dtensor(t: torch.Tensor) -> bool:
 class Wrapped:
     """A DTensor's packed local tensor and what rebuilds the wrapper around it."""
 
-    __slots__ = ("cls", "inner", "mesh", "placements", "shape", "stride")
+    __slots__ = ("cls", "inner", "mesh", "owner", "placements", "shape", "stride", "version")
 
     def __init__(self, t: torch.Tensor, inner: object) -> None:
         self.cls = type(t)
@@ -223,6 +223,18 @@ class Wrapped:
         self.placements = t.placements  # type: ignore[attr-defined]
         self.shape = t.shape
         self.stride = t.stride()
+        # NOTE [version check]: an in-place op on a DTensor moves the wrapper's version
+        # counter, not its local tensor's; the wrapper is held weakly (a 0-element probe
+        # of a DTensor would still hold the local tensor).
+        self.owner = weakref.ref(t)
+        self.version = t._version
+
+    def check_version(self) -> None:
+        """Raise autograd's in-place error if the DTensor changed since it was saved."""
+        owner = self.owner()
+        if owner is not None and owner._version != self.version:
+            what = f"a {self.cls.__name__} of shape {list(self.shape)}"
+            raise version_error(what, owner._version, self.version)
 
     def rebuild(self, local: torch.Tensor) -> torch.Tensor:
         """The DTensor around ``local``, as it was saved."""

@@ -64,6 +64,26 @@ def test_dtensor_local_tensors_are_offloaded_and_rebuilt(save_dir: Path, mesh: A
         assert a.grad.placements == b.grad.placements
 
 
+@pytest.mark.parametrize("written", [False, True])
+def test_a_dtensor_changed_in_place_after_its_save_raises(
+    save_dir: Path, mesh: Any, written: bool
+) -> None:
+    """NOTE [version check]: the in-place op moves the DTensor's version counter, not its
+    local tensor's; plain autograd raises, and so must the engine, written or not."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    w = distribute_tensor(torch.randn(64, 64), mesh, [Replicate()]).requires_grad_()
+    x = distribute_tensor(torch.randn(64, 64), mesh, [Replicate()])
+    with engine_with_hooks(save_dir, chunk_bytes=4096) as engine:
+        h = x @ w
+        loss = (h @ w).sum()  # saves h
+        if written:
+            engine.flush()
+        h.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
 class _Tagged(torch.Tensor):
     """A subclass the engine cannot rebuild."""
 
