@@ -49,6 +49,15 @@ lifetimes and the errors that IO threads report.
 # error is stored and raised as OffloadIOError at the next pack or unpack call,
 # or at context exit. A failed read raises OffloadIOError at the unpack that
 # needed it, naming the tensor and chaining the OSError.
+#
+# NOTE [fork]
+# A process forked while an engine is active (a DataLoader worker started with
+# "fork") inherits the hooks in its main thread, but none of the engine's
+# threads, and the slab files and free lists it shares with the parent. So in
+# the child every engine keeps what it is given in memory (no stats: a lock a
+# parent thread held at the fork stays held), an unpack of a tensor the parent
+# offloaded raises OffloadError instead of waiting for IO threads that do not
+# exist, and close only marks the engine closed.
 """
 
 from __future__ import annotations
@@ -58,6 +67,7 @@ import collections
 import contextlib
 import functools
 import logging
+import os
 import threading
 import warnings
 import weakref
@@ -166,6 +176,19 @@ _OFFLOAD_AS_SAVE = {
 }
 
 
+# NOTE [fork]: every engine alive, to mark in a forked child.
+_ENGINES: weakref.WeakSet[OffloadEngine] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for engine in list(_ENGINES):
+        engine._forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class OffloadEngine:
     """The state of one offload context; its ``pack``/``unpack`` are the hooks.
 
@@ -193,6 +216,7 @@ class OffloadEngine:
                 f"got {config.target!r}; use offload_context(None) to disable offloading."
             )
         self.config = config
+        self._forked = False  # NOTE [fork]
         # NOTE [targets]: "cpu" keeps host copies in records; "disk" writes them to slabs.
         self._store: SlabStore | None = None
         if config.target == "disk":
@@ -298,6 +322,7 @@ class OffloadEngine:
         # kept, offloaded and recomputed, and the decider recompute= installed (if any).
         self._ckpt_stats = CheckpointStats()
         self._decider: AutoDecider | RecordingDecider | None = None
+        _ENGINES.add(self)  # NOTE [fork]
 
     # -- public -----------------------------------------------------------------------------
 
@@ -376,6 +401,8 @@ class OffloadEngine:
             return self._pack(t)
 
     def _pack(self, t: torch.Tensor) -> Any:
+        if self._forked:  # NOTE [fork]
+            return Kept(t)
         if capturing():
             # Before anything else, for every tensor (NOTE [capture mode]): settling
             # copies queries events and enforcing budgets issues copies, either of
@@ -737,6 +764,13 @@ class OffloadEngine:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Saved-tensor unpack hook: the tensor that ``pack`` was given, restored."""
+        if self._forked and not isinstance(packed, Kept):  # NOTE [fork]
+            raise OffloadError(
+                "prefetch_offload: this process was forked from the one that offloaded this "
+                "saved tensor, and the offloaded bytes belong to the parent; run the "
+                "backward in the process that ran the forward (tensors saved in this "
+                "process stay in memory here)."
+            )
         with profiler_range("prefetch_offload::unpack"):
             return self._unpack(packed)
 
@@ -974,6 +1008,9 @@ class OffloadEngine:
         Raises a stored worker error if ``raise_errors``, else warns with it.
         """
         if self._closed:
+            return
+        if self._forked:  # NOTE [fork]: no IO threads here, and the files are the parent's
+            self._closed = True
             return
         self._wait_writes()
         with self._lock:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from prefetch_offload import (
     OffloadEngine,
+    OffloadError,
     OffloadFallbackWarning,
     OffloadIOError,
     offload_context,
@@ -573,3 +576,46 @@ def test_a_pack_waiting_at_the_write_cap_submits_another_pack_s_open_batch(
         assert engine.stats().tensors_offloaded == 3
         for name, t in (("first", first), ("big", big), ("small", small)):
             assert torch.equal(engine.unpack(kept[name]), t)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_trains_in_memory_and_refuses_the_parent_s_records(
+    save_dir: Path,
+) -> None:
+    """NOTE [fork]: the child inherits the hooks but no IO threads and the parent's
+    files; a pack there must not wait on them, nor an unpack read them."""
+    x = torch.randn(1 << 12, requires_grad=True)
+    with engine_with_hooks(save_dir, io_workers=1) as engine:
+        parent_loss = (x * 2).exp().sum()  # saved in the parent, offloaded
+        engine.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 only if every check holds
+            status = 1
+            try:
+                torch.set_num_threads(1)
+                y = torch.randn(64, requires_grad=True)
+                (y * 3).sin().sum().backward()  # packs and unpacks in memory
+                ok = torch.equal(y.grad, 3 * (3 * y.detach()).cos())
+                try:
+                    parent_loss.backward()
+                except OffloadError as exc:
+                    ok = ok and "forked" in str(exc)
+                else:
+                    ok = False
+                engine.close()  # returns: no IO threads to wait for
+                status = 0 if ok else 2
+            finally:
+                os._exit(status)
+        deadline = time.monotonic() + 60
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child hung")
+            time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(status) == 0
+        parent_loss.backward()  # the parent's records are untouched
+        assert torch.equal(x.grad, 2 * (2 * x.detach()).exp())
