@@ -13,12 +13,37 @@ Public API (everything else is internal and may change):
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .config import OffloadConfig, validate_offload_config
-from .context import OffloadContext, offload_context, offload_context_from_config
-from .engine import OffloadEngine
 from .errors import OffloadError, OffloadFallbackWarning, OffloadIOError
-from .recompute import RecomputePlan
 from .stats import OffloadStats
+
+if TYPE_CHECKING:
+    from .context import OffloadContext, offload_context, offload_context_from_config
+    from .engine import OffloadEngine
+    from .recompute import RecomputePlan
+
+# Imported on first use: the configuration, its check and the errors need no torch
+# (a CLI's --help, a CI job validating a trainer's setting).
+_LAZY = {
+    "OffloadContext": "context",
+    "offload_context": "context",
+    "offload_context_from_config": "context",
+    "OffloadEngine": "engine",
+    "RecomputePlan": "recompute",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "OffloadConfig",

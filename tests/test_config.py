@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -157,3 +159,23 @@ def test_fuzzed_config_is_valid_or_rejected_cleanly(kwargs: dict[str, Any]) -> N
         return
     assert cfg.prefetch_depth >= 0 and cfg.io_workers >= 1
     assert cfg.target != "disk" or cfg.save_dir
+
+
+def test_the_configuration_and_its_check_import_without_torch() -> None:
+    """As the per-tensor implementation this replaces: a CI job or a CLI's --help can
+    check a trainer's setting where torch is not installed."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from prefetch_offload import OffloadConfig, OffloadError, validate_offload_config\n"
+        "assert validate_offload_config(None, 'transformers', 'cuda', None) == []\n"
+        "assert validate_offload_config('disk', 'transformers', 'cuda', None)\n"
+        "OffloadConfig(target='disk', save_dir='acts')\n"
+        "import prefetch_offload\n"
+        "try:\n"
+        "    prefetch_offload.offload_context\n"
+        "except ImportError:\n"
+        "    print('torch needed for the hooks')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "torch needed for the hooks"
