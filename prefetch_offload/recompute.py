@@ -181,7 +181,8 @@ class OpDecision:
 
     # The op overload, e.g. "aten.mm.default".
     op: str
-    # "recompute", "offload", "keep" (saved in device memory), or "mixed".
+    # "recompute", "offload", "keep" (saved in device memory), "mixed", or "whole" (no
+    # block is checkpointed: autograd saves it, and the engine keeps or moves it).
     choice: str
     # Output bytes per step and positions (one per op call in a block class).
     bytes_per_step: int
@@ -233,10 +234,9 @@ class RecomputePlan:
                 f"{m['blocks_plain']:.0f} checkpointed plainly, "
                 f"{m['blocks_selective']:.0f} selectively (the ops below)"
             )
-        if self.measured:
-            lines.append(
-                "  measured: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(self.measured.items()))
-            )
+        if self.measured:  # (a bandwidth with nothing moved is unmeasured: left out)
+            shown = sorted((k, v) for k, v in self.measured.items() if math.isfinite(v))
+            lines.append("  measured: " + ", ".join(f"{k}={v:.4g}" for k, v in shown))
         lines.append(
             f"  {'op':<36} {'choice':<10} {'MiB/step':>9} {'compute s':>10} {'move s':>9}  why"
         )
@@ -813,10 +813,15 @@ class AutoDecider:
             for p in positions:
                 totals[_choice_name(self._plan[p])] += round(self._obs[p].nbytes * share)
             reasons = sorted({self._reasons[p][0] for p in positions})
+            choice = choices.pop() if len(choices) == 1 else "mixed"
+            if share == 0:  # no block checkpointed: what autograd saves goes to the engine
+                choice = "whole"
+                if not self.measured.get("offload_alone"):
+                    reasons = ["every block whole: device_budget keeps what they save"]
             ops.append(
                 OpDecision(
                     kind,
-                    choices.pop() if len(choices) == 1 else "mixed",
+                    choice,
                     nbytes,
                     len(positions),
                     seconds_per_step=sum(self._obs[p].total_s for p in positions) * share,

@@ -231,6 +231,19 @@ def test_the_newest_blocks_the_budget_keeps_anyway_run_whole() -> None:
     assert plan.measured["blocks_whole"] == 2 and "2 whole" in str(plan)
 
 
+def test_a_budget_that_keeps_every_block_whole_says_so_per_op() -> None:
+    """No block checkpointed: no op is recomputed or stored by a checkpoint, and the
+    plan's rows say so rather than a choice that does not act; a bandwidth nothing
+    measured is left out of the text."""
+    decider = _plan(3.0, 2.5, blocks=3, budget=1000, saved=100, dispatch_s=0.5)
+    assert [decider.mode("Block", b) for b in range(3)] == [WHOLE] * 3
+    plan = decider.plan()
+    assert {d.choice for d in plan.ops} == {"whole"}
+    assert plan.bytes_recomputed == plan.bytes_offloaded == 0
+    text = str(plan)
+    assert "device_budget keeps what they save" in text and "inf" not in text
+
+
 def test_profile_times_are_medians_over_blocks() -> None:
     """One block of four was slow in the offload-all step (another process had the
     cores): the median block leaves it out."""
@@ -423,6 +436,7 @@ def test_auto_is_bit_identical_and_plans_once(
     assert plan is not None and plan.mode == "auto" and plan.plans_made == 1
     if plan.measured["offload_alone"]:  # every block whole: nothing checkpointed
         assert alone and plan.bytes_recomputed == stats.step_bytes_recomputed == 0
+        assert {d.choice for d in plan.ops} == {"whole"}
         assert plan.measured["step_whole_s"] < plan.measured["step_checkpointed_s"]
         return
     assert plan.bytes_recomputed > 0
