@@ -49,7 +49,7 @@ _UNITS = {
     "gib": 1 << 30,
     "tib": 1 << 40,
 }
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*")
 
 
 def parse_bytes(name: str, value: object) -> int:
@@ -293,7 +293,12 @@ class OffloadConfig:
                 )
             object.__setattr__(self, "prefetch_bytes", prefetch_bytes)
         if self.heap_trim_bytes is not None and self.heap_trim_bytes != "auto":
-            heap_trim_bytes = parse_bytes("heap_trim_bytes", self.heap_trim_bytes)
+            try:
+                heap_trim_bytes = parse_bytes("heap_trim_bytes", self.heap_trim_bytes)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(
+                    f'{exc} heap_trim_bytes also takes "auto" (the default) or None (never trim).'
+                ) from None
             if heap_trim_bytes == 0:
                 raise ValueError(
                     "prefetch_offload: heap_trim_bytes must be > 0; use None to never give "

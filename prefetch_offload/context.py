@@ -104,6 +104,11 @@ class OffloadContext:
     """
 
     def __init__(self, config: OffloadConfig) -> None:
+        if not isinstance(config, OffloadConfig):
+            raise TypeError(
+                f"prefetch_offload: OffloadContext takes an OffloadConfig, got "
+                f"{type(config).__name__}; for a mapping use offload_context_from_config()."
+            )
         self.config = config
         self._engine: OffloadEngine | _NullEngine | None = None
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None

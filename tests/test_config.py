@@ -179,3 +179,17 @@ def test_the_configuration_and_its_check_import_without_torch() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "torch needed for the hooks"
+
+
+def test_byte_sizes_take_ascii_digits_and_heap_trim_bytes_names_its_words() -> None:
+    with pytest.raises(ValueError, match="not a byte size"):
+        OffloadConfig(target="cpu", device_budget="\u0661\u0662\u0663")  # Arabic-Indic 123
+    with pytest.raises(ValueError, match='"auto" \\(the default\\) or None'):
+        OffloadConfig(target="cpu", heap_trim_bytes="AUTO")
+
+
+def test_offload_context_class_takes_a_config_not_a_mapping() -> None:
+    from prefetch_offload import OffloadContext
+
+    with pytest.raises(TypeError, match="offload_context_from_config"):
+        OffloadContext({"target": "cpu"})  # type: ignore[arg-type]
