@@ -393,10 +393,22 @@ def _checkpointed(
             if how == WHOLE:
                 out = inner(*args, **kwargs)
             else:
-                # The block's keywords go in as one positional dict: checkpoint would
-                # take those it shares a name with (debug, preserve_rng_state, ...), and
-                # it saves the RNG state of the devices of its positional tensors only.
-                out = checkpoint(_call, inner, args, kwargs, use_reentrant=False, **extra)
+                # Every argument, keywords too, goes in positionally and on its own:
+                # checkpoint would take keywords it shares a name with (debug,
+                # preserve_rng_state, ...), saves the RNG state of the devices of its
+                # positional tensors only, and saves (through the hooks, with their
+                # version check) only tensors passed directly, not inside a container.
+                names = tuple(kwargs)
+                out = checkpoint(
+                    _call,
+                    inner,
+                    len(args),
+                    names,
+                    *args,
+                    *kwargs.values(),
+                    use_reentrant=False,
+                    **extra,
+                )
         finally:
             stack.pop()
             if calls is not None:
@@ -409,8 +421,9 @@ def _checkpointed(
     return _BlockForward(forward, module, own)
 
 
-def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return fn(*args, **kwargs)
+def _call(fn: Callable[..., Any], positional: int, names: tuple[str, ...], *flat: Any) -> Any:
+    """``fn`` called with ``flat``'s first ``positional`` values, then the rest by name."""
+    return fn(*flat[:positional], **dict(zip(names, flat[positional:], strict=True)))
 
 
 class _BlockForward:

@@ -273,3 +273,45 @@ def test_blocks_wrapped_again_on_another_thread_refuse_the_first_restore() -> No
     second.restore()
     first.restore()
     assert not any("forward" in block.__dict__ for block in model)
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor | None = None) -> torch.Tensor:
+        h = torch.tanh(self.lin(x))
+        return x + (h if scale is None else h * scale)
+
+
+@pytest.mark.parametrize("by_keyword", [False, True])
+def test_each_checkpointed_block_s_inputs_reach_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, by_keyword: bool
+) -> None:
+    """recompute="full": the checkpoint saves each block's tensor arguments, keywords
+    included, through the hooks (what offload moves, with autograd's version check);
+    nothing else of the blocks is saved in forward."""
+    from prefetch_offload import OffloadEngine
+
+    seen: list[tuple[int, ...]] = []
+    real = OffloadEngine.pack
+
+    def pack(self: OffloadEngine, t: torch.Tensor) -> Any:
+        seen.append(tuple(t.shape))
+        return real(self, t)
+
+    monkeypatch.setattr(OffloadEngine, "pack", pack)
+    torch.manual_seed(0)
+    model = nn.ModuleList(_Residual() for _ in range(3))
+    x = torch.randn(8, 32, requires_grad=True)
+    scale = torch.full((1, 32), 0.5)
+    with offload_context("disk", str(tmp_path), model=model, recompute="full"):
+        h = x
+        for block in model:
+            h = block(x=h, scale=scale) if by_keyword else block(h)
+        assert seen == [(8, 32), (1, 32)] * 3 if by_keyword else seen == [(8, 32)] * 3
+        with torch.no_grad():
+            x.mul_(1)  # a block input changed in place after it was saved
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            h.sum().backward()
