@@ -463,7 +463,9 @@ def test_offloaded_outputs_serve_a_second_backward(
         got = twice(model, steps, engine.flush)
         stats = engine.stats()
     assert _same(ref, got)
-    assert stats.step_bytes_offloaded > 0 and stats.bytes_read > 0
+    assert stats.bytes_read > 0
+    if recompute == "policy":  # (auto's plan may end plain; its profile offloaded all)
+        assert stats.step_bytes_offloaded > 0
 
 
 def test_a_policy_that_returns_something_else_is_a_type_error(tmp_path: Path) -> None:
