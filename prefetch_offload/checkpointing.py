@@ -100,6 +100,7 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from .blocks import current_block, current_call
 from .errors import OffloadError
+from .packed import view_span
 from .streams import capturing
 
 __all__ = [
@@ -159,6 +160,16 @@ def output_bytes(out: Any) -> int:
 
 
 _TO_COPY = torch.ops.aten._to_copy.default
+
+
+def _plain(x: Any) -> bool:
+    """A strided tensor of torch's own with memory to compare (a wrapper subclass such
+    as DTensor has none of its own: its version counter is what sees a change)."""
+    return (
+        isinstance(x, torch.Tensor)
+        and (type(x) is torch.Tensor or type(x) is torch.nn.Parameter)
+        and x.layout == torch.strided
+    )
 
 
 def _cached_cast(func: Any, args: Any) -> bool:
@@ -299,6 +310,9 @@ class CheckpointStats:
 
 
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_keeps_graph: Callable[[], bool] = getattr(
+    torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True
+)
 _RECOMPUTE = object()
 _CONSUMED = object()
 _MISMATCH = (
@@ -420,7 +434,7 @@ class _Saving(_Mode):
         self.block = current_block() or ("", -1)
         # NOTE [cache entry mutation]: storage address -> (the storage, weakly, the key
         # of a stored output over it).
-        self.memory: dict[int, list[tuple[weakref.ref[Any], Any]]] = {}
+        self.memory: dict[int, list[tuple[weakref.ref[Any], int, int, Any]]] = {}
 
     def _block(self) -> tuple[str, int]:
         return self.block
@@ -433,22 +447,26 @@ class _Saving(_Mode):
 
     def _remember(self, key: Any, out: Any) -> None:
         for x in torch.utils._pytree.tree_leaves(out):
-            if isinstance(x, torch.Tensor) and x.layout == torch.strided:
+            if _plain(x):
                 storage = x.untyped_storage()
+                start, nbytes = view_span(x)
                 entries = self.memory.setdefault(storage.data_ptr(), [])
-                entries.append((weakref.ref(storage), key))
+                entries.append((weakref.ref(storage), start, start + nbytes, key))
 
     def _writes(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        """NOTE [cache entry mutation]: a stored output over memory this op writes is
+        """NOTE [cache entry mutation]: a stored output whose bytes this op writes is
         recomputed instead, or (``MUST_*``) raises at its recompute."""
         for t in _written(func, args, kwargs):
-            if t.layout != torch.strided:
+            if not _plain(t):
                 continue
             storage = t.untyped_storage()
-            for ref, key in self.memory.get(storage.data_ptr(), ()):
+            start, nbytes = view_span(t)
+            for ref, lo, hi, key in self.memory.get(storage.data_ptr(), ()):
                 entry = self.storage.get(key)
                 if ref() is not storage or not isinstance(entry, _Entry):
                     continue
+                if start >= hi or start + nbytes <= lo:
+                    continue  # another part of the same memory
                 if entry.must:
                     entry.changed = True
                 else:  # its value (an engine record too) goes now
@@ -553,9 +571,9 @@ class _Restoring(_Mode):
             )
         if entry is _RECOMPUTE:
             return self._call(func, args, kwargs)
-        if entry.mode == 0:  # in memory: let go once used. An offloaded one keeps its
-            self.storage[(func, count)] = _CONSUMED  # handle, which holds no memory,
-            # for a second backward (retain_graph=True), as the engine's records are
+        if entry.mode == 0 or not _keeps_graph():  # let go once used; an offloaded one
+            self.storage[(func, count)] = _CONSUMED  # stays for a second backward where
+            # this one keeps the graph (retain_graph=True), as the engine's records do
         block = self.block()
         self.decider.consumed((block[0], block[1], func, count))
         if draws_random(func, args, kwargs):  # NOTE [random ops]

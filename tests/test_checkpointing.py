@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from prefetch_offload import OffloadError, offload_context
-from prefetch_offload.checkpointing import draws_random
+from prefetch_offload.checkpointing import CheckpointStats, PolicyDecider, draws_random
 from prefetch_offload.testing import TinyTransformer, make_batch, warm_up_unary_ops
 
 P = CheckpointPolicy
@@ -326,6 +326,66 @@ def test_a_must_output_written_later_in_the_forward_raises(
         loss = model(x).sum()
         with pytest.raises(OffloadError, match="through a tensor over the same memory"):
             loss.backward()
+
+
+def test_only_a_write_over_a_stored_output_s_bytes_counts() -> None:
+    """NOTE [cache entry mutation]: the bytes written are compared with the stored
+    output's, not only the storage (a preallocated buffer holds other things too)."""
+    from prefetch_offload.checkpointing import _Saving
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return P.PREFER_SAVE
+
+    stats = CheckpointStats()
+    storage: dict[Any, Any] = {}
+    saving = _Saving(PolicyDecider(policy), None, storage, stats)
+    buffer = torch.zeros(16)
+    first, second, middle = buffer[:8], buffer[8:], buffer[4:12]
+    with saving:
+        torch.ops.aten.alias.default(first)  # a stored output over bytes 0-31
+    (key,) = storage
+    with saving:
+        second.add_(1)  # beside it
+    assert storage[key] is not _recompute_mark()
+    with saving:
+        middle.add_(1)  # over half of it
+    assert storage[key] is _recompute_mark()
+
+
+def _recompute_mark() -> Any:
+    from prefetch_offload import checkpointing
+
+    return checkpointing._RECOMPUTE
+
+
+def test_a_wrapper_subclass_in_a_selective_block_is_left_to_its_version_counter(
+    tmp_path: Path,
+) -> None:
+    """A tensor subclass (as DTensor) has no memory of its own to compare: the write
+    check passes over it instead of failing on its storage."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return P.PREFER_SAVE if op is torch.ops.aten.mm.default else P.PREFER_RECOMPUTE
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = (x @ w) * 1.5
+        h.mul_(2)
+        return h.sum()
+
+    x = two_tensor.TwoTensor(torch.randn(3, 4), torch.randn(3, 4)).requires_grad_()
+    f(x).backward()
+    want, w.grad = w.grad.clone(), None
+    with offload_context("disk", str(tmp_path)) as engine:
+        out = checkpoint(
+            f,
+            x,
+            use_reentrant=False,
+            context_fn=functools.partial(engine.checkpoint_context_fn, policy),
+        )
+        out.backward()
+    assert torch.equal(w.grad, want)
 
 
 def test_auto_recomputes_what_the_forward_writes_later(
