@@ -68,7 +68,9 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 # checkpoint the user put around several blocks. It must save what that
 # forward saved, so it runs in the mode the block's last forward outside
 # backward had, and the caller is neither asked nor told (its steps and
-# timings are the forward's).
+# timings are the forward's). Under a reentrant checkpoint the forward runs
+# without grad and so is not seen: its recompute is the block's first run with
+# grad, asked and told as a forward.
 """
 
 from __future__ import annotations
@@ -351,7 +353,9 @@ def _checkpointed(
     own = module.__dict__.get("forward")  # a forward of the block's own, if any
     inner = own if own is not None else type(module).forward.__get__(module)
     kind = type(module).__name__
-    last = [SELECTIVE]  # NOTE [block modes]: the mode of the last forward outside backward
+    # NOTE [block modes]: the mode of the last forward outside backward (None: no such
+    # forward yet, as under a reentrant checkpoint, whose forward runs without grad).
+    last: list[str | None] = [None]
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if getattr(module, "gradient_checkpointing", False):  # NOTE [double checkpointing]
@@ -372,12 +376,15 @@ def _checkpointed(
                 return inner(*args, **kwargs)
             fn = compiled  # type: ignore[assignment]
         elif modes is not None:  # NOTE [block modes]
-            replay = _graph_task_id() >= 0
+            in_backward = _graph_task_id() >= 0
+            replay = in_backward and last[0] is not None
             if replay:
-                how = last[0]
+                how = last[0]  # type: ignore[assignment]
             else:
-                how = last[0] = modes.mode(kind, index)
+                how = modes.mode(kind, index)
                 modes.entered(kind, index)
+                if not in_backward:
+                    last[0] = how
         extra: dict[str, Any] = {}
         if fn is not None and how == SELECTIVE:
             extra["context_fn"] = fn

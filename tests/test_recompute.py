@@ -458,10 +458,11 @@ class _DropBlock(nn.Module):
 class _CheckpointsItsLayers(nn.Module):
     """A model that puts its own non-reentrant checkpoint around all its layers."""
 
-    def __init__(self) -> None:
+    def __init__(self, reentrant: bool = False) -> None:
         super().__init__()
         self.layers = nn.ModuleList(_DropBlock() for _ in range(3))
         self.head = nn.Linear(32, 32)
+        self.reentrant = reentrant
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -469,21 +470,23 @@ class _CheckpointsItsLayers(nn.Module):
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False))
+        ckpt = torch.utils.checkpoint.checkpoint
+        return self.head(ckpt(self.body, x, use_reentrant=self.reentrant))
 
 
-@pytest.mark.parametrize("how", ["auto", "selective", "full"])
+@pytest.mark.parametrize("how", ["auto", "selective", "full", "auto-reentrant"])
 def test_blocks_inside_the_model_s_own_checkpoint_replay_their_forward(
     tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """NOTE [block modes]: the outer checkpoint's recompute runs each block's forward
     again inside backward; it runs as that forward did, and the plan's steps do not
-    move (profiling, then the plan, bit-identical with dropout)."""
+    move (profiling, then the plan, bit-identical with dropout). Under a reentrant one
+    the forward runs without grad: the recompute is the blocks' step, and plans."""
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
     if how == "selective":
         monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", 0.0)  # selective on a toy
     torch.manual_seed(0)
-    ref_model = _CheckpointsItsLayers()
+    ref_model = _CheckpointsItsLayers(reentrant=how == "auto-reentrant")
     model = copy.deepcopy(ref_model)
 
     def grads(m: nn.Module) -> list[list[torch.Tensor]]:
