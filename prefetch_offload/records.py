@@ -248,12 +248,21 @@ class Wrapped:
         )
 
 
+# One 0-element tensor per dtype and device, which every probe's data is (version_probe;
+# ``.data =`` keeps the probe's own counter).
+_EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
 def version_probe(t: torch.Tensor) -> torch.Tensor | None:
     """A 0-element tensor sharing ``t``'s version counter and none of its memory (NOTE
     [version check]); None where this tensor type refuses new data."""
     probe = t.detach()
+    key = (t.dtype, t.device)
+    empty = _EMPTY.get(key)
+    if empty is None:
+        empty = _EMPTY[key] = torch.empty(0, dtype=t.dtype, device=t.device)
     try:
-        probe.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        probe.data = empty
     except (RuntimeError, TypeError):
         return None
     return probe

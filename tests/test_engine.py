@@ -355,9 +355,11 @@ def test_the_version_probe_holds_no_memory_and_shares_the_counter() -> None:
     del t
     gc.collect()
     assert storage() is not None  # the alias keeps it, not the probe
-    before = probe._version
+    other = version_probe(torch.randn(8))  # its data is the same 0-element tensor
+    assert other is not None
+    before, other_before = probe._version, other._version
     alias.add_(1)
-    assert probe._version == before + 1
+    assert probe._version == before + 1 and other._version == other_before
     del alias
     gc.collect()
     assert storage() is None
