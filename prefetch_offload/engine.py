@@ -54,10 +54,12 @@ lifetimes and the errors that IO threads report.
 # A process forked while an engine is active (a DataLoader worker started with
 # "fork") inherits the hooks in its main thread, but none of the engine's
 # threads, and the slab files and free lists it shares with the parent. So in
-# the child every engine keeps what it is given in memory (no stats: a lock a
-# parent thread held at the fork stays held), an unpack of a tensor the parent
-# offloaded raises OffloadError instead of waiting for IO threads that do not
-# exist, and close only marks the engine closed.
+# the child every engine keeps what it is given in memory, an unpack of a
+# tensor the parent offloaded raises OffloadError instead of waiting for IO
+# threads that do not exist, and close only marks the engine closed. Nothing
+# there takes an engine lock (a parent thread may have held one at the fork,
+# held in the child for good): no stats (all zero) and no learned order, and
+# the finalizers that would close the parent's files at exit are detached.
 """
 
 from __future__ import annotations
@@ -183,6 +185,8 @@ _ENGINES: weakref.WeakSet[OffloadEngine] = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     for engine in list(_ENGINES):
         engine._forked = True
+        for finalizer in engine._finalizers:  # at exit they would take the parent's locks
+            finalizer.detach()
 
 
 if hasattr(os, "register_at_fork"):
@@ -217,6 +221,7 @@ class OffloadEngine:
             )
         self.config = config
         self._forked = False  # NOTE [fork]
+        self._finalizers: list[weakref.finalize[Any, Any]] = []
         # NOTE [targets]: "cpu" keeps host copies in records; "disk" writes them to slabs.
         self._store: SlabStore | None = None
         if config.target == "disk":
@@ -228,7 +233,7 @@ class OffloadEngine:
                 io_method=config.io_method,
                 disk_bytes_limit=config.disk_bytes_limit,
             )
-            self._finalizer = weakref.finalize(self, self._store.close)
+            self._finalizers.append(weakref.finalize(self, self._store.close))
         self._device = device or default_device_layer(
             config.target, max_inflight_bytes=config.max_inflight_copy_bytes
         )
@@ -288,7 +293,7 @@ class OffloadEngine:
         if pool is None:
             pool = ThreadIOPool(config.io_workers) if self._store is not None else InlineIOPool()
         # An engine dropped without close() (built directly) still stops its threads.
-        weakref.finalize(self, pool.shutdown, wait=False)
+        self._finalizers.append(weakref.finalize(self, pool.shutdown, wait=False))
         # Later unpacks of a graph used after exit read synchronously.
         pool = self._pool = InlineAfterShutdown(pool)
         self._writer: WritePath | None = None
@@ -337,7 +342,10 @@ class OffloadEngine:
         return self._closed
 
     def stats(self) -> OffloadStats:
-        """A snapshot of the counters (see :class:`OffloadStats`)."""
+        """A snapshot of the counters (see :class:`OffloadStats`); all zero in a forked
+        child (NOTE [fork])."""
+        if self._forked:
+            return OffloadStats()
         self._drain_dead()
         store = self._store
         if store is not None:
@@ -764,7 +772,9 @@ class OffloadEngine:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Saved-tensor unpack hook: the tensor that ``pack`` was given, restored."""
-        if self._forked and not isinstance(packed, Kept):  # NOTE [fork]
+        if self._forked:  # NOTE [fork]: no bookkeeping (its locks may be held for good)
+            if isinstance(packed, Kept):
+                return packed.unpack()
             raise OffloadError(
                 "prefetch_offload: this process was forked from the one that offloaded this "
                 "saved tensor, and the offloaded bytes belong to the parent; run the "

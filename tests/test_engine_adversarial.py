@@ -619,3 +619,50 @@ def test_a_forked_child_trains_in_memory_and_refuses_the_parent_s_records(
         assert os.waitstatus_to_exitcode(status) == 0
         parent_loss.backward()  # the parent's records are untouched
         assert torch.equal(x.grad, 2 * (2 * x.detach()).exp())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_takes_no_lock_a_parent_thread_held_at_the_fork(save_dir: Path) -> None:
+    """NOTE [fork]: an IO thread holds the engine's lock when the main thread forks; in
+    the child, the parent's placeholder (a small saved tensor), leaving the context and
+    the interpreter's exit must not wait for it."""
+    x = torch.randn(64, requires_grad=True)
+    ctx = offload_context("disk", str(save_dir), min_offload_bytes=1 << 16)
+    engine = ctx.__enter__()
+    try:
+        loss = (x * 2).exp().sum()  # under min_offload_bytes: a placeholder in the order
+        held, release = threading.Event(), threading.Event()
+
+        def holder() -> None:  # an IO thread inside the engine's lock at the fork
+            with engine._lock, engine._store._lock, engine._stats._lock:
+                held.set()
+                release.wait(30)
+
+        thread = threading.Thread(target=holder)
+        thread.start()
+        assert held.wait(10)
+        pid = os.fork()
+        if pid == 0:
+            status = 1
+            try:
+                torch.set_num_threads(1)
+                loss.backward()
+                ctx.__exit__(None, None, None)  # the summary reads the stats
+                ok = torch.equal(x.grad, 2 * (2 * x.detach()).exp())
+                # What interpreter exit would run: nothing that closes the parent's files.
+                ok = ok and not any(f.alive for f in engine._finalizers)
+                status = 0 if ok else 2
+            finally:
+                os._exit(status)
+        release.set()
+        thread.join()
+        deadline = time.monotonic() + 60
+        while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child waited for a lock a parent thread held")
+            time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        ctx.__exit__(None, None, None)
