@@ -36,6 +36,10 @@ _LAZY = {
 }
 
 
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:

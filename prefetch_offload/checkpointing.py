@@ -167,7 +167,7 @@ def _plain(x: Any) -> bool:
     as DTensor has none of its own: its version counter is what sees a change)."""
     return (
         isinstance(x, torch.Tensor)
-        and (type(x) is torch.Tensor or type(x) is torch.nn.Parameter)
+        and (type(x) is torch.Tensor or isinstance(x, torch.nn.Parameter))
         and x.layout == torch.strided
     )
 
@@ -565,9 +565,10 @@ class _Restoring(_Mode):
         if entry is _CONSUMED:
             raise OffloadError(
                 f"prefetch_offload: a selectively checkpointed block was recomputed a second "
-                f"time, and the output of {func} its policy kept in memory (*_SAVE) went with "
-                "the first: do not pass retain_graph=True across it, or let the policy "
-                "offload that output (*_CPU_OFFLOAD), which a second backward reads again."
+                f"time, and the output of {func} it stored went with the first: pass "
+                "retain_graph=True to every backward but the last through it, and let the "
+                "policy offload that output (*_CPU_OFFLOAD) rather than keep it in memory "
+                "(*_SAVE), which serves one recompute only."
             )
         if entry is _RECOMPUTE:
             return self._call(func, args, kwargs)

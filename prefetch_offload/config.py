@@ -6,6 +6,7 @@ a message that names the bad value and says how to fix it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Callable
@@ -208,9 +209,14 @@ class OffloadConfig:
             )
         if save_dir:
             # "~" means the home folder, as in a shell, not a folder named "~" here; a
-            # relative path is the folder it names now, whatever the working directory
-            # is when a later slab file is made.
-            object.__setattr__(self, "save_dir", os.path.abspath(os.path.expanduser(save_dir)))
+            # relative path is the folder it names when the configuration is made,
+            # whatever the working directory is when a later slab file is made (joined,
+            # not normalised: ".." after a symlink means what the OS makes of it).
+            save_dir = os.path.expanduser(save_dir)
+            if not os.path.isabs(save_dir):
+                with contextlib.suppress(OSError):  # no working directory: as given
+                    save_dir = os.path.join(os.getcwd(), save_dir)
+            object.__setattr__(self, "save_dir", save_dir)
         elif save_dir is not None:
             object.__setattr__(self, "save_dir", save_dir)
         if self.target == "disk" and not self.save_dir:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -193,3 +195,28 @@ def test_offload_context_class_takes_a_config_not_a_mapping() -> None:
 
     with pytest.raises(TypeError, match="offload_context_from_config"):
         OffloadContext({"target": "cpu"})  # type: ignore[arg-type]
+
+
+def test_save_dir_paths_are_joined_to_the_working_directory_not_rewritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = tmp_path / "real" / "sub"
+    real.mkdir(parents=True)
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "link").symlink_to(real)
+    given = str(tmp_path / "base" / "link" / ".." / "scratch")
+    assert OffloadConfig(target="disk", save_dir=given).save_dir == given  # absolute: as is
+    monkeypatch.chdir(tmp_path)
+    relative = OffloadConfig(target="disk", save_dir="base/link/../scratch").save_dir
+    assert relative == os.path.join(str(tmp_path), "base/link/../scratch")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()  # no working directory left: the path stays as given
+    assert OffloadConfig(target=None, save_dir="scratch").save_dir == "scratch"
+
+
+def test_the_lazy_names_are_listed() -> None:
+    import prefetch_offload
+
+    assert set(prefetch_offload.__all__) <= set(dir(prefetch_offload))
