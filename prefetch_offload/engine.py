@@ -647,8 +647,7 @@ class OffloadEngine:
             self._stats.add(tensors_offloaded=1, bytes_offloaded=nbytes)
         elif rec.extent is not None:
             self._unskip(rec)
-            assert self._writer is not None
-            self._writer.queue(rec, host, base, fence)
+            self._queue_write(rec, host, base, fence)
 
     def _demote_to_disk(self, rec: Record, tier: int) -> None:
         """Write a memory-tier record's host bytes to a slab (a full disk keeps it)."""
@@ -666,8 +665,23 @@ class OffloadEngine:
             rec.extent = extent
             self._policy.demote(rec, DISK)
         self._unskip(rec)
-        assert self._writer is not None
-        self._writer.queue(rec, *source)
+        self._queue_write(rec, *source)
+
+    def _queue_write(self, rec: Record, *source: Any) -> None:
+        """Queue ``rec``'s write. If that raises before it is queued (an interrupt while
+        it waits at the write cap), the record returns to its memory tier (NOTE [tiers])
+        and its extent is freed: nothing counts it on disk that no write will fill."""
+        assert self._writer is not None and self._store is not None
+        try:
+            self._writer.queue(rec, *source)
+        except BaseException:
+            if not rec.writes_left:
+                with self._lock:
+                    extent, rec.extent = rec.extent, None
+                    self._policy.readmit([rec], DEVICE if rec.host_only else HOST)
+                if extent is not None:
+                    self._store.free(extent)
+            raise
 
     def _note_host_full(self) -> None:
         """Target "cpu" with host_budget exhausted: the tensor stays on its device."""

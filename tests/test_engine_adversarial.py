@@ -30,6 +30,7 @@ from prefetch_offload import (
     OffloadIOError,
     offload_context,
 )
+from prefetch_offload.policy import DISK
 from prefetch_offload.testing import TinyTransformer, make_batch
 
 # -- memory the record no longer watches ---------------------------------------------------
@@ -666,3 +667,34 @@ def test_a_forked_child_takes_no_lock_a_parent_thread_held_at_the_fork(save_dir:
         assert os.waitstatus_to_exitcode(done[1]) == 0
     finally:
         ctx.__exit__(None, None, None)
+
+
+def test_an_interrupt_while_a_write_is_queued_returns_the_record_to_memory(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [tiers]: Ctrl-C lands while a pack waits at the write cap: the record was
+    counted on disk with an extent, but no write will fill it; it goes back to memory,
+    its extent freed, and training after the interrupt is exact."""
+    x = torch.randn(1 << 14, requires_grad=True)
+    with engine_with_hooks(save_dir) as engine:
+        real = engine._writer.queue
+        calls = [0]
+
+        def interrupted(*args: Any) -> None:
+            calls[0] += 1
+            if calls[0] == 1:
+                raise KeyboardInterrupt
+            real(*args)
+
+        monkeypatch.setattr(engine._writer, "queue", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            (x * 2).exp()  # exp saves its output: its write is cut short
+        assert calls[0] == 1
+        assert engine._policy.bytes[DISK] == 0 and engine._store.used_bytes == 0
+        y = (x * 3).exp()
+        loss = y.sum()
+        engine.flush()
+        loss.backward()
+        assert torch.equal(x.grad, 3 * (3 * x.detach()).exp())
+    gc.collect()
+    assert engine.stats().disk_bytes_in_use == 0
