@@ -32,7 +32,8 @@
 # What comes back is at most 8 files (the device machine returns no more): the stages
 # write into a work folder outside OUTDIR, which is packed into OUTDIR/results.tar.gz
 # after every stage and on exit (an EXIT trap), beside OUTDIR/summary.txt (each stage's
-# status and the targets' PASS/FAIL lines) and OUTDIR/rc.txt. Unpack with
+# status and the targets' PASS/FAIL lines), OUTDIR/rc.txt and OUTDIR/live.log (every
+# stage's output as it is printed, there even if a stage is killed). Unpack with
 # tar -xzf results.tar.gz.
 #
 # SUITE_TWIN=1 runs every stage on the CPU at toy sizes through the CUDA path's twin, to
@@ -46,7 +47,8 @@ set -u -o pipefail
 out=${1:-${OUT:-gpu-suite-out}}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # carried wheels kept
+ulimit -c 0  # a stage aborted at its limit must not spend its grace writing a core
 py=${PYTHON:-python3}
 twin=${SUITE_TWIN:-0}
 budget=${SUITE_BUDGET_S:-450}
@@ -62,6 +64,7 @@ case $stages in *,disk,*) stages="${stages}preflight,";; esac
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-suite.XXXXXX")
 failed=0
 : > "$out/rc.txt"
+: > "$out/live.log"
 
 summary() {
   echo "gpu_suite $(date +%FT%T) twin=$twin: ${SECONDS} s of a ${budget} s budget"
@@ -116,10 +119,12 @@ step() {
     record "$name" "no_time"
     return
   fi
+  # live.log: what the running stage printed so far is under $OUT even if it is killed.
   if [ "${STEP_TAIL:-0}" = 1 ]; then
-    timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | tee "$work/$name.txt" | tail -40
+    timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | tee "$work/$name.txt" | tee -a "$out/live.log" \
+      | tail -40
   else
-    timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | tee "$work/$name.txt"
+    timeout -s ABRT -k 10 "$limit" "$@" 2>&1 | tee "$work/$name.txt" | tee -a "$out/live.log"
   fi
   rc=${PIPESTATUS[0]}
   record "$name" "$rc"
@@ -128,7 +133,7 @@ step() {
 
 stage env
 { if [ "$twin" = 1 ]; then echo "SUITE_TWIN=1: CPU twin, toy sizes"; else
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; fi
+    timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; fi
   $py -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
   nproc; uname -a; df -h . | tail -1; } 2>&1 | tee "$work/env.txt"
 # The engine's own floor (prefetch_offload.context.check_torch_version) and numpy: without
@@ -163,10 +168,12 @@ elif ! $py -c "import pytest" 2>/dev/null; then
   echo "tests skipped: no pytest"
   record tests_cuda "skipped (no pytest)"
 else
-  limits=(-o faulthandler_timeout=60)
-  if $py -c "import pytest_timeout" 2>/dev/null; then limits+=(--timeout=90); fi
+  # Each GPU test takes seconds: a hung one is cut at 20 s (its stack dumped at 15), not
+  # left to take the stage; -v puts each test's name on disk as it runs.
+  limits=(-o faulthandler_timeout=15)
+  if $py -c "import pytest_timeout" 2>/dev/null; then limits+=(--timeout=20); fi
   # -W: the pytest configuration names pytest-asyncio's options, unknown without it.
-  STEP_TAIL=1 step tests_cuda 120 $py -X faulthandler -m pytest -q -p no:cacheprovider \
+  STEP_TAIL=1 step tests_cuda 90 $py -X faulthandler -m pytest -v -p no:cacheprovider \
     -W ignore::pytest.PytestConfigWarning -m gpu_only tests/test_cuda.py --maxfail=5 -rs \
     "${limits[@]}"
 fi
@@ -184,12 +191,14 @@ else
   bf16=(--device cuda --width 2048 --depth 4 --heads 16 --vocab 8192 --seq 2048 --batch 4
         --steps 5 --warmup 2)
   disk=("${bf16[@]}")
-  recompute=()
+  # The modes that decide issue 23's targets at one budget (each mode is a process that
+  # builds the model: all eleven would not fit the stage).
+  recompute=(--modes none,offload25,full,full_offload,selective,auto25)
 fi
 
 stage "fp32, compute-bound: none, cpu, save_on_cpu"
 if want fp32 gpu_fp32; then
-  step gpu_fp32 90 $py -X faulthandler bench/step.py --shared --dtype fp32 "${fp32[@]}" \
+  step gpu_fp32 120 $py -X faulthandler bench/step.py --shared --dtype fp32 "${fp32[@]}" \
     --modes none,cpu,save_on_cpu --json "$work/gpu_fp32.json" --plot "$work/memory_fp32.png"
 fi
 
@@ -218,7 +227,7 @@ stage "keep / offload / recompute"
 if ! want recompute recompute; then
   :
 elif [ -f bench/recompute.py ] && $py bench/recompute.py --help 2>/dev/null | grep -q -- --gpu; then
-  step recompute 60 $py -X faulthandler bench/recompute.py --gpu "${recompute[@]}" \
+  step recompute 75 $py -X faulthandler bench/recompute.py --gpu "${recompute[@]}" \
     --json "$work/recompute.json"
 else
   echo "skipped: issue 23's comparison (bench/recompute.py) does not run on a GPU yet"

@@ -98,8 +98,10 @@ def test_twin_suite_returns_every_stage_in_at_most_8_files(tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     files = _files(out)
     assert len(files) <= MAX_FILES_BACK, sorted(str(p.relative_to(out)) for p in files)
-    assert {p.name for p in files} == {"rc.txt", "summary.txt", "results.tar.gz"}
+    assert {p.name for p in files} == {"rc.txt", "summary.txt", "results.tar.gz", "live.log"}
     assert all(p.stat().st_size < 16 << 20 for p in files)
+    live = (out / "live.log").read_text()  # each stage's output, as it was printed
+    assert live.startswith("preflight") and "targets:" in live  # first stage to last
     statuses = _statuses(out)
     assert list(statuses) == [
         "requirements",
@@ -144,7 +146,8 @@ def test_suite_stage_without_time_left_is_not_started_and_fails(tmp_path: Path) 
     proc = _suite(out, SUITE_BUDGET_S="5", SUITE_STAGES="preflight")
     assert proc.returncode == 1, proc.stdout[-4000:]
     assert _statuses(out)["preflight"] == "no_time"
-    assert {p.name for p in _files(out)} == {"rc.txt", "summary.txt", "results.tar.gz"}
+    names = {p.name for p in _files(out)}
+    assert names == {"rc.txt", "summary.txt", "results.tar.gz", "live.log"}
 
 
 def test_cuda_tests_run_without_pytest_asyncio() -> None:
