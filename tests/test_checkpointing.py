@@ -35,7 +35,11 @@ def _model() -> TinyTransformer:
     return TinyTransformer(vocab=64, width=32, depth=4, heads=2)
 
 
-def _grads(model: nn.Module, steps: int = 2, *, flush: Any = None) -> list[list[torch.Tensor]]:
+def _grads(
+    model: nn.Module, steps: int = 2, *, flush: Any = None, backwards: int = 1
+) -> list[list[torch.Tensor]]:
+    """Each step's gradients, after each of ``backwards`` backwards (all but the last
+    with ``retain_graph=True``)."""
     out = []
     for step in range(steps):
         tokens, targets = make_batch(2, 16, vocab=64, seed=step)
@@ -43,8 +47,9 @@ def _grads(model: nn.Module, steps: int = 2, *, flush: Any = None) -> list[list[
         loss = model(tokens, targets)
         if flush is not None:
             flush()  # on disk before backward: the reads run (NOTE [write tail])
-        loss.backward()
-        out.append([p.grad.clone() for p in model.parameters()])
+        for n in range(backwards):
+            loss.backward(retain_graph=n < backwards - 1)
+            out.append([p.grad.clone() for p in model.parameters()])
     return out
 
 
@@ -499,28 +504,14 @@ def test_offloaded_outputs_serve_a_second_backward(
     monkeypatch.setattr(recompute_module, "OFFLOAD_ALONE", False)
     monkeypatch.setattr(recompute_module, "_DISPATCH_SWITCH", 0.0)  # selective on a toy
 
-    def twice(model: nn.Module, steps: int, flush: Any = None) -> list[list[torch.Tensor]]:
-        out = []
-        for step in range(steps):
-            tokens, targets = make_batch(2, 16, vocab=64, seed=step)
-            model.zero_grad(set_to_none=True)
-            loss = model(tokens, targets)
-            if flush is not None:
-                flush()  # on disk: both backwards read them back
-            loss.backward(retain_graph=True)
-            out.append([p.grad.clone() for p in model.parameters()])
-            loss.backward()
-            out.append([p.grad.clone() for p in model.parameters()])
-        return out
-
     steps = 8 if recompute == "auto" else 2
-    ref = twice(_model(), steps)
+    ref = _grads(_model(), steps, backwards=2)
     model = _model()
     policy: Any = "auto" if recompute == "auto" else _matmuls_offloaded()
     with offload_context(
         "disk", str(tmp_path), model=model, recompute=policy, min_offload_bytes=0
     ) as engine:
-        got = twice(model, steps, engine.flush)
+        got = _grads(model, steps, flush=engine.flush, backwards=2)
         stats = engine.stats()
     assert _same(ref, got)
     assert stats.bytes_read > 0
