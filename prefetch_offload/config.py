@@ -213,6 +213,11 @@ class OffloadConfig:
             # whatever the working directory is when a later slab file is made (joined,
             # not normalised: ".." after a symlink means what the OS makes of it).
             save_dir = os.path.expanduser(save_dir)
+            if save_dir.startswith("~"):
+                raise ValueError(
+                    f"prefetch_offload: save_dir {save_dir!r} names a user's home folder "
+                    "that does not exist here; pass the folder's full path."
+                )
             if not os.path.isabs(save_dir):
                 with contextlib.suppress(OSError):  # no working directory: as given
                     save_dir = os.path.join(os.getcwd(), save_dir)

@@ -220,3 +220,10 @@ def test_the_lazy_names_are_listed() -> None:
     import prefetch_offload
 
     assert set(prefetch_offload.__all__) <= set(dir(prefetch_offload))
+
+
+def test_a_home_folder_of_nobody_known_is_refused() -> None:
+    """expanduser leaves "~name" as it is when there is no such user: a folder named
+    "~name" in the working directory is not what was meant."""
+    with pytest.raises(ValueError, match="home folder"):
+        OffloadConfig(target="disk", save_dir="~no_such_user_here_0/acts")
