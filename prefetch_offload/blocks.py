@@ -97,6 +97,7 @@ __all__ = [
     "current_block",
     "current_call",
     "find_blocks",
+    "in_backward",
 ]
 
 # Module classes, or qualified module names as named_modules() gives them.
@@ -329,6 +330,11 @@ _local = threading.local()
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
+def in_backward() -> bool:
+    """Whether the calling thread runs inside a backward (autograd's graph task)."""
+    return _graph_task_id() >= 0
+
+
 def current_block() -> tuple[str, int] | None:
     """(class name, index) of the innermost wrapped block whose forward is running on
     this thread, or None."""
@@ -376,14 +382,14 @@ def _checkpointed(
                 return inner(*args, **kwargs)
             fn = compiled  # type: ignore[assignment]
         elif modes is not None:  # NOTE [block modes]
-            in_backward = _graph_task_id() >= 0
-            replay = in_backward and last[0] is not None
+            backward = in_backward()
+            replay = backward and last[0] is not None
             if replay:
                 how = last[0]  # type: ignore[assignment]
             else:
                 how = modes.mode(kind, index)
                 modes.entered(kind, index)
-                if not in_backward:
+                if not backward:
                     last[0] = how
         extra: dict[str, Any] = {}
         if fn is not None and how == SELECTIVE:

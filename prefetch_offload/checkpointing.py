@@ -98,7 +98,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
-from .blocks import current_block, current_call
+from .blocks import current_block, current_call, in_backward
 from .errors import OffloadError
 from .packed import view_span
 from .streams import capturing
@@ -113,6 +113,7 @@ __all__ = [
     "PlainCounts",
     "PolicyDecider",
     "draws_random",
+    "graph_kept",
     "op_kind",
     "output_bytes",
     "plain_contexts",
@@ -309,8 +310,8 @@ class CheckpointStats:
         return source[0], source[1], source[2]
 
 
-_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-_keeps_graph: Callable[[], bool] = getattr(
+# Whether the running backward keeps its graph (NOTE [packs inside backward] in engine.py).
+graph_kept: Callable[[], bool] = getattr(
     torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True
 )
 _RECOMPUTE = object()
@@ -441,7 +442,7 @@ class _Saving(_Mode):
 
     def __enter__(self) -> _Saving:
         super().__enter__()
-        if _graph_task_id() >= 0:  # a forward replayed by an outer checkpoint's
+        if in_backward():  # a forward replayed by an outer checkpoint's
             self.timed = False  # recompute (NOTE [block modes]): not the step's forward
         return self
 
@@ -572,7 +573,7 @@ class _Restoring(_Mode):
             )
         if entry is _RECOMPUTE:
             return self._call(func, args, kwargs)
-        if entry.mode == 0 or not _keeps_graph():  # let go once used; an offloaded one
+        if entry.mode == 0 or not graph_kept():  # let go once used; an offloaded one
             self.storage[(func, count)] = _CONSUMED  # stays for a second backward where
             # this one keeps the graph (retain_graph=True), as the engine's records do
         block = self.block()

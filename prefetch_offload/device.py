@@ -56,7 +56,7 @@ from .buffers import Block, mapped_block
 from .config import DEFAULT_INFLIGHT_COPY_BYTES
 from .errors import OffloadFallbackWarning, OffloadIOError
 from .slab import direct_io_supported, open_scratch_file
-from .streams import CopyStreams, CudaStreams, Fence, ThreadStreams
+from .streams import CopyStreams, CudaStreams, Fence, ThreadStreams, devices_with_context
 
 __all__ = [
     "DeviceLayer",
@@ -392,13 +392,8 @@ class RoutingDevice(DeviceLayer):
 def cuda_context_exists() -> bool:
     """Whether any CUDA device has its primary context (True where this torch cannot
     tell): pinning host memory then makes none (NOTE [direct IO from pinned memory])."""
-    has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
-    if has is None:
-        return True
-    try:
-        return any(has(i) for i in range(torch.cuda.device_count()))
-    except RuntimeError:  # the driver would not say: probe now, as without the check
-        return True
+    ready = devices_with_context()
+    return ready is None or bool(ready)  # cannot tell: probe now, as without the check
 
 
 def default_device_layer(

@@ -79,7 +79,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from .checkpointing import CheckpointStats, selective_contexts
+from .checkpointing import CheckpointStats, graph_kept, selective_contexts
 from .config import OffloadConfig
 from .device import DeviceLayer, default_device_layer
 from .errors import ErrorSlot, OffloadError, OffloadFallbackWarning
@@ -103,10 +103,6 @@ logger = logging.getLogger("prefetch_offload")
 
 # The running backward's graph task id (-1 outside backward; -2 if torch lacks it).
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -2)
-# NOTE [packs inside backward]: whether the running backward keeps its graph.
-_keeps_graph: Callable[[], bool] = getattr(
-    torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True
-)
 _current_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 
@@ -427,7 +423,7 @@ class OffloadEngine:
                 "create a new context for new forward passes."
             )
         in_backward = _graph_task_id() >= 0  # NOTE [packs inside backward]
-        if in_backward and (not _keeps_graph() or _recomputing()):
+        if in_backward and (not graph_kept() or _recomputing()):
             self._stats.add(tensors_kept=1, kept_in_backward=1)
             return Kept(t)
         if self._in_backward and not in_backward:  # forward again
@@ -490,7 +486,7 @@ class OffloadEngine:
                         rec.held = (held[0], held[1], fence)
                     self._stats.add(dedup_hits=1)
                     view = ViewMeta(t.dtype, shape, stride, vstart - entry.start)
-                    return Handle(rec, view, version)
+                    return Handle(rec, view)
         start, nbytes = vstart, vbytes
         whole = storage.nbytes()
         if nbytes < whole <= 2 * nbytes:  # NOTE [whole storage]
@@ -538,7 +534,7 @@ class OffloadEngine:
         if rec.host_only:
             self._heap.saved()  # NOTE [heap trim]
         self._heap.check()
-        return Handle(rec, view, version)
+        return Handle(rec, view)
 
     # -- tiers ------------------------------------------------------------------------------
 

@@ -289,7 +289,7 @@ def fast_reuse_hint(environment: Mapping[str, str] | None = None) -> str | None:
     if _MALLOC_TRIM is None:
         return None
     text = _start_tunables() if environment is None else environment.get("GLIBC_TUNABLES", "")
-    tunables = dict(item.split("=", 1) for item in text.split(":") if "=" in item)
+    tunables = _tunables(text)
     if _tunable_is_zero(tunables, "glibc.malloc.tcache_count") and _tunable_is_zero(
         tunables, "glibc.malloc.mxfast"
     ):
@@ -300,9 +300,14 @@ def fast_reuse_hint(environment: Mapping[str, str] | None = None) -> str | None:
 def fast_reuse_tunables(current: str = "") -> str:
     """A ``GLIBC_TUNABLES`` value that turns off glibc's per-thread cache and fastbins
     (NOTE [heap trim]) and keeps every other tunable of ``current`` as it was."""
-    wanted = dict(item.split("=", 1) for item in FAST_REUSE_OFF.split(":"))
+    wanted = _tunables(FAST_REUSE_OFF)
     kept = [i for i in current.split(":") if i and i.split("=", 1)[0] not in wanted]
     return ":".join([*kept, FAST_REUSE_OFF])
+
+
+def _tunables(text: str) -> dict[str, str]:
+    """``GLIBC_TUNABLES`` text as name -> value (items without a value left out)."""
+    return dict(item.split("=", 1) for item in text.split(":") if "=" in item)
 
 
 def heap_trim_supported() -> bool:

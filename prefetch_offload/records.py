@@ -271,18 +271,16 @@ def version_probe(t: torch.Tensor) -> torch.Tensor | None:
 class Handle:
     """What autograd stores for an offloaded tensor: a view of a record's span."""
 
-    __slots__ = ("pass_no", "record", "version", "view")
+    __slots__ = ("pass_no", "record", "view")
 
-    def __init__(self, record: Record, view: ViewMeta, version: int) -> None:
+    def __init__(self, record: Record, view: ViewMeta) -> None:
         self.record = record
         self.view = view
         self.pass_no = -1  # NOTE [backward passes]
-        self.version = version  # NOTE [version check]: the saved view's version then
 
     def check_version(self) -> None:
-        counter = self.record.counter
-        if counter is not None and counter._version != self.version:
-            raise version_error(self.record.describe(), counter._version, self.version)
+        """NOTE [version check]: a view shares its record only at the record's version
+        (NOTE [dedup]), so the record's check is the view's."""
         self.record.check_version()
 
     def __repr__(self) -> str:

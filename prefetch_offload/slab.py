@@ -148,9 +148,8 @@ def prepare_save_dir(save_dir: str) -> Path:
         dangling = path.is_symlink() and not path.exists()
         path.is_dir()
     except (OSError, ValueError) as exc:  # a folder above it unreadable, a name too long
-        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
         raise ValueError(
-            f"prefetch_offload: save_dir {save_dir!r} cannot be used ({reason}); pass a "
+            f"prefetch_offload: save_dir {save_dir!r} cannot be used ({_reason(exc)}); pass a "
             "folder path this user can reach and write to."
         ) from exc
     if dangling:
@@ -166,13 +165,16 @@ def prepare_save_dir(save_dir: str) -> Path:
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
-        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
         raise ValueError(
-            f"prefetch_offload: cannot create save_dir {save_dir!r} ({reason}); "
+            f"prefetch_offload: cannot create save_dir {save_dir!r} ({_reason(exc)}); "
             "pass a folder you can write to."
         ) from exc
     check_writable(save_dir)
     return path
+
+
+def _reason(exc: OSError | ValueError) -> str:
+    return str(exc.strerror) if isinstance(exc, OSError) else str(exc)
 
 
 def check_writable(save_dir: str) -> None:

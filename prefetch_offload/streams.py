@@ -128,6 +128,7 @@ __all__ = [
     "capture_isolated",
     "capturing",
     "chunk_bytes",
+    "devices_with_context",
     "isolate_from_captures",
     "joined_fence",
 ]
@@ -204,25 +205,32 @@ def _parts(fence: Fence) -> list[Fence]:
     return list(fence._fences) if isinstance(fence, _Joined) else [fence]
 
 
+def devices_with_context() -> list[int] | None:
+    """The CUDA devices that have their primary context; None where torch cannot tell
+    (no query in this build, or the driver would not say)."""
+    has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if has is None:
+        return None
+    try:
+        return [i for i in range(torch.cuda.device_count()) if has(i)]
+    except RuntimeError:
+        return None
+
+
 @contextlib.contextmanager
 def _context_device() -> Iterator[bool]:
     """For a raw CUDA runtime call in this thread: make current a device that already
     has its primary context, the current one if it has (NOTE [capture mode]). Yields
     False, changing nothing, where no device has one. The thread stays on that device
     afterwards (torch restores a device only if it has a context)."""
-    has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
     current = torch.cuda.current_device()
-    try:
-        if has is None or has(current):
-            index: int | None = current
-        else:
-            index = next((i for i in range(torch.cuda.device_count()) if has(i)), None)
-    except RuntimeError:  # the driver would not say: as the current device
-        index = current
-    if index is None:
-        yield False
-        return
-    with torch.cuda.device(index):
+    ready = devices_with_context()
+    if ready is not None and current not in ready:  # (cannot tell: as the current one)
+        if not ready:
+            yield False
+            return
+        current = ready[0]
+    with torch.cuda.device(current):
         yield True
 
 
