@@ -43,6 +43,17 @@ learned prefetch order brings it back ahead of the recompute that needs it.
 # so making it again is always right. A ``MUST_*`` one raises at its recompute,
 # as a counted change does.
 #
+# NOTE [ops that write their inputs]
+# An in-place op (``relu_``, ``add_``, ``masked_fill_``) or an ``out=`` op runs
+# again in the recompute whatever a user's policy chose for it. Its output is the
+# tensor it wrote, and in the recompute that tensor is the recompute's own: a
+# stored output returned instead would leave it unwritten (autograd's in-place
+# kernel hands back ``self``, not the returned value), and every later op of the
+# recompute would see the value from before the write. Running it again is
+# always right, costs no memory (its output is its input's) and moves nothing.
+# The automatic plan recomputes these ops for the same reason (NOTE [keep,
+# offload, recompute] in recompute.py).
+#
 # NOTE [autocast casts]
 # Under autocast a parameter's cast (``_to_copy`` of a leaf that requires grad)
 # is cached for the rest of the autocast region: a block run twice, or a weight
@@ -243,6 +254,8 @@ class PolicyDecider:
                 f"prefetch_offload: the recompute policy returned {policy!r} for {func}; it "
                 "must return a torch.utils.checkpoint.CheckpointPolicy (or a bool)."
             )
+        if func._schema.is_mutable:  # NOTE [ops that write their inputs]
+            return CheckpointPolicy.PREFER_RECOMPUTE
         return policy
 
     def timing(self) -> bool:

@@ -318,6 +318,52 @@ def test_a_stored_output_written_later_in_the_forward_is_recomputed(
     assert stats.step_bytes_kept + stats.step_bytes_offloaded == 3 * 2 * 8 * 16 * 4
 
 
+class _InPlace(nn.Module):
+    """A ReLU in place on a linear's output, and a residual added in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.act = nn.ReLU(inplace=True)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(self.act(self.a(x)))
+        h += x
+        return h.sin()
+
+
+@pytest.mark.parametrize("target", ["disk", "cpu"])
+@pytest.mark.parametrize("store", [P.PREFER_CPU_OFFLOAD, P.PREFER_SAVE, P.MUST_SAVE])
+def test_ops_that_write_their_inputs_run_again_whatever_the_policy(
+    tmp_path: Path, target: str, store: CheckpointPolicy
+) -> None:
+    """NOTE [ops that write their inputs]: an in-place op's stored output returned in the
+    recompute would leave the recompute's own tensor unwritten."""
+    in_place = (torch.ops.aten.relu_.default, torch.ops.aten.add_.Tensor)
+    asked = []
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        asked.append(op)
+        if store is P.MUST_SAVE:  # a MUST on an op whose output is written would raise
+            return store if op in in_place else P.PREFER_RECOMPUTE
+        return store
+
+    torch.manual_seed(0)
+    ref_model = nn.Sequential(*(_InPlace() for _ in range(3)))
+    model = copy.deepcopy(ref_model)
+    ref = _mutating_grads(ref_model, 2)
+    where = str(tmp_path) if target == "disk" else None
+    with offload_context(
+        target, where, model=model, recompute=policy, min_offload_bytes=0
+    ) as engine:
+        got = _mutating_grads(model, 2)
+        plan = engine.recompute_plan()
+    assert _same(ref, got)
+    assert set(in_place) <= set(asked)  # the policy was asked, and overruled
+    assert {d.op: d.choice for d in plan.ops}["aten.relu_.default"] == "recompute"
+
+
 @pytest.mark.parametrize("must", [P.MUST_CPU_OFFLOAD, P.MUST_SAVE])
 def test_a_must_output_written_later_in_the_forward_raises(
     tmp_path: Path, must: CheckpointPolicy
