@@ -34,7 +34,8 @@
 #   cost neither recompute nor moves nor the dispatch modes. (What the model
 #   saves after its last block shares that budget; the engine moves the oldest
 #   records first, so an estimate a little high moves a few bytes, never more
-#   memory.)
+#   memory.) A block the model calls more than once a step (shared weights)
+#   counts the bytes and the forward seconds of every call.
 # - Per op, for the other blocks: moving O bytes costs ``k*O`` plus what compute
 #   cannot hide, ``max(Ef*O/O0, O/W - Hf) + max(Eb*O/O0, O/R - Hb)``,
 #   ``Hf = Tf - Ef``, ``Hb = Tb - Eb`` plus the recompute time chosen,
@@ -368,11 +369,13 @@ class _Obs:
 
 @dataclass
 class _Span:
-    """One block's forward (start, end), when backward reached it, and (whole-block
-    step) the bytes it handed to the engine."""
+    """One block's forward in a step (its seconds, summed over its calls where the model
+    calls it more than once; the last call's start and end), when backward reached it,
+    and (whole-block step) the bytes its calls handed to the engine."""
 
     start: float = 0.0
     end: float = 0.0
+    forward: float = 0.0
     grad: float | None = None
     saved: int = 0
 
@@ -476,8 +479,8 @@ class AutoDecider:
             if self._phase == _PLANNED:
                 return
             span = self._spans.setdefault(self._step_no, {}).setdefault((kind, index), _Span())
-            if self._phase == _WHOLE_ALL:
-                span.saved = -_live_bytes(self._stats())
+            if self._phase == _WHOLE_ALL:  # every call's bytes count (a shared block's)
+                span.saved -= _live_bytes(self._stats())
             span.start = self._clock()
 
     def exited(self, kind: str, index: int) -> None:
@@ -486,12 +489,19 @@ class AutoDecider:
             if span is None or self._phase == _PLANNED:
                 return
             span.end = self._clock()
+            span.forward += span.end - span.start
             if self._phase == _WHOLE_ALL:
                 span.saved += _live_bytes(self._stats())
 
     def backward(self, kind: str, index: int) -> None:
         with self._lock:
             self._in_backward = True
+            if (
+                self._phase == _PLANNED
+                and self._ckpt_stats is not None
+                and self._modes.get((kind, index)) == PLAIN
+            ):  # its recompute runs now, with no mode to say so: the step's counts are done
+                self._ckpt_stats.recompute_ran()
             span = self._spans.get(self._step_no, {}).get((kind, index))
             if span is not None and span.grad is None:
                 span.grad = self._clock()
@@ -616,7 +626,7 @@ class AutoDecider:
         for key, s in spans:  # by index: the block before ends this one's backward
             counted = keys is None or key in keys
             if s.end and counted:
-                fwd.append(s.end - s.start)
+                fwd.append(s.forward)
             if s.grad is not None:
                 if later >= s.grad and counted:
                     bwd.append(later - s.grad)

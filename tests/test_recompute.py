@@ -216,9 +216,12 @@ def test_a_plain_block_counts_its_op_outputs_as_recomputed_each_step() -> None:
 
     stats = CheckpointStats()
     decider = _plan(3.0, 2.5, dispatch_s=0.5, checkpoint_stats=stats, **_SLOW_LINK)
-    assert decider.mode("Block", 0) == PLAIN
     block = sum(nbytes for _, nbytes, _ in _OPS)
-    assert stats.last_step() == (0, 0, block)  # the planned step _plan ran
+    # The planned step _plan ran, as soon as its backward reached the block (the stats
+    # of a step whose recompute ran), not the profiling step before it.
+    assert stats.last_step() == (0, 0, block)
+    assert decider.mode("Block", 0) == PLAIN  # the next step begins
+    assert stats.last_step() == (0, 0, block)
 
 
 def test_the_newest_blocks_the_budget_keeps_anyway_run_whole() -> None:
@@ -229,6 +232,32 @@ def test_the_newest_blocks_the_budget_keeps_anyway_run_whole() -> None:
     assert modes[0] != WHOLE and modes[1:] == [WHOLE, WHOLE]
     plan = decider.plan()
     assert plan.measured["blocks_whole"] == 2 and "2 whole" in str(plan)
+
+
+def test_a_block_called_twice_a_step_counts_both_calls_against_the_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Shared weights: each of three blocks runs twice a step and saves 100 bytes a call.
+    With a budget of 250 only the newest block (200 bytes) fits whole."""
+    monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
+    fake = _Fake()
+    decider = AutoDecider(fake.snapshot, 250, clock=fake.clock)
+    for _ in range(len(recompute._PROFILE) + 1):
+        for b in range(3):
+            for _call in range(2):
+                mode = decider.mode("Block", b)
+                decider.entered("Block", b)
+                if mode == WHOLE:
+                    fake.add(device_tier_bytes=100)
+                fake.now += 0.5
+                decider.exited("Block", b)
+        for b in reversed(range(3)):
+            decider.backward("Block", b)
+            fake.now += 1.0
+    assert not decider.profiling
+    assert decider.plan().measured["blocks_whole"] == 1
+    assert decider.plan().measured["whole_MiB"] * 2**20 == 200
+    assert [decider.mode("Block", b) for b in range(3)] == [PLAIN, PLAIN, WHOLE]
 
 
 def test_a_budget_that_keeps_every_block_whole_says_so_per_op() -> None:
