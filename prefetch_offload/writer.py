@@ -232,7 +232,17 @@ class WritePath:
         return batch
 
     def _submit_batch(self, batch: list[_Pending]) -> None:
-        fut = self.pool.submit(functools.partial(self._write_batch, batch), WRITE)
+        try:
+            fut = self.pool.submit(functools.partial(self._write_batch, batch), WRITE)
+        except BaseException:
+            # An interrupt (Ctrl-C) or a refused job: the batch goes back in front of the
+            # open one, whose records a later pack, flush or backward settles; dropped, its
+            # bytes would stay pending with no job to write them, and a pack at the cap
+            # would wait for them forever.
+            with self._lock:
+                self._open[:0] = batch
+                self._open_bytes += sum(rec.span.extent_bytes for rec, _, _ in batch)
+            raise
         with self._lock:
             futs = self._futs
             while futs and futs[0].done():
