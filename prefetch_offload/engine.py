@@ -441,6 +441,12 @@ class OffloadEngine:
             return self._pack_subclass(t)  # NOTE [wrapper subclasses]
         movable = self._movable(t)
         if not movable or t.numel() * t.element_size() < self.config.min_offload_bytes:
+            if movable and self._dedup.get(t.untyped_storage().data_ptr()):
+                # NOTE [dedup]: a small view of a storage with a live record shares it;
+                # kept, it would hold the whole storage in memory beside the record.
+                shared = self._shared(t, t.untyped_storage(), *view_span(t))
+                if shared is not None:
+                    return shared
             self._stats.add(tensors_kept=1)
             if not self._warned_cpu_budget and self.config.target == "cpu":
                 self._note_cpu_budget(t)
@@ -456,37 +462,14 @@ class OffloadEngine:
             self._check_direct(t.device)  # NOTE [direct IO from pinned memory]
         storage = t.untyped_storage()
         vstart, vbytes = view_span(t)
+        shared = self._shared(t, storage, vstart, vbytes)
+        if shared is not None:
+            return shared
+        key = storage.data_ptr()
         version = t._version
-        itemsize = t.element_size()
         shape, stride = tuple(t.shape), t.stride()
         owner_t = t._base if t._base is not None else t
-        # Every spanned byte an element, and only once (is_dense sorts the dims: most
-        # saved tensors are contiguous, which answers in C).
-        dense = t.is_contiguous() or is_dense(shape, stride)
-        with self._lock:
-            key = storage.data_ptr()
-            for entry in self._dedup.get(key, ()):
-                rec = entry.record()
-                if (
-                    rec is not None
-                    and entry.storage() is storage
-                    and entry.owner() is owner_t
-                    and entry.version == version
-                    and entry.start <= vstart
-                    and vstart + vbytes <= entry.end
-                    and (vstart - entry.start) % itemsize == 0
-                    and (not rec.frozen or entry.is_covered(vstart, vstart + vbytes))
-                ):
-                    if dense:  # NOTE [dedup]: its bytes are saved elements now
-                        entry.cover(vstart, vstart + vbytes)
-                    if rec.held is not None and not rec.frozen:  # NOTE [dedup]: its copy
-                        # waits for this save too (frozen: that copy is being issued)
-                        held = rec.held
-                        fence = joined_fence(held[2], self._device.mark(held[0]))
-                        rec.held = (held[0], held[1], fence)
-                    self._stats.add(dedup_hits=1)
-                    view = ViewMeta(t.dtype, shape, stride, vstart - entry.start)
-                    return Handle(rec, view)
+        dense = t.is_contiguous() or is_dense(shape, stride)  # (as _shared says)
         start, nbytes = vstart, vbytes
         whole = storage.nbytes()
         if nbytes < whole <= 2 * nbytes:  # NOTE [whole storage]
@@ -810,6 +793,41 @@ class OffloadEngine:
                 store.use_buffered()
             self._direct_pending = False
 
+    def _shared(self, t: torch.Tensor, storage: Any, vstart: int, vbytes: int) -> Handle | None:
+        """A handle to the live record whose span holds ``t``'s, where one may serve it
+        (NOTE [dedup]); None where none does."""
+        version = t._version
+        itemsize = t.element_size()
+        shape, stride = tuple(t.shape), t.stride()
+        owner_t = t._base if t._base is not None else t
+        # Every spanned byte an element, and only once (is_dense sorts the dims: most
+        # saved tensors are contiguous, which answers in C).
+        dense = t.is_contiguous() or is_dense(shape, stride)
+        with self._lock:
+            for entry in self._dedup.get(storage.data_ptr(), ()):
+                rec = entry.record()
+                if (
+                    rec is not None
+                    and entry.storage() is storage
+                    and entry.owner() is owner_t
+                    and entry.version == version
+                    and entry.start <= vstart
+                    and vstart + vbytes <= entry.end
+                    and (vstart - entry.start) % itemsize == 0
+                    and (not rec.frozen or entry.is_covered(vstart, vstart + vbytes))
+                ):
+                    if dense:  # NOTE [dedup]: its bytes are saved elements now
+                        entry.cover(vstart, vstart + vbytes)
+                    if rec.held is not None and not rec.frozen:  # NOTE [dedup]: its copy
+                        # waits for this save too (frozen: that copy is being issued)
+                        held = rec.held
+                        fence = joined_fence(held[2], self._device.mark(held[0]))
+                        rec.held = (held[0], held[1], fence)
+                    self._stats.add(dedup_hits=1)
+                    view = ViewMeta(t.dtype, shape, stride, vstart - entry.start)
+                    return Handle(rec, view)
+        return None
+
     def _pack_subclass(self, t: torch.Tensor) -> Any:
         """NOTE [wrapper subclasses]: a DTensor's local tensor is packed; others are kept."""
         if is_dtensor(t) and not (t.is_leaf and t.requires_grad):
@@ -1042,8 +1060,9 @@ class OffloadEngine:
         self._pool.shutdown()
         self._heap.close()
         # After the IO threads stopped: a prefetch still reading at close returns its
-        # block when it ends (NOTE [read buffer pool]: nothing idle is kept after exit).
-        self._reader.read_pool.trim()
+        # block when it ends, and a read for a backward after exit leases one (NOTE [read
+        # buffer pool]: nothing idle is kept after exit; a late return is released).
+        self._reader.read_pool.close()
         if self._writer is not None:
             self._writer.close()
         self._drain_dead()

@@ -461,6 +461,29 @@ def test_same_tensor_saved_three_times_is_written_once(save_dir: Path) -> None:
     assert stats.bytes_offloaded == 2 * 64 * 256 * 4
 
 
+def test_a_small_view_of_an_offloaded_tensor_shares_its_record(save_dir: Path) -> None:
+    """NOTE [dedup]: a view under min_offload_bytes of a storage with a live record
+    shares the record; kept, it would hold the whole storage in memory beside it."""
+    w = torch.randn(256, 256, requires_grad=True)
+    z = torch.randn(64, 1, requires_grad=True)
+    x = torch.randn(64, 256)
+
+    def step(w: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        h = x @ w  # 64 KiB
+        return h.sin().sum() + (h[:, :1] * z).sum()  # sin saves h, mul saves h[:, :1]
+
+    w_ref, z_ref = (t.detach().clone().requires_grad_() for t in (w, z))
+    step(w_ref, z_ref).backward()
+    with engine_with_hooks(save_dir, inline=True, min_offload_bytes=4096) as engine:
+        loss = step(w, z)
+        stats = engine.stats()
+        # x (saved by the matmul) and h moved; h[:, :1] (256 bytes) shares h's record;
+        # z (256 bytes, saved by the mul) is kept.
+        assert (stats.tensors_offloaded, stats.dedup_hits, stats.tensors_kept) == (2, 1, 1)
+        loss.backward()
+    assert torch.equal(w.grad, w_ref.grad) and torch.equal(z.grad, z_ref.grad)
+
+
 def test_dedup_not_fooled_by_address_reuse(save_dir: Path) -> None:
     """A new storage at a freed tensor's address, same shape and version, is a new tensor."""
     mem = bytearray(4 * 4096)

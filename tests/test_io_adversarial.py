@@ -394,6 +394,56 @@ def test_read_pool_keeps_nothing_after_close_with_a_prefetch_in_flight(save_dir:
     del other
 
 
+def test_an_interrupt_while_a_write_batch_is_submitted_loses_nothing(save_dir: Path) -> None:
+    """A Ctrl-C landing in the submit of a taken batch dropped it: its bytes stayed
+    pending with no job to write them, and the next pack at the cap waited forever."""
+    x = torch.randn(1 << 17, requires_grad=True)  # 512 KiB saved per op
+    with _engine(save_dir, chunk_bytes=4096, max_pending_write_bytes=1 << 20) as (engine, _):
+        pool = engine._writer.pool
+        real = pool.submit
+        fired = []
+
+        def interrupted(fn: Any, prio: Any) -> Any:
+            if not fired:
+                fired.append(1)
+                raise KeyboardInterrupt
+            return real(fn, prio)
+
+        pool.submit = interrupted  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            (x * 2).exp()
+        pool.submit = real  # type: ignore[method-assign]
+        engine.flush()
+        assert engine._writer.pending_bytes == 0
+        done = threading.Event()
+        kept = []
+
+        def more() -> None:  # saved-tensor hooks are per thread
+            with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+                kept.extend((x * (i + 3)).exp() for i in range(4))
+            done.set()
+
+        threading.Thread(target=more, daemon=True).start()
+        assert done.wait(10), "a pack waited at the write cap for bytes no job writes"
+        sum(y.sum() for y in kept).backward()
+    ref = x.detach().clone().requires_grad_()
+    sum(y.sum() for y in [(ref * (i + 3)).exp() for i in range(4)]).backward()
+    assert torch.equal(x.grad, ref.grad)
+
+
+def test_read_pool_keeps_nothing_for_a_backward_after_exit(save_dir: Path) -> None:
+    """A graph made inside the context and used after it reads synchronously; the blocks
+    those reads lease go when their tensors die, not into a pool the engine keeps."""
+    a = torch.randn(1 << 14, requires_grad=True)
+    with _engine(save_dir, chunk_bytes=4096) as (engine, _):
+        y = (a * 3).sin()
+        engine.flush()
+    y.sum().backward()  # after exit
+    assert torch.equal(a.grad, 3 * (a.detach() * 3).cos())
+    pool = engine._reader.read_pool
+    assert (pool.leased_bytes, pool.idle_bytes) == (0, 0)
+
+
 @pytest.mark.parametrize(
     ("stage_writes", "io_method"),
     [("never", "auto"), ("always", "auto"), ("never", "buffered"), ("never", "mmap")],
