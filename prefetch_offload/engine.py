@@ -435,7 +435,10 @@ class OffloadEngine:
             self._reader.recent.clear()  # NOTE [recently restored]
             self._reader.read_pool.new_period()  # NOTE [read buffer pool]
             moved = self._policy.demoted[DISK]  # NOTE [heap trim]: the bound follows it
-            self._heap.step_moved(moved - self._moved_before_step)
+            basis = moved - self._moved_before_step
+            if isinstance(self._decider, AutoDecider):  # NOTE [profiling under trims]
+                basis = self._decider.trim_basis(basis)
+            self._heap.step_moved(basis)
             self._moved_before_step = moved
         if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
             return self._pack_subclass(t)  # NOTE [wrapper subclasses]

@@ -110,6 +110,24 @@
 #   with peaks 13-69 MiB over the limits at every budget: that step, under the
 #   dispatch modes and the trims, holds more than checkpointing without them.
 #
+# NOTE [profiling under trims]
+# The default trim bound follows the bytes the last step moved (NOTE [heap trim]
+# in heap.py), which in training is the step before, alike. The profiling steps
+# alternate: a recompute-all step moves the block inputs only, and the whole
+# step after it trimmed at the 64 MiB floor, many times, where a plan of whole
+# blocks trims at a quarter of what it moves; the recompute-all step after a
+# step that moved everything trimmed at that step's large bound. Each was timed
+# under the other's trims, against offload alone and for checkpointing. So in
+# a step of the profile the bound follows the bytes the last step of its class
+# moved (``trim_basis``): whole steps, the offload-all step, recompute-all
+# steps (the first of which follows none: the floor), and planned steps. On
+# the 24-block benchmark transformer at a 10% budget (2 CPU threads, one run
+# each way), the two whole profiling steps ran 3.85 and 3.61 s with 17 trims
+# each, against 2.60-2.94 s and 3-5 trims for the same plan once made; with
+# the bound by class they ran 2.86 and 2.75 s with 2 and 5 trims, and the
+# plan's steps 2.67-3.02 s, while the recompute-all steps went from 1-3 trims
+# to 9-10, as checkpointed plans trim once made.
+#
 # The measured figures decide, not a list of op names: on the benchmark
 # transformer the norms, activation functions and residual adds come out cheap
 # to recompute and the matmul and attention outputs expensive, on the CPU as
@@ -386,6 +404,14 @@ _WHOLE_ALL, _OFFLOAD_ALL, _RECOMPUTE_ALL, _WHOLE_TIMED, _PLANNED = range(5)
 # turn, and the faster of each counts (NOTE [keep, offload, recompute]).
 _PROFILE = (_WHOLE_ALL, _OFFLOAD_ALL, _RECOMPUTE_ALL, _WHOLE_TIMED, _RECOMPUTE_ALL, _WHOLE_TIMED)
 _WHOLE_ALL_STEP = _PROFILE.index(_WHOLE_ALL)
+# NOTE [profiling under trims]: steps alike in the bytes they move.
+_TRIM_CLASS = {
+    _WHOLE_ALL: "whole",
+    _WHOLE_TIMED: "whole",
+    _OFFLOAD_ALL: "stored",
+    _RECOMPUTE_ALL: "checkpointed",
+    _PLANNED: "planned",
+}
 _PHASE_MODE = {
     _WHOLE_ALL: WHOLE,
     _OFFLOAD_ALL: SELECTIVE,
@@ -447,6 +473,9 @@ class AutoDecider:
         self._dispatch: dict[int, collections.Counter[tuple[str, int]]] = {}
         self._step_no = 0  # the profiling step now (an index in _PROFILE)
         self._phase = _PROFILE[0]  # its kind, or _PLANNED
+        self._ended = _PLANNED  # the kind of the step before this one
+        # NOTE [profiling under trims]: the bytes the last step of each class moved.
+        self._moved_by: dict[str, int] = {}
         self._stale = False  # an unplanned block or position appeared: profile again
         self._in_backward = False
         # The engine's counters at the start and the end of the offload-all step.
@@ -562,11 +591,35 @@ class AutoDecider:
             if self._phase != _PLANNED:
                 self._dispatch.setdefault(self._step_no, collections.Counter())[block] += seconds
 
+    # -- the heap trims ---------------------------------------------------------------------
+
+    def trim_basis(self, moved: int) -> int:
+        """The bytes the heap trim bound follows in the step that begins now, the step that
+        ended having moved ``moved`` (NOTE [profiling under trims]): what the last step of
+        the new step's class moved. Called once per step, when its forward begins,
+        before or after the first block forward."""
+        with self._lock:
+            if self._in_backward:  # the first block has not run yet: the phase will move
+                ended, upcoming = self._phase, self._next_phase()
+            else:
+                ended, upcoming = self._ended, self._phase
+            self._moved_by[_TRIM_CLASS[ended]] = moved
+            default = 0 if _TRIM_CLASS[upcoming] == "checkpointed" else moved
+            return self._moved_by.get(_TRIM_CLASS[upcoming], default)
+
+    def _next_phase(self) -> int:
+        """The kind of step _step_started will begin."""
+        if self._phase == _PLANNED:
+            return _PROFILE[0] if self._stale else _PLANNED
+        following = self._step_no + 1
+        return _PROFILE[following] if following < len(_PROFILE) else _PLANNED
+
     # -- planning ---------------------------------------------------------------------------
 
     def _step_started(self) -> None:
         """The first block forward after backward began: the next phase."""
         self._in_backward = False
+        self._ended = self._phase
         if self._ckpt_stats is not None:
             self._ckpt_stats.step_began()
         if self._phase == _PLANNED:

@@ -224,6 +224,35 @@ def test_a_plain_block_counts_its_op_outputs_as_recomputed_each_step() -> None:
     assert stats.last_step() == (0, 0, block)
 
 
+@pytest.mark.parametrize("first", ["engine", "block"])
+def test_in_the_profile_the_trim_bound_follows_the_last_step_of_the_same_class(
+    first: str,
+) -> None:
+    """NOTE [profiling under trims]: whatever runs first in a step, the engine's forward
+    or the first block, each profiling step trims as a step of its own kind would."""
+    fake = _Fake()
+    decider = AutoDecider(fake.snapshot, 0, clock=fake.clock)
+    # Bytes each step moves: whole 1000, offload-all 2000, recompute-all 10, planned 500.
+    moved = [1000, 2000, 10, 1000, 10, 1000, 500, 500]
+    expected = [1000, 0, 1000, 10, 1000, 1000, 500]  # at the start of steps 1 to 7
+    got = []
+    for step in range(len(moved)):
+        if step and first == "engine":
+            got.append(decider.trim_basis(moved[step - 1]))
+        for b in range(2):
+            decider.mode("Block", b)
+            if step and b == 0 and first == "block":
+                got.append(decider.trim_basis(moved[step - 1]))
+            decider.entered("Block", b)
+            fake.now += 0.1
+            decider.exited("Block", b)
+        for b in reversed(range(2)):
+            decider.backward("Block", b)
+            fake.now += 0.2
+        assert decider.profiling == (step < len(recompute._PROFILE)), step
+    assert got == expected
+
+
 def test_the_newest_blocks_the_budget_keeps_anyway_run_whole() -> None:
     """Three blocks saving 100 bytes each, a budget of 250: the two newest run
     unchecked (the engine keeps what they save), the oldest is checkpointed."""
@@ -443,6 +472,11 @@ def test_auto_is_bit_identical_and_plans_once(
     """Either plan: whatever was measured fastest, and (offload alone ruled out) the
     checkpointed blocks."""
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", alone)
+    bases: list[int] = []  # NOTE [profiling under trims]: the engine asks once a step
+    real_basis = AutoDecider.trim_basis
+    monkeypatch.setattr(
+        AutoDecider, "trim_basis", lambda d, moved: bases.append(real_basis(d, moved)) or bases[-1]
+    )
     warm_up_unary_ops()
     lengths = [16, 16, 16, 12, 16, 20, 16, 12]  # another length: the same structure, no new plan
     ref = _grads(_model(), 8, lengths)
@@ -457,6 +491,8 @@ def test_auto_is_bit_identical_and_plans_once(
         got = _grads(model, 8, lengths)
         plan = engine.recompute_plan()
         stats = engine.stats()
+    if target == "disk":  # (CPU tensors under target "cpu" stay: no trims, no bound)
+        assert len(bases) == 7 and bases[1] == 0  # the first recompute-all step: the floor
     assert all(
         torch.equal(a, b)
         for ga, gb in zip(ref, got, strict=True)
