@@ -89,9 +89,13 @@
 # counter) given the view's data (``.data =`` keeps the counter). An unpack over
 # the same memory first checks the sentinel's version and raises autograd's
 # error if it moved; memory read afresh gets a new sentinel (its bytes are the
-# written ones). A write that lands after such a change, or a copy of a device
-# span to the host issued after it, taints the record. The sentinel holds no
-# memory, so it lives as long as the record.
+# written ones). A CPU record still in the saved tensor's own memory hands out
+# over that memory with the tensor's own counter (the record's version probe)
+# as the sentinel, as autograd without hooks would: other saved objects over the
+# same memory (a small view kept for its size, another record) share that
+# counter, and their unpacks see the change too. A write that lands after such
+# a change, or a copy of a device span to the host issued after it, taints the
+# record. The sentinel holds no memory, so it lives as long as the record.
 #
 # NOTE [no cycles]
 # When an op saves its own output, the tensor handed to pack holds the op's
@@ -398,6 +402,18 @@ class Record:
         GIL, and may wait to get it back): ``handout`` is read and replaced whole."""
         last = self.handout
         if last is None or last[0]() is not storage:  # memory not handed out before
+            source, counter = self.source, self.counter
+            if (
+                built is None
+                and counter is not None
+                and self.host_only
+                and source is not None
+                and source[0] is storage
+            ):  # NOTE [handouts]: the saved tensor's own memory, so its own counter
+                out = counter.detach()
+                out.data = view  # type: ignore[assignment]
+                self.handout = (weakref.ref(storage), counter, counter._version)
+                return out
             out, sentinel = built if built is not None else sentinel_for(view)  # type: ignore[arg-type]
             self.handout = (weakref.ref(storage), sentinel, sentinel._version)
             return out

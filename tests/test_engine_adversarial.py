@@ -504,6 +504,28 @@ def test_a_saved_tensor_changed_in_place_during_backward_raises(
             (z + y).sum().backward()  # the zeroing node runs first
 
 
+def test_a_change_in_backward_is_seen_by_a_small_view_kept_before_the_record(
+    save_dir: Path,
+) -> None:
+    """NOTE [handouts]: a small view of h saved (and kept for its size) before h had a
+    record shares h's version counter, not the record's sentinel: the handout of h's
+    own memory carries h's counter, so the view's unpack sees the backward's change."""
+    x = torch.randn(1 << 14, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+
+    def loss() -> torch.Tensor:
+        h = x * 1.5
+        a = (h[:8] * w).sum()  # saves the 32-byte view h[:8]: kept for its size
+        return a + _ZeroesItsSaved.apply(h).sum()  # its backward runs first
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss().backward()  # plain autograd raises at the view's unpack
+    with engine_with_hooks(save_dir, min_offload_bytes=4096, device_budget="1GiB"):
+        y = loss()
+        with pytest.raises(RuntimeError, match=r"inplace|in place"):
+            y.backward()
+
+
 def test_a_device_span_changed_in_backward_then_demoted_raises_in_the_next_pass(
     save_dir: Path,
 ) -> None:
