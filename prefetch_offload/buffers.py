@@ -197,7 +197,11 @@ class HostBufferPool:
         return out, memoryview(block.buffer)[:nbytes]
 
     def _count_lease(self, size: int) -> None:
-        # Under the lock.
+        # Under the lock. Blocks released after close are settled here, so their sizes do
+        # not pile up over the reads of backward passes run after it.
+        late = self._late
+        while late:
+            self._leased -= late.popleft()
         self._leased += size
         leased = self.leased_bytes
         self.peak_leased_bytes = max(self.peak_leased_bytes, leased)

@@ -44,15 +44,23 @@ learned prefetch order brings it back ahead of the recompute that needs it.
 # as a counted change does.
 #
 # NOTE [ops that write their inputs]
-# An in-place op (``relu_``, ``add_``, ``masked_fill_``) or an ``out=`` op runs
-# again in the recompute whatever a user's policy chose for it. Its output is the
-# tensor it wrote, and in the recompute that tensor is the recompute's own: a
-# stored output returned instead would leave it unwritten (autograd's in-place
-# kernel hands back ``self``, not the returned value), and every later op of the
-# recompute would see the value from before the write. Running it again is
-# always right, costs no memory (its output is its input's) and moves nothing.
-# The automatic plan recomputes these ops for the same reason (NOTE [keep,
-# offload, recompute] in recompute.py).
+# An in-place op (``relu_``, ``add_``, ``masked_fill_``) or an ``out=`` op that
+# writes memory an earlier op of the same forward made runs again in the
+# recompute, whatever a user's policy chose for it. Its output is the tensor it
+# wrote, and in the recompute that tensor is the recompute's own: a stored output
+# returned instead would leave it unwritten (autograd's in-place kernel hands
+# back ``self``, not the returned value), and every later op of the recompute
+# would see the value from before the write. Running it again costs no memory
+# (its output is its input's) and moves nothing. A write to other memory (a
+# module buffer such as batch norm's ``num_batches_tracked``, or the block's
+# input, which the recompute gets again as the same tensor) follows the policy:
+# recomputed, it applies its change a second time, as checkpointing a whole
+# block does; stored, its version moved with the write itself (autograd counts
+# it after the op returns), so the recompute raises unless
+# ``allow_cache_entry_mutation=True``, which returns it as it is and counts the
+# change once. The forward mode keeps the storages, weakly, of the new memory
+# its ops made (not views). The automatic plan recomputes every op that writes an input (NOTE
+# [keep, offload, recompute] in recompute.py), as checkpointing a whole block does.
 #
 # NOTE [autocast casts]
 # Under autocast a parameter's cast (``_to_copy`` of a leaf that requires grad)
@@ -235,6 +243,11 @@ class Decider(Protocol):
         (NOTE [dispatch cost])."""
         ...
 
+    def overruled(self, key: OpKey, func: Any, out: Any, policy: CheckpointPolicy) -> None:
+        """The op ``decide`` just answered ``policy`` for runs again in the recompute
+        instead (NOTE [ops that write their inputs])."""
+        ...
+
 
 class PolicyDecider:
     """A user's policy with PyTorch's signature ``policy(ctx, op, *args, **kwargs)``."""
@@ -254,8 +267,6 @@ class PolicyDecider:
                 f"prefetch_offload: the recompute policy returned {policy!r} for {func}; it "
                 "must return a torch.utils.checkpoint.CheckpointPolicy (or a bool)."
             )
-        if func._schema.is_mutable:  # NOTE [ops that write their inputs]
-            return CheckpointPolicy.PREFER_RECOMPUTE
         return policy
 
     def timing(self) -> bool:
@@ -271,6 +282,9 @@ class PolicyDecider:
         pass
 
     def dispatched(self, block: tuple[str, int], seconds: float) -> None:
+        pass
+
+    def overruled(self, key: OpKey, func: Any, out: Any, policy: CheckpointPolicy) -> None:
         pass
 
 
@@ -368,6 +382,24 @@ def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]
     return [x for x in torch.utils._pytree.tree_leaves(values) if isinstance(x, torch.Tensor)]
 
 
+_MAKES: dict[Any, bool] = {}
+
+
+def _makes_memory(func: Any) -> bool:
+    """Whether an op's outputs are new memory: not a view, not an input written in place
+    or ``out=``, not matmul's ``_unsafe_view`` (its input's memory, unmarked)."""
+    made = _MAKES.get(func)
+    if made is None:
+        schema = func._schema
+        made = _MAKES[func] = not (
+            getattr(func, "is_view", False)
+            or func is torch.ops.aten._unsafe_view.default
+            or schema.is_mutable
+            or any(r.alias_info is not None for r in schema.returns)
+        )
+    return made
+
+
 class _Mode(TorchDispatchMode):
     """What both modes of one checkpoint call share: the storage, keyed by op (NOTE [op
     keys]), the decider, the engine's hooks and the stats."""
@@ -449,6 +481,9 @@ class _Saving(_Mode):
         # NOTE [cache entry mutation]: storage address -> (the storage, weakly, the key
         # of a stored output over it).
         self.memory: dict[int, list[tuple[weakref.ref[Any], int, int, Any]]] = {}
+        # NOTE [ops that write their inputs]: storage address -> the storages, weakly,
+        # of new memory ops of this forward made (their outputs, not views).
+        self.produced: dict[int, list[weakref.ref[Any]]] = {}
 
     def _block(self) -> tuple[str, int]:
         return self.block
@@ -467,10 +502,29 @@ class _Saving(_Mode):
                 entries = self.memory.setdefault(storage.data_ptr(), [])
                 entries.append((weakref.ref(storage), start, start + nbytes, key))
 
-    def _writes(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    def _made_here(self, written: list[torch.Tensor]) -> bool:
+        """Whether an op of this forward made the memory of a tensor in ``written`` (NOTE
+        [ops that write their inputs])."""
+        for t in written:
+            if _plain(t):
+                storage = t.untyped_storage()
+                for ref in self.produced.get(storage.data_ptr(), ()):
+                    if ref() is storage:
+                        return True
+        return False
+
+    def _note_made(self, func: Any, out: Any) -> None:
+        if not _makes_memory(func):
+            return
+        for x in torch.utils._pytree.tree_leaves(out):
+            if _plain(x):
+                storage = x.untyped_storage()
+                self.produced.setdefault(storage.data_ptr(), []).append(weakref.ref(storage))
+
+    def _writes(self, written: list[torch.Tensor]) -> None:
         """NOTE [cache entry mutation]: a stored output whose bytes this op writes is
         recomputed instead, or (``MUST_*``) raises at its recompute."""
-        for t in _written(func, args, kwargs):
+        for t in written:
             if not _plain(t):
                 continue
             storage = t.untyped_storage()
@@ -490,8 +544,9 @@ class _Saving(_Mode):
     def _dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         if func in _IGNORED or _cached_cast(func, args):  # NOTE [autocast casts]
             return self._call(func, args, kwargs)
-        if self.memory:
-            self._writes(func, args, kwargs)
+        written = _written(func, args, kwargs)
+        if written and self.memory:
+            self._writes(written)
         before = self.op_seconds
         out = self._call(func, args, kwargs, sync=True)
         seconds = self.op_seconds - before
@@ -499,6 +554,11 @@ class _Saving(_Mode):
         self.counts[func] = count + 1
         key: OpKey = (self.block[0], self.block[1], func, count)
         policy = self.decider.decide(key, func, args, kwargs, out)
+        if written and policy not in RECOMPUTE and self._made_here(written):
+            # NOTE [ops that write their inputs]: it runs again in the recompute.
+            self.decider.overruled(key, func, out, policy)
+            policy = CheckpointPolicy.PREFER_RECOMPUTE
+        self._note_made(func, out)
         nbytes = output_bytes(out)
         if self.timed:
             self.decider.observe(key, func, out, seconds, policy)

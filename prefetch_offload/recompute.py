@@ -304,6 +304,16 @@ class RecordingDecider:
             self._bytes[(kind, _choice_name(policy))] += output_bytes(out)
             self._positions[kind].add((key[0], func, key[3]))
 
+    def _overruled(self, func: Any, policy: CheckpointPolicy, out: Any) -> None:
+        """The op last recorded runs again instead (NOTE [ops that write their inputs])."""
+        kind, nbytes = op_kind(func), output_bytes(out)
+        with self._lock:
+            was = (kind, _choice_name(policy))
+            self._bytes[was] -= nbytes
+            if self._bytes[was] <= 0:
+                del self._bytes[was]
+            self._bytes[(kind, "recompute")] += nbytes
+
     def _consumed(self) -> None:
         self._recomputed = True
 
@@ -367,6 +377,9 @@ class _Recorded:
     def dispatched(self, block: tuple[str, int], seconds: float) -> None:
         pass
 
+    def overruled(self, key: OpKey, func: Any, out: Any, policy: CheckpointPolicy) -> None:
+        self._recorder._overruled(func, policy, out)
+
 
 @dataclass
 class _Obs:
@@ -389,13 +402,15 @@ class _Obs:
 class _Span:
     """One block's forward in a step (its seconds, summed over its calls where the model
     calls it more than once; the last call's start and end), when backward reached it,
-    and (whole-block step) the bytes its calls handed to the engine."""
+    and (whole-block step) the bytes its calls handed to the engine. A call that never
+    returned (its forward raised) counts nothing."""
 
     start: float = 0.0
     end: float = 0.0
     forward: float = 0.0
     grad: float | None = None
     saved: int = 0
+    live: int = 0  # the engine's live bytes when the call now running began
 
 
 # The kinds of profiling step, then the plan (NOTE [keep, offload, recompute]).
@@ -509,7 +524,7 @@ class AutoDecider:
                 return
             span = self._spans.setdefault(self._step_no, {}).setdefault((kind, index), _Span())
             if self._phase == _WHOLE_ALL:  # every call's bytes count (a shared block's)
-                span.saved -= _live_bytes(self._stats())
+                span.live = _live_bytes(self._stats())
             span.start = self._clock()
 
     def exited(self, kind: str, index: int) -> None:
@@ -520,7 +535,7 @@ class AutoDecider:
             span.end = self._clock()
             span.forward += span.end - span.start
             if self._phase == _WHOLE_ALL:
-                span.saved += _live_bytes(self._stats())
+                span.saved += _live_bytes(self._stats()) - span.live
 
     def backward(self, kind: str, index: int) -> None:
         with self._lock:
@@ -586,6 +601,9 @@ class AutoDecider:
                 if obs is not None:
                     obs.consumed += 1
 
+    def overruled(self, key: OpKey, func: Any, out: Any, policy: CheckpointPolicy) -> None:
+        pass  # (it answers recompute for every op that writes an input: never overruled)
+
     def dispatched(self, block: tuple[str, int], seconds: float) -> None:
         with self._lock:
             if self._phase != _PLANNED:
@@ -626,6 +644,7 @@ class AutoDecider:
             if self._stale:
                 self._stale = False
                 self._reset_profile()
+                self._moved_by.clear()  # NOTE [profiling under trims]: a new profile
                 self._step_no, self._phase = 0, _PROFILE[0]
             return
         self._ends[self._step_no] = self._clock()

@@ -92,6 +92,20 @@ def test_follow_peak_pool_reuses_blocks_and_keeps_up_to_its_peak() -> None:
     assert not factory.alive  # returned after close: released at once, not parked
 
 
+def test_leases_after_close_do_not_pile_up() -> None:
+    """Reads of backward passes run after the engine closed lease and return blocks
+    again and again: what the pool keeps to count them stays bounded."""
+    factory = _Counting()
+    pool = HostBufferPool(0, allocate=factory, follow_peak=True)
+    pool.close()
+    for _ in range(50):
+        out = pool.lease(4096)[0]
+        del out
+        gc.collect()
+    assert not factory.alive and pool.leased_bytes == 0
+    assert len(pool._late) <= 1
+
+
 def test_follow_peak_lets_go_of_what_the_last_period_did_not_lease() -> None:
     """A step that leases less than an earlier one (a plan that moves fewer bytes) keeps
     only its own peak once the next step begins, not the largest step's blocks."""

@@ -334,18 +334,18 @@ class _InPlace(nn.Module):
 
 
 @pytest.mark.parametrize("target", ["disk", "cpu"])
-@pytest.mark.parametrize("store", [P.PREFER_CPU_OFFLOAD, P.PREFER_SAVE, P.MUST_SAVE])
+@pytest.mark.parametrize("store", [P.PREFER_CPU_OFFLOAD, P.PREFER_SAVE, P.MUST_SAVE, True])
 def test_ops_that_write_their_inputs_run_again_whatever_the_policy(
-    tmp_path: Path, target: str, store: CheckpointPolicy
+    tmp_path: Path, target: str, store: CheckpointPolicy | bool
 ) -> None:
     """NOTE [ops that write their inputs]: an in-place op's stored output returned in the
-    recompute would leave the recompute's own tensor unwritten."""
+    recompute would leave the recompute's own tensor unwritten (a bool policy too)."""
     in_place = (torch.ops.aten.relu_.default, torch.ops.aten.add_.Tensor)
     asked = []
 
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy | bool:
         asked.append(op)
-        if store is P.MUST_SAVE:  # a MUST on an op whose output is written would raise
+        if store in (P.MUST_SAVE, True):  # a MUST on an op whose output is written raises
             return store if op in in_place else P.PREFER_RECOMPUTE
         return store
 
@@ -362,6 +362,62 @@ def test_ops_that_write_their_inputs_run_again_whatever_the_policy(
     assert _same(ref, got)
     assert set(in_place) <= set(asked)  # the policy was asked, and overruled
     assert {d.op: d.choice for d in plan.ops}["aten.relu_.default"] == "recompute"
+
+
+class _CountsCalls(nn.Module):
+    """A buffer counted up in place each forward, as batch norm's num_batches_tracked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return self.lin(x).relu()
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_a_write_to_memory_the_block_did_not_make_follows_the_policy(
+    tmp_path: Path, allow: bool
+) -> None:
+    """NOTE [ops that write their inputs]: a buffer's in-place count is not forced to run
+    again (it would count twice). Stored, its version moved with the write itself: the
+    recompute raises, unless allow_cache_entry_mutation=True, which returns it as it is."""
+
+    def saves_writes(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return P.PREFER_SAVE if op._schema.is_mutable else P.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    ref_model = nn.Sequential(_CountsCalls(), _CountsCalls())
+    mods = [copy.deepcopy(m) for m in ref_model]
+    ref = _mutating_grads(ref_model, 2)
+    with offload_context("disk", str(tmp_path)) as engine:
+        context_fn = functools.partial(
+            engine.checkpoint_context_fn, saves_writes, allow_cache_entry_mutation=allow
+        )
+
+        def grads(steps: int) -> list[list[torch.Tensor]]:
+            out = []
+            for step in range(steps):
+                torch.manual_seed(step)
+                x = torch.randn(2, 8, 16, requires_grad=True)
+                for m in mods:
+                    m.zero_grad(set_to_none=True)
+                y = x
+                for m in mods:
+                    y = checkpoint(m, y, use_reentrant=False, context_fn=context_fn)
+                y.square().sum().backward()
+                out.append([*(p.grad.clone() for m in mods for p in m.parameters()), x.grad])
+            return out
+
+        if not allow:
+            with pytest.raises(OffloadError, match="modified in place before its recompute"):
+                grads(1)
+            return
+        got = grads(2)
+    assert _same(ref, got)
+    assert [int(m.calls) for m in mods] == [2, 2]  # once a step, not again in the recompute
 
 
 @pytest.mark.parametrize("must", [P.MUST_CPU_OFFLOAD, P.MUST_SAVE])

@@ -263,16 +263,25 @@ def test_the_newest_blocks_the_budget_keeps_anyway_run_whole() -> None:
     assert plan.measured["blocks_whole"] == 2 and "2 whole" in str(plan)
 
 
+@pytest.mark.parametrize(
+    ("budget", "aborted", "whole"),
+    [(250, None, [PLAIN, PLAIN, WHOLE]), (450, 1, [PLAIN, WHOLE, WHOLE])],
+)
 def test_a_block_called_twice_a_step_counts_both_calls_against_the_budget(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, budget: int, aborted: int | None, whole: list[str]
 ) -> None:
-    """Shared weights: each of three blocks runs twice a step and saves 100 bytes a call.
-    With a budget of 250 only the newest block (200 bytes) fits whole."""
+    """Shared weights: each of three blocks runs twice a step and saves 100 bytes a call,
+    so only the newest blocks that fit the budget at 200 bytes each run whole. A call
+    whose forward raised (an out-of-memory retry) counts nothing."""
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
     fake = _Fake()
-    decider = AutoDecider(fake.snapshot, 250, clock=fake.clock)
+    decider = AutoDecider(fake.snapshot, budget, clock=fake.clock)
     for _ in range(len(recompute._PROFILE) + 1):
         for b in range(3):
+            if b == aborted and decider.mode("Block", b) == WHOLE:
+                decider.entered("Block", b)  # its forward raises: no exited
+                fake.add(device_tier_bytes=70)
+                fake.add(device_tier_bytes=-70)  # freed with the failed call
             for _call in range(2):
                 mode = decider.mode("Block", b)
                 decider.entered("Block", b)
@@ -284,9 +293,10 @@ def test_a_block_called_twice_a_step_counts_both_calls_against_the_budget(
             decider.backward("Block", b)
             fake.now += 1.0
     assert not decider.profiling
-    assert decider.plan().measured["blocks_whole"] == 1
-    assert decider.plan().measured["whole_MiB"] * 2**20 == 200
-    assert [decider.mode("Block", b) for b in range(3)] == [PLAIN, PLAIN, WHOLE]
+    kept = whole.count(WHOLE)
+    assert decider.plan().measured["blocks_whole"] == kept
+    assert decider.plan().measured["whole_MiB"] * 2**20 == 200 * kept
+    assert [decider.mode("Block", b) for b in range(3)] == whole
 
 
 def test_a_budget_that_keeps_every_block_whole_says_so_per_op() -> None:
