@@ -291,6 +291,23 @@ def _mutating_grads(model: nn.Module, steps: int) -> list[list[torch.Tensor]]:
     return out
 
 
+def _trained_under(
+    tmp_path: Path, target: str, block: Callable[[], nn.Module], policy: Any
+) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], Any, Any]:
+    """Two steps of three blocks without offload, and under ``policy`` (the reference
+    gradients, the gradients, the engine's stats and plan)."""
+    torch.manual_seed(0)
+    ref_model = nn.Sequential(*(block() for _ in range(3)))
+    model = copy.deepcopy(ref_model)
+    ref = _mutating_grads(ref_model, 2)
+    where = str(tmp_path) if target == "disk" else None
+    with offload_context(
+        target, where, model=model, recompute=policy, min_offload_bytes=0
+    ) as engine:
+        got = _mutating_grads(model, 2)
+        return ref, got, engine.stats(), engine.recompute_plan()
+
+
 @pytest.mark.parametrize("target", ["disk", "cpu"])
 @pytest.mark.parametrize("store", [P.PREFER_CPU_OFFLOAD, P.PREFER_SAVE])
 def test_a_stored_output_written_later_in_the_forward_is_recomputed(
@@ -302,16 +319,7 @@ def test_a_stored_output_written_later_in_the_forward_is_recomputed(
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return store if op in _MATMULS else P.PREFER_RECOMPUTE
 
-    torch.manual_seed(0)
-    ref_model = nn.Sequential(*(_ScalesMatmul() for _ in range(3)))
-    model = copy.deepcopy(ref_model)
-    ref = _mutating_grads(ref_model, 2)
-    where = str(tmp_path) if target == "disk" else None
-    with offload_context(
-        target, where, model=model, recompute=policy, min_offload_bytes=0
-    ) as engine:
-        got = _mutating_grads(model, 2)
-        stats = engine.stats()
+    ref, got, stats, _ = _trained_under(tmp_path, target, _ScalesMatmul, policy)
     assert _same(ref, got)
     # Three matmuls a block; the two written later are recomputed instead, the third
     # (``h @ w2``: 2 x 8 x 16 floats) stays stored.
@@ -349,16 +357,7 @@ def test_ops_that_write_their_inputs_run_again_whatever_the_policy(
             return store if op in in_place else P.PREFER_RECOMPUTE
         return store
 
-    torch.manual_seed(0)
-    ref_model = nn.Sequential(*(_InPlace() for _ in range(3)))
-    model = copy.deepcopy(ref_model)
-    ref = _mutating_grads(ref_model, 2)
-    where = str(tmp_path) if target == "disk" else None
-    with offload_context(
-        target, where, model=model, recompute=policy, min_offload_bytes=0
-    ) as engine:
-        got = _mutating_grads(model, 2)
-        plan = engine.recompute_plan()
+    ref, got, _, plan = _trained_under(tmp_path, target, _InPlace, policy)
     assert _same(ref, got)
     assert set(in_place) <= set(asked)  # the policy was asked, and overruled
     assert {d.op: d.choice for d in plan.ops}["aten.relu_.default"] == "recompute"
