@@ -7,12 +7,16 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 # NOTE [block detection]
 # Blocks are found as Hugging Face finds its shard units: the classes named in
 # ``_no_split_modules`` of the model (or of any submodule that declares it, so
-# a DDP- or PEFT-wrapped model works too). Without that list, the blocks are the
+# a DDP- or PEFT-wrapped model works too), matched along each module's class
+# hierarchy (FSDP2's ``fully_shard`` gives a sharded block a subclass of its
+# class, ``FSDPLlamaDecoderLayer``). Without that list, the blocks are the
 # longest run of consecutive children of one class inside an ``nn.ModuleList``
 # or ``nn.Sequential`` anywhere in the tree (the decoder layers of nearly every
 # architecture). ``recompute_blocks`` overrides both: module classes, or
-# qualified names as ``named_modules()`` gives them. A block nested in another
-# block is not wrapped on its own (its outer block's checkpoint covers it).
+# qualified names as ``named_modules()`` gives them; a module with no forward
+# of its own (the ``nn.ModuleList`` holding the blocks) is refused there, as
+# nothing calls it. A block nested in another block is not wrapped on its own
+# (its outer block's checkpoint covers it).
 #
 # NOTE [wrapping blocks]
 # Each block gets an instance attribute ``forward`` that runs the class's
@@ -22,10 +26,13 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 # restore the attribute is deleted again, or set back when the block had an
 # instance ``forward`` of its own. A deep copy of the model taken meanwhile (an
 # EMA, a reference model) gets its blocks' own forwards, not the wrapper, which
-# would run the original blocks. The block's keyword arguments are bound before
-# ``checkpoint`` sees them, which would take the names it shares with them.
-# Hugging Face's own gradient checkpointing
-# wraps the same blocks around ``__call__``; a block that has it switched on is
+# would run the original blocks, and so does a model pickled meanwhile
+# (``torch.save(model)``; loading it needs nothing of this library). A shallow
+# copy of a block (``copy.copy``, ``nn.DataParallel``'s replicas) shares its
+# instance dictionary, and with it the wrapper: it runs the original block.
+# The block's keyword arguments are bound before ``checkpoint`` sees them,
+# which would take the names it shares with them. Hugging Face's own gradient
+# checkpointing wraps the same blocks around ``__call__``; a block that has it switched on is
 # refused at its forward (NOTE [double checkpointing]).
 #
 # NOTE [double checkpointing]
@@ -193,10 +200,21 @@ def find_blocks(model: nn.Module, blocks: BlockSpec | None = None) -> list[tuple
         found = [
             (n, m) for n, m in named if n and (n in names or (classes and isinstance(m, classes)))
         ]
+        containers = sorted(n for n, m in found if type(m).forward is nn.Module.forward)
+        if containers:  # an nn.ModuleList / ModuleDict: nothing calls its forward
+            raise ValueError(
+                f"prefetch_offload: recompute_blocks names {containers}, which have no forward "
+                "of their own (an nn.ModuleList or nn.ModuleDict holding the blocks): name "
+                "the blocks in it instead, e.g. 'model.layers.0', or pass their class."
+            )
         how = f"recompute_blocks={list(spec)!r}"
     else:
         wanted = _no_split_classes(model)
-        found = [(n, m) for n, m in named if n and type(m).__name__ in wanted]
+        # Along the class's MRO: fully_shard gives each sharded module a subclass of its
+        # class (FSDPLlamaDecoderLayer) that _no_split_modules does not name.
+        found = [
+            (n, m) for n, m in named if n and any(c.__name__ in wanted for c in type(m).__mro__)
+        ]
         how = f"_no_split_modules {sorted(wanted)}"
         if not found:
             found = _longest_run(model)
@@ -453,6 +471,13 @@ class _BlockForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Pickled with the model (torch.save(model) inside the context): it loads as the
+        # block's own forward, as a deep copy does, and loading needs no prefetch_offload.
+        if self._own is None:  # the class's forward, bound to the loaded block
+            return getattr, (self._module, "forward")
+        return copy.copy, (self._own,)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         clone = memo.get(id(self._module))

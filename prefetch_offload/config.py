@@ -382,7 +382,7 @@ def validate_offload_config(
     Args:
         target: None, "cpu" or "disk".
         backend: "transformers", "unsloth" or "mlx".
-        device: "cuda" or "cpu" (CPU training offloads CPU tensors to disk).
+        device: "cuda" (or "cuda:N") or "cpu" (CPU training offloads CPU tensors to disk).
         save_dir: scratch folder; required when ``target == "disk"``.
 
     Returns:
@@ -411,7 +411,7 @@ def validate_offload_config(
             "Activation offloading is not supported on the mlx backend. Use backend: transformers."
         )
         return errors
-    if device not in ("cuda", "cpu"):
+    if str(device).split(":")[0] not in ("cuda", "cpu"):  # "cuda:1" is a CUDA device too
         errors.append(
             f"Activation offloading requires CUDA or CPU training. Current device: {device}."
         )

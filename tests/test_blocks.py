@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -59,6 +60,25 @@ def test_no_split_modules_win_over_the_longest_run() -> None:
     # A wrapper (DDP-like) that declares nothing still finds the inner declaration.
     outer = nn.Sequential(model)
     assert [n for n, _ in find_blocks(outer)] == ["0.layers.0", "0.layers.1"]
+
+
+def test_no_split_modules_match_a_sharded_subclass() -> None:
+    """FSDP2's fully_shard gives each sharded module a subclass of its class, named
+    FSDP<Name>: the blocks _no_split_modules names are still found."""
+    model = _HFLike()
+    for layer in model.layers:
+        layer.__class__ = type("FSDP_Other", (type(layer),), {})
+    assert [n for n, _ in find_blocks(model)] == ["layers.0", "layers.1"]
+
+
+def test_recompute_blocks_naming_a_container_is_an_error() -> None:
+    """An nn.ModuleList has no forward that anything calls: wrapping it would checkpoint
+    nothing, silently."""
+    model = _HFLike()
+    with pytest.raises(ValueError, match=r"\['layers'\], which have no forward of their own"):
+        find_blocks(model, ["layers"])
+    with pytest.raises(ValueError, match="name the blocks in it instead"):
+        find_blocks(model, [nn.ModuleList])
 
 
 def test_recompute_blocks_by_class_and_by_name() -> None:
@@ -187,6 +207,25 @@ def test_a_deep_copy_taken_while_wrapped_runs_its_own_blocks(tmp_path: Path) -> 
     assert torch.equal(clone(x), torch.zeros(2, 8))  # and after exit
     assert not torch.equal(model(x), torch.zeros(2, 8))
     clone(x).sum().backward()  # the clone trains on its own, with no engine
+
+
+def test_a_model_pickled_while_wrapped_loads_with_its_own_blocks(tmp_path: Path) -> None:
+    """NOTE [wrapping blocks]: torch.save(model) inside the context pickles each block's
+    forward as its own, and loading needs nothing of prefetch_offload."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Layer() for _ in range(4)])
+    x = torch.randn(2, 8)
+    buf = io.BytesIO()
+    with offload_context("disk", str(tmp_path), model=model, recompute="full"):
+        torch.save(model, buf)
+    assert b"prefetch_offload" not in buf.getvalue()
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert torch.equal(loaded(x), model(x))
+    with torch.no_grad():
+        for p in loaded.parameters():
+            p.zero_()
+    assert torch.equal(loaded(x), torch.zeros(2, 8))  # its own weights, not the original's
 
 
 class _Keyworded(nn.Module):

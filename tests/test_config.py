@@ -227,3 +227,8 @@ def test_a_home_folder_of_nobody_known_is_refused() -> None:
     "~name" in the working directory is not what was meant."""
     with pytest.raises(ValueError, match="home folder"):
         OffloadConfig(target="disk", save_dir="~no_such_user_here_0/acts")
+
+
+def test_a_numbered_cuda_device_is_a_cuda_device() -> None:
+    assert validate_offload_config("cpu", "transformers", "cuda:1") == []
+    assert validate_offload_config("cpu", "transformers", "mps")  # still refused
