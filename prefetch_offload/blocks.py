@@ -12,7 +12,8 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 # class, ``FSDPLlamaDecoderLayer``). Without that list, the blocks are the
 # longest run of consecutive children of one class inside an ``nn.ModuleList``
 # or ``nn.Sequential`` anywhere in the tree (the decoder layers of nearly every
-# architecture). ``recompute_blocks`` overrides both: module classes, or
+# architecture); a run inside a member of another run (the experts of one
+# mixture-of-experts layer) does not count. ``recompute_blocks`` overrides both: module classes, or
 # qualified names as ``named_modules()`` gives them; a module with no forward
 # of its own (the ``nn.ModuleList`` holding the blocks) is refused there, as
 # nothing calls it. A block nested in another block is not wrapped on its own
@@ -159,7 +160,9 @@ def _no_split_classes(model: nn.Module) -> set[str]:
 
 
 def _longest_run(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    best: list[tuple[str, nn.Module]] = []
+    """The longest run of same-class children of an nn.ModuleList or nn.Sequential, of
+    the runs not inside a member of another run (NOTE [block detection])."""
+    runs: list[list[tuple[str, nn.Module]]] = []
     for prefix, container in model.named_modules():
         if not isinstance(container, nn.ModuleList | nn.Sequential):
             continue
@@ -169,10 +172,18 @@ def _longest_run(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if run and type(run[-1][1]) is type(child):
                 run.append((qualified, child))
             else:
+                if len(run) >= 2:
+                    runs.append(run)
                 run = [(qualified, child)]
-            if len(run) > len(best):
-                best = list(run)
-    return best if len(best) >= 2 else []
+        if len(run) >= 2:
+            runs.append(run)
+    members = [name for run in runs for name, _ in run]
+    outer = [
+        run
+        for run in runs
+        if not any(run[0][0].startswith(m + ".") for m in members)  # inside a member
+    ]
+    return max(outer, key=len, default=[])
 
 
 def find_blocks(model: nn.Module, blocks: BlockSpec | None = None) -> list[tuple[str, nn.Module]]:

@@ -54,6 +54,21 @@ def test_longest_run_in_a_sequential_picks_the_longest_run() -> None:
     assert [n for n, _ in find_blocks(seq)] == ["1", "2", "3"]
 
 
+class _MoELayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([_Layer() for _ in range(8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(e(x) for e in self.experts)  # type: ignore[return-value]
+
+
+def test_a_longer_run_inside_a_member_of_another_run_does_not_count() -> None:
+    """NOTE [block detection]: the layers, not the eight experts of the first layer."""
+    model = nn.Sequential(nn.ModuleList([_MoELayer() for _ in range(4)]))
+    assert [n for n, _ in find_blocks(model)] == [f"0.{i}" for i in range(4)]
+
+
 def test_no_split_modules_win_over_the_longest_run() -> None:
     model = _HFLike()
     assert [n for n, _ in find_blocks(model)] == ["layers.0", "layers.1"]
