@@ -13,11 +13,11 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 # longest run of consecutive children of one class inside an ``nn.ModuleList``
 # or ``nn.Sequential`` anywhere in the tree (the decoder layers of nearly every
 # architecture); a run inside a member of another run (the experts of one
-# mixture-of-experts layer) does not count. ``recompute_blocks`` overrides both: module classes, or
-# qualified names as ``named_modules()`` gives them; a module with no forward
-# of its own (the ``nn.ModuleList`` holding the blocks) is refused there, as
-# nothing calls it. A block nested in another block is not wrapped on its own
-# (its outer block's checkpoint covers it).
+# mixture-of-experts layer) does not count. ``recompute_blocks`` overrides
+# both: module classes, or qualified names as ``named_modules()`` gives them; a
+# module with no forward of its own (the ``nn.ModuleList`` holding the blocks)
+# is refused there, as nothing calls it. A block nested in another block is not
+# wrapped on its own (its outer block's checkpoint covers it).
 #
 # NOTE [wrapping blocks]
 # Each block gets an instance attribute ``forward`` that runs the class's
@@ -33,8 +33,8 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 # instance dictionary, and with it the wrapper: it runs the original block.
 # The block's keyword arguments are bound before ``checkpoint`` sees them,
 # which would take the names it shares with them. Hugging Face's own gradient
-# checkpointing wraps the same blocks around ``__call__``; a block that has it switched on is
-# refused at its forward (NOTE [double checkpointing]).
+# checkpointing wraps the same blocks around ``__call__``; a block that has it
+# switched on is refused at its forward (NOTE [double checkpointing]).
 #
 # NOTE [double checkpointing]
 # Hugging Face's ``gradient_checkpointing`` (``TrainingArguments`` or
