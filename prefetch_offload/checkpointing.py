@@ -134,6 +134,7 @@ __all__ = [
     "draws_random",
     "graph_kept",
     "op_kind",
+    "output_aliases",
     "output_bytes",
     "plain_contexts",
     "selective_contexts",
@@ -382,22 +383,25 @@ def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]
     return [x for x in torch.utils._pytree.tree_leaves(values) if isinstance(x, torch.Tensor)]
 
 
-_MAKES: dict[Any, bool] = {}
+# Ops whose output shares its input's memory with no alias in their schema (matmul's
+# reshape of its mm output).
+_UNMARKED_ALIASES = frozenset({torch.ops.aten._unsafe_view.default})
+_ALIASES: dict[Any, bool] = {}
 
 
-def _makes_memory(func: Any) -> bool:
-    """Whether an op's outputs are new memory: not a view, not an input written in place
-    or ``out=``, not matmul's ``_unsafe_view`` (its input's memory, unmarked)."""
-    made = _MAKES.get(func)
-    if made is None:
+def output_aliases(func: Any) -> bool:
+    """Whether an op's output is an input's memory, not new memory: a view, an input
+    written in place or ``out=``, or matmul's ``_unsafe_view`` (unmarked)."""
+    aliases = _ALIASES.get(func)
+    if aliases is None:
         schema = func._schema
-        made = _MAKES[func] = not (
+        aliases = _ALIASES[func] = bool(
             getattr(func, "is_view", False)
-            or func is torch.ops.aten._unsafe_view.default
+            or func in _UNMARKED_ALIASES
             or schema.is_mutable
             or any(r.alias_info is not None for r in schema.returns)
         )
-    return made
+    return aliases
 
 
 class _Mode(TorchDispatchMode):
@@ -514,7 +518,7 @@ class _Saving(_Mode):
         return False
 
     def _note_made(self, func: Any, out: Any) -> None:
-        if not _makes_memory(func):
+        if output_aliases(func):
             return
         for x in torch.utils._pytree.tree_leaves(out):
             if _plain(x):

@@ -444,10 +444,11 @@ class OffloadEngine:
             return self._pack_subclass(t)  # NOTE [wrapper subclasses]
         movable = self._movable(t)
         if not movable or t.numel() * t.element_size() < self.config.min_offload_bytes:
-            if movable and self._dedup.get(t.untyped_storage().data_ptr()):
+            storage = t.untyped_storage() if movable else None
+            if storage is not None and self._dedup.get(storage.data_ptr()):
                 # NOTE [dedup]: a small view of a storage with a live record shares it;
                 # kept, it would hold the whole storage in memory beside the record.
-                shared = self._shared(t, t.untyped_storage(), *view_span(t))
+                shared = self._shared(t, storage, *view_span(t))
                 if shared is not None:
                     return shared
             self._stats.add(tensors_kept=1)
@@ -799,6 +800,8 @@ class OffloadEngine:
     def _shared(self, t: torch.Tensor, storage: Any, vstart: int, vbytes: int) -> Handle | None:
         """A handle to the live record whose span holds ``t``'s, where one may serve it
         (NOTE [dedup]); None where none does."""
+        if not self._dedup.get(storage.data_ptr()):  # (most saves: nothing to compare)
+            return None
         version = t._version
         itemsize = t.element_size()
         shape, stride = tuple(t.shape), t.stride()

@@ -147,7 +147,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .blocks import PLAIN, SELECTIVE, WHOLE
@@ -161,6 +160,7 @@ from .checkpointing import (
     op_kind,
     output_bytes,
 )
+from .checkpointing import output_aliases as _aliases  # (storing one moves its bytes twice)
 from .errors import OffloadFallbackWarning
 from .stats import OffloadStats
 
@@ -176,22 +176,6 @@ OFFLOAD_ALONE = True
 
 # An op position: (block class, op overload, count in the block).
 Position = tuple[str, Any, int]
-
-
-# Ops whose output shares its input's memory with no alias in their schema (matmul's
-# reshape of its mm output): storing one would move the same bytes twice.
-_UNMARKED_ALIASES = frozenset({torch.ops.aten._unsafe_view.default})
-
-
-def _aliases(func: Any) -> bool:
-    """Whether an op's output aliases an input (a view, or an in-place op)."""
-    schema = func._schema
-    return bool(
-        getattr(func, "is_view", False)
-        or func in _UNMARKED_ALIASES
-        or schema.is_mutable
-        or any(r.alias_info is not None for r in schema.returns)
-    )
 
 
 @dataclass(frozen=True)

@@ -164,9 +164,14 @@ def sentinel_for(view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(view as a result to hand out, its sentinel)``: a 0-element tensor that shares
     the result's version counter and holds no memory (NOTE [handouts])."""
     sentinel = torch.empty((0,), dtype=view.dtype, device=view.device)
+    return _sharing(sentinel, view), sentinel
+
+
+def _sharing(sentinel: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """``data`` as a new tensor with ``sentinel``'s version counter (NOTE [handouts])."""
     out = sentinel.detach()
-    out.data = view
-    return out, sentinel
+    out.data = data
+    return out
 
 
 def version_error(what: str, now: int, then: int) -> OffloadError:
@@ -410,10 +415,8 @@ class Record:
                 and source is not None
                 and source[0] is storage
             ):  # NOTE [handouts]: the saved tensor's own memory, so its own counter
-                out = counter.detach()
-                out.data = view  # type: ignore[assignment]
                 self.handout = (weakref.ref(storage), counter, counter._version)
-                return out
+                return _sharing(counter, view)  # type: ignore[arg-type]
             out, sentinel = built if built is not None else sentinel_for(view)  # type: ignore[arg-type]
             self.handout = (weakref.ref(storage), sentinel, sentinel._version)
             return out
@@ -424,9 +427,7 @@ class Record:
                 sentinel._version,
                 version,
             )
-        out = sentinel.detach()
-        out.data = built[0] if built is not None else view
-        return out
+        return _sharing(sentinel, built[0] if built is not None else view)  # type: ignore[arg-type]
 
     def handout_changed(self, storage: torch.UntypedStorage) -> bool:
         """Whether a result handed out over ``storage`` was changed in place since."""
