@@ -46,14 +46,6 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 # on inside ``train()``, after the context is entered, so the check runs at
 # forward time, not at enter.
 #
-# NOTE [kv cache]
-# A Hugging Face model with ``use_cache`` on fills a key/value cache in
-# forward; a checkpointed layer's recompute appends to it again, so its
-# attention sees twice the keys (a wrong gradient, or a recompute that runs
-# other ops than its forward). Hugging Face turns the cache off under its own
-# checkpointing; so does the wrapping: every ``config.use_cache`` in the model
-# is false while the blocks are wrapped, and set back on restore.
-#
 # NOTE [compiled blocks]
 # A block compiled on its own (``block.compile()``, regional compilation) runs
 # its forward inside the compiled graph, where ops are fused and no dispatch
@@ -93,6 +85,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .errors import OffloadError
+from .kv_cache import CacheOff
 
 __all__ = [
     "PLAIN",
@@ -279,8 +272,8 @@ class WrappedBlocks:
         context_fn: the checkpoint's ``context_fn`` in eager mode (None: plain).
         compiled: the ``context_fn`` while torch.compile traces the block, or
             ``SKIP`` to leave a compiled block unchecked (NOTE [compiled blocks]).
-        model: the model the blocks are from; its ``config.use_cache`` is off while
-            they are wrapped (NOTE [kv cache]).
+        model: the model the blocks are from; its forwards with grad enabled run with
+            ``config.use_cache`` off (NOTE [kv cache] in kv_cache.py).
         modes: chooses per call how each block runs (NOTE [block modes]); None:
             always the checkpoint with ``context_fn``.
     """
@@ -297,11 +290,9 @@ class WrappedBlocks:
         self.blocks = blocks
         self._saved: list[tuple[nn.Module, bool, Any]] = []
         self._mine: list[_BlockForward] = []  # the wrappers this object installed
-        self._caches: list[Any] = []  # NOTE [kv cache]: configs whose use_cache was on
+        self._cache_off: CacheOff | None = None
         try:
-            for config in _configs_with_cache(model, blocks):
-                config.use_cache = False
-                self._caches.append(config)
+            self._cache_off = CacheOff(model, [module for _, module in blocks])
             for index, (name, module) in enumerate(blocks):
                 own = "forward" in module.__dict__
                 self._saved.append((module, own, module.__dict__.get("forward")))
@@ -329,8 +320,8 @@ class WrappedBlocks:
                     "another one that wraps the same model's blocks is still entered; "
                     "exit contexts in reverse order of entering them."
                 )
-        while self._caches:
-            self._caches.pop().use_cache = True
+        if self._cache_off is not None:
+            self._cache_off.remove()
         while self._saved:
             module, own, previous = self._saved.pop()
             if own:
@@ -338,19 +329,6 @@ class WrappedBlocks:
             else:
                 module.__dict__.pop("forward", None)
         self._mine.clear()
-
-
-def _configs_with_cache(model: nn.Module | None, blocks: list[tuple[str, nn.Module]]) -> list[Any]:
-    """The distinct ``config`` objects in the model (or the blocks) with use_cache on."""
-    modules = list(model.modules()) if model is not None else []
-    for _, block in blocks:
-        modules.extend(block.modules())
-    found: dict[int, Any] = {}
-    for module in modules:
-        config = getattr(module, "config", None)
-        if config is not None and getattr(config, "use_cache", False) is True:
-            found.setdefault(id(config), config)
-    return list(found.values())
 
 
 # The block running now, for the contexts a checkpoint's context_fn makes

@@ -111,9 +111,10 @@ def test_trainer_gradient_checkpointing_and_recompute_are_refused(tmp_path: Path
 
 
 @pytest.mark.parametrize("recompute", ["full", "policy"])
-def test_a_kv_cache_is_off_while_blocks_are_wrapped(tmp_path: Path, recompute: str) -> None:
+def test_a_kv_cache_is_off_in_forwards_with_grad_only(tmp_path: Path, recompute: str) -> None:
     """NOTE [kv cache]: with use_cache on, a recompute would append to the cache again;
-    the wrapping turns it off and back on, and gradients match."""
+    forwards with grad run without it and gradients match, while the config keeps the
+    user's value: save_pretrained writes it, and a forward without grad fills a cache."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=128,
@@ -132,10 +133,18 @@ def test_a_kv_cache_is_off_while_blocks_are_wrapped(tmp_path: Path, recompute: s
     ref = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     mode = matmuls_offloaded if recompute == "policy" else recompute
-    with offload_context("disk", str(tmp_path), model=model, recompute=mode):
-        assert not model.config.use_cache
-        model(input_ids=ids, labels=ids).loss.backward()
+    with offload_context("disk", str(tmp_path / "acts"), model=model, recompute=mode):
+        assert model.config.use_cache
+        out = model(input_ids=ids, labels=ids)
+        assert not out.get("past_key_values", out.get("cache"))
+        out.loss.backward()
+        model.save_pretrained(tmp_path / "saved")
+        with torch.no_grad():
+            out = model(input_ids=ids)
+        cache = out.get("past_key_values", out.get("cache"))
+        assert cache is not None and cache.get_seq_length() == 32
     assert model.config.use_cache
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "saved").use_cache
     for a, p in zip(ref, model.parameters(), strict=True):
         assert torch.equal(a, p.grad)
 

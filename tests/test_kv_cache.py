@@ -1,0 +1,175 @@
+"""The key/value cache off for forwards with grad enabled, as set by the user otherwise
+(NOTE [kv cache])."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from prefetch_offload.kv_cache import CacheOff
+
+
+class Block(nn.Module):
+    def __init__(self, config: SimpleNamespace) -> None:
+        super().__init__()
+        self.config = config  # a block's own reference to the config: not hooked
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class Base(nn.Module):
+    """Reads the flag as a Hugging Face base model does, at the start of forward."""
+
+    def __init__(self, config: SimpleNamespace) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(Block(config) for _ in range(2))
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor, fail: bool = False) -> torch.Tensor:
+        self.seen.append(self.config.use_cache)
+        for layer in self.layers:
+            x = layer(x)
+        if fail:
+            raise RuntimeError("forward failed")
+        return x
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(use_cache=True)
+        self.model = Base(self.config)
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor, fail: bool = False) -> torch.Tensor:
+        self.seen.append(self.config.use_cache)
+        out = self.model(x, fail)
+        self.seen.append(self.config.use_cache)  # after the inner forward returned
+        return out
+
+
+def _hooked(model: Head) -> CacheOff:
+    return CacheOff(model, list(model.model.layers))
+
+
+def test_a_forward_with_grad_runs_with_the_cache_off_and_sets_it_back() -> None:
+    model = Head()
+    hooks = _hooked(model)
+    model(torch.randn(2, 4))
+    assert model.seen == [False, False] and model.model.seen == [False]
+    assert model.config.use_cache is True  # between forwards: the user's value
+    with torch.no_grad():  # generate: nothing is checkpointed, the cache stays on
+        model(torch.randn(2, 4))
+    assert model.seen[2:] == [True, True]
+    hooks.remove()
+    model(torch.randn(2, 4))
+    assert model.seen[4:] == [True, True]
+
+
+def test_only_modules_outside_the_blocks_are_hooked() -> None:
+    model = Head()
+    hooks = _hooked(model)
+    assert hooks.modules == [model, model.model]
+    hooks.remove()
+    assert not model._forward_pre_hooks and not model.model._forward_hooks
+
+
+def test_a_forward_that_raises_sets_the_cache_back() -> None:
+    model = Head()
+    hooks = _hooked(model)
+    with pytest.raises(RuntimeError, match="forward failed"):
+        model(torch.randn(2, 4), True)
+    assert model.config.use_cache is True
+    model(torch.randn(2, 4))  # the nesting count started again
+    assert model.seen[-2:] == [False, False] and model.config.use_cache is True
+    hooks.remove()
+
+
+def test_a_value_the_user_sets_stays() -> None:
+    model = Head()
+    hooks = _hooked(model)
+    model.config.use_cache = False
+    model(torch.randn(2, 4))
+    assert model.config.use_cache is False
+    hooks.remove()
+    assert model.config.use_cache is False
+
+
+def test_a_deep_copy_carries_the_hooks_inert() -> None:
+    model = Head()
+    hooks = _hooked(model)
+    twin = copy.deepcopy(model)
+    twin(torch.randn(2, 4))
+    assert twin.seen == [True, True]  # its blocks are not wrapped: its cache is safe
+    model(torch.randn(2, 4))
+    assert model.seen == [False, False]
+    hooks.remove()
+
+
+def test_nested_contexts_on_one_model_each_keep_theirs() -> None:
+    model = Head()
+    outer = _hooked(model)
+    inner = _hooked(model)
+    model(torch.randn(2, 4))
+    inner.remove()
+    model(torch.randn(2, 4))
+    assert model.seen == [False, False, False, False] and model.config.use_cache is True
+    outer.remove()
+    model(torch.randn(2, 4))
+    assert model.seen[-2:] == [True, True]
+
+
+def test_a_pre_hook_that_raises_before_ours_leaves_the_outer_forward_off() -> None:
+    """An earlier pre-hook of the inner module raises: our forward hook still runs
+    there (always called) and must not end the outer forward's turn."""
+    model = Head()
+
+    def refuse(module: nn.Module, args: object) -> None:
+        raise ValueError("refused")
+
+    model.model.register_forward_pre_hook(refuse)
+    hooks = _hooked(model)
+    seen: list[bool] = []
+
+    def outer(x: torch.Tensor) -> None:
+        with pytest.raises(ValueError, match="refused"):
+            model.model(x)
+        seen.append(model.config.use_cache)
+
+    model.forward = lambda x, fail=False: outer(x)  # type: ignore[method-assign]
+    model(torch.randn(2, 4))
+    assert seen == [False] and model.config.use_cache is True
+    hooks.remove()
+
+
+def test_threads_share_the_flag_and_the_last_one_out_sets_it_back() -> None:
+    model = Head()
+    hooks = _hooked(model)
+    inside, go = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def slow(x: torch.Tensor) -> None:
+        inside.set()
+        go.wait(5)
+        seen.append(model.config.use_cache)
+
+    base = model.model
+    base.forward = lambda x, fail=False: slow(x)  # type: ignore[method-assign]
+    thread = threading.Thread(target=lambda: model.model(torch.randn(2, 4)))
+    thread.start()
+    assert inside.wait(5)
+    del base.forward  # the second forward returns at once
+    model(torch.randn(2, 4))
+    assert model.config.use_cache is False  # the first thread's forward still runs
+    go.set()
+    thread.join(5)
+    assert seen == [False] and model.config.use_cache is True
+    hooks.remove()
