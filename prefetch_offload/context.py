@@ -92,6 +92,42 @@ def check_torch_version(version: str) -> None:
         )
 
 
+def _current_task() -> object | None:
+    """The asyncio task running on this thread now, if any."""
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running event loop here
+        return None
+
+
+# The contexts entered on each thread and not yet exited, with the asyncio task that
+# entered each (None: outside a task).
+_entered = threading.local()
+
+
+def _claim_thread(context: OffloadContext) -> object | None:
+    """Refuse a context that a task would enter while another task of this thread holds
+    one: saved-tensor hooks are per thread, so each would take the other's tensors, and
+    the first exit would find the other's hooks on top."""
+    task = _current_task()
+    held: list[tuple[OffloadContext, object | None]] = _entered.__dict__.setdefault("held", [])
+    for _, other in held:
+        if other is not None and other is not task and not other.done():  # type: ignore[attr-defined]
+            raise OffloadError(
+                "prefetch_offload: another asyncio task on this thread holds an "
+                "offload_context; saved-tensor hooks are per thread, so the two would "
+                "take each other's saved tensors. Enter one context around the tasks "
+                "(or train each in a thread of its own)."
+            )
+    held.append((context, task))
+    return task
+
+
+def _release_thread(context: OffloadContext) -> None:
+    held = _entered.__dict__.get("held", [])
+    held[:] = [entry for entry in held if entry[0] is not context]
+
+
 class OffloadContext:
     """Installs the offload hooks on enter and removes them on exit.
 
@@ -99,8 +135,9 @@ class OffloadContext:
     thread): each thread that trains needs its own context. Not re-entrant.
     Also an async context manager: ``async with`` installs the hooks in the
     event loop's thread and waits for pending writes at exit without blocking
-    the loop. A summary of the stats is logged at INFO on the
-    ``prefetch_offload`` logger at exit.
+    the loop; two tasks of one thread cannot hold contexts at once (entering the
+    second raises :class:`OffloadError`). A summary of the stats is logged at
+    INFO on the ``prefetch_offload`` logger at exit.
     """
 
     def __init__(self, config: OffloadConfig) -> None:
@@ -114,34 +151,48 @@ class OffloadContext:
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._thread: int | None = None
         self._wrapped: WrappedBlocks | None = None
+        self._claim = threading.Lock()
+        self._claimed = False  # entered, or being entered (by one thread only)
 
     def __enter__(self) -> OffloadEngine | _NullEngine:
-        if self._engine is not None:
-            raise OffloadError(
-                "prefetch_offload: an offload_context can be entered only once; "
-                "call offload_context(...) again for each with block."
-            )
+        with self._claim:
+            if self._claimed:
+                raise OffloadError(
+                    "prefetch_offload: an offload_context can be entered only once; "
+                    "call offload_context(...) again for each with block."
+                )
+            self._claimed = True
+        try:
+            return self._enter()
+        except BaseException:
+            with self._claim:  # nothing was left entered: it may be entered again
+                self._claimed = False
+            raise
+
+    def _enter(self) -> OffloadEngine | _NullEngine:
         if self.config.target is None:
             self._engine = _NullEngine()
             return self._engine
         check_torch_version(torch.__version__)
-        engine = OffloadEngine(self.config)
-        hooks = torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack)
+        _claim_thread(self)
+        engine = None
+        hooks = None
         try:
+            engine = OffloadEngine(self.config)
+            hooks = torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack)
             hooks.__enter__()
-        except BaseException:
-            engine.close(raise_errors=False)
-            raise
-        self._engine, self._hooks = engine, hooks
-        self._thread = threading.get_ident()
-        if self.config.recompute is not None:
-            try:
+            self._engine, self._hooks = engine, hooks
+            self._thread = threading.get_ident()
+            if self.config.recompute is not None:
                 self._wrapped = _wrap_model(engine, self.config)
-            except BaseException:
-                hooks.__exit__(None, None, None)
-                self._hooks = None
+        except BaseException:
+            if self._hooks is not None:
+                hooks.__exit__(None, None, None)  # type: ignore[union-attr]
+            self._engine = self._hooks = None
+            _release_thread(self)
+            if engine is not None:
                 engine.close(raise_errors=False)
-                raise
+            raise
         return engine
 
     def __exit__(
@@ -175,7 +226,10 @@ class OffloadContext:
         if hooks is not None:
             hooks.__exit__(exc_type, exc, tb)
             self._hooks = None
+            _release_thread(self)
         if isinstance(engine, OffloadEngine):
+            if engine.closed:
+                return  # exited before: closed and summarized then
             try:
                 engine.close(raise_errors=exc_type is None)
             finally:

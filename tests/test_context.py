@@ -19,7 +19,7 @@ from prefetch_offload import (
     offload_context,
     offload_context_from_config,
 )
-from prefetch_offload.context import check_torch_version
+from prefetch_offload.context import _top_hooks, check_torch_version
 
 
 def test_none_target_is_a_no_op() -> None:
@@ -205,6 +205,84 @@ async def test_async_with_and_aflush(save_dir: Path) -> None:
     assert engine.closed
     assert torch.equal(x.grad, 2 * (x.detach() * 2).cos())
     assert engine.stats().bytes_read == (1 << 16) * 4
+
+
+async def test_two_tasks_of_one_thread_cannot_hold_contexts_at_once(save_dir: Path) -> None:
+    """Hooks are per thread: a second task's context would take the first task's saved
+    tensors, and the first exit would find the other's hooks on top."""
+    entered, leave = asyncio.Event(), asyncio.Event()
+
+    async def first() -> None:
+        async with offload_context("disk", save_dir / "a", min_offload_bytes=0):
+            entered.set()
+            await leave.wait()
+
+    task = asyncio.create_task(first())
+    await entered.wait()
+    with pytest.raises(OffloadError, match="another asyncio task"):
+        async with offload_context("disk", save_dir / "b"):
+            pass
+    leave.set()
+    await task
+    x = torch.randn(1 << 15, requires_grad=True)
+    async with offload_context("disk", save_dir / "b", min_offload_bytes=0) as engine:
+        async with offload_context("cpu"):  # nested in one task: allowed
+            pass
+        (x * 2).sin().sum().backward()
+    assert engine.closed and _top_hooks() is None
+
+
+def test_a_context_is_entered_by_one_thread_only(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from prefetch_offload import context as context_module
+
+    building, go = threading.Event(), threading.Event()
+    real = context_module.OffloadEngine
+
+    class SlowEngine(real):  # type: ignore[misc,valid-type]
+        def __init__(self, config: OffloadConfig) -> None:
+            building.set()
+            assert go.wait(10)
+            super().__init__(config)
+
+    monkeypatch.setattr(context_module, "OffloadEngine", SlowEngine)
+    ctx = offload_context("disk", save_dir)
+    done: list[object] = []
+
+    def enter_and_exit() -> None:
+        with ctx as engine:
+            done.append(engine)
+
+    thread = threading.Thread(target=enter_and_exit)
+    thread.start()
+    assert building.wait(10)
+    with pytest.raises(OffloadError, match="only once"), ctx:
+        pass
+    go.set()
+    thread.join(10)
+    assert len(done) == 1 and done[0].closed
+
+
+def test_a_context_whose_entry_failed_may_be_entered_again(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    ctx = offload_context("disk", str(blocker / "acts"))
+    for _ in range(2):  # the same error again, not "only once"
+        with pytest.raises((OSError, ValueError, OffloadError)) as info, ctx:
+            pass
+        assert "only once" not in str(info.value)
+
+
+def test_a_second_exit_logs_nothing_more(save_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ctx = offload_context("disk", save_dir)
+    with caplog.at_level(logging.INFO, logger="prefetch_offload"):
+        with ctx:
+            pass
+        ctx.__exit__(None, None, None)
+    assert len([r for r in caplog.records if r.name == "prefetch_offload"]) == 1
 
 
 def test_context_defaults_are_the_config_defaults() -> None:
