@@ -179,7 +179,7 @@ def _positive_ints(name: str, values: Sequence[int], *, align: int = 1) -> list[
 
 def _positive_int(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"prefetch_offload: {name} must be an int, got {value!r}.")
+        raise TypeError(f"prefetch_offload: {name} must be an int, got {value!r}.")
     if value <= 0:
         raise ValueError(f"prefetch_offload: {name} must be positive, got {value}.")
 
@@ -189,13 +189,25 @@ def _check_folder(save_dir: str | os.PathLike[str]) -> str:
         raise ValueError(
             "prefetch_offload: save_dir is empty; pass the folder you will give offload_context."
         )
-    path = Path(save_dir).expanduser()  # as OffloadConfig does
-    if not path.exists():
+    path = Path(os.path.expanduser(os.fspath(save_dir)))  # as OffloadConfig does
+    if str(path).startswith("~"):
+        raise ValueError(
+            f"prefetch_offload: save_dir {str(save_dir)!r} names a user's home folder "
+            "that does not exist here; pass the folder's full path."
+        )
+    try:
+        exists, is_dir = path.exists(), path.is_dir()
+    except OSError as exc:  # a parent folder that cannot be searched
+        raise ValueError(
+            f"prefetch_offload: save_dir {str(save_dir)!r} cannot be reached ({exc}); "
+            "pass a folder you can write to."
+        ) from exc
+    if not exists:
         raise ValueError(
             f"prefetch_offload: save_dir {str(save_dir)!r} does not exist; "
             "create it, or pass the folder you will give offload_context."
         )
-    if not path.is_dir():
+    if not is_dir:
         raise ValueError(
             f"prefetch_offload: save_dir {str(save_dir)!r} is not a folder; "
             "pass the folder you will give offload_context."
@@ -236,9 +248,11 @@ def probe_bandwidth(
         in the order given.
 
     Raises:
-        ValueError: ``save_dir`` is missing, not a folder or not writable; a size,
-            count or ``repeats`` is not positive; ``total_bytes`` is too small for
-            a request per worker; the disk has no room for ``total_bytes``.
+        ValueError: ``save_dir`` is missing, unreachable, not a folder or not
+            writable; a size, count or ``repeats`` is not positive; ``total_bytes``
+            is too small for a request per worker; the disk has no room for
+            ``total_bytes``.
+        TypeError: a size, count or ``repeats`` is not an int.
         OSError: a read or write failed during the measurement.
     """
     folder = _check_folder(save_dir)

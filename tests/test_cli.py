@@ -98,6 +98,26 @@ def test_probe_bad_numbers_are_usage_errors(
     assert "error: argument" in capsys.readouterr().err
 
 
+def test_probe_an_unknown_home_folder_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["probe", "--save-dir", "~nosuchuser_po/x"]) == 2
+    assert "home folder" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="home folder"):
+        probe_bandwidth("~nosuchuser_po/x")
+
+
+def test_probe_a_folder_the_os_cannot_look_up_is_a_value_error(tmp_path: Path) -> None:
+    """stat() failing with more than "no such file" (here a name too long)."""
+    with pytest.raises(ValueError, match="cannot be reached"):
+        probe_bandwidth(tmp_path / ("x" * 300))
+
+
+def test_probe_a_count_of_the_wrong_type_is_a_type_error(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="repeats must be an int"):
+        probe_bandwidth(tmp_path, repeats=1.5)  # type: ignore[arg-type]
+
+
 def test_probe_bandwidth_validates(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="must be positive"):
         probe_bandwidth(tmp_path, total_bytes=0)
