@@ -34,23 +34,19 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from .heap import fast_reuse_tunables, heap_trim_supported
-from .probe import (
-    LOW_READ_GBPS,
-    TOLERANCE,
-    MiB,
-    ProbeResult,
-    combined_gbps,
-    probe_bandwidth,
-    recommend,
-)
-from .slab import direct_io_supported
+
+if TYPE_CHECKING:
+    from .probe import ProbeResult
 
 __all__ = ["ProgressBar", "bench_script", "main", "run_environment"]
 
 PROG = "python -m prefetch_offload"
+MiB = 1 << 20
+# The probe (and torch, which its buffers need) is imported by the probe command
+# only: --help and run start without it (run execs a Python that imports it anyway).
 
 
 class ProgressBar:
@@ -167,6 +163,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_probe(args: argparse.Namespace) -> int:
+    from .probe import combined_gbps, probe_bandwidth, recommend
+    from .slab import direct_io_supported
+
     show = args.progress or sys.stderr.isatty()
     # "~" as OffloadConfig reads it; the header's io_method must test the same folder.
     args.save_dir = os.path.expanduser(args.save_dir)
@@ -212,6 +211,8 @@ def _run_probe(args: argparse.Namespace) -> int:
 def _print_table(
     args: argparse.Namespace, results: list[ProbeResult], rec: dict[str, int], direct: bool
 ) -> None:
+    from .probe import LOW_READ_GBPS, TOLERANCE, combined_gbps
+
     how = "O_DIRECT" if direct else "buffered (page cache included: reads may be optimistic)"
     median = f"median of {args.repeats}" if args.repeats > 1 else "1 run each"
     print(f"# {args.save_dir}: {how}, {args.total_mib} MiB per measurement, {median}")

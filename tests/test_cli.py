@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from prefetch_offload import cli, heap
+from prefetch_offload import cli, heap, probe, slab
 from prefetch_offload.probe import ProbeResult, combined_gbps, probe_bandwidth, recommend
 
 MiB = 1 << 20
@@ -194,7 +194,7 @@ def test_probe_interrupted_exits_130_without_a_traceback(
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "probe_bandwidth", interrupted)
+    monkeypatch.setattr(probe, "probe_bandwidth", interrupted)  # imported at the call
     assert cli.main(["probe", "--save-dir", str(tmp_path)]) == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and "Traceback" not in err
@@ -209,8 +209,8 @@ def test_probe_tilde_save_dir_is_expanded_for_every_check(
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "acts").mkdir()
     seen: list[str] = []
-    real = cli.direct_io_supported
-    monkeypatch.setattr(cli, "direct_io_supported", lambda d: (seen.append(d), real(d))[1])
+    real = slab.direct_io_supported
+    monkeypatch.setattr(slab, "direct_io_supported", lambda d: (seen.append(d), real(d))[1])
     argv = ["probe", "--save-dir", "~/acts", "--total-mib", "8", "--requests", "1"]
     assert cli.main([*argv, "--workers", "1", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -263,3 +263,20 @@ def test_run_environment_keeps_the_rest() -> None:
     assert env == {"HOME": "/h", "GLIBC_TUNABLES": heap.FAST_REUSE_OFF}
     env = cli.run_environment({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=7:x=1:"})
     assert env["GLIBC_TUNABLES"] == f"x=1:{heap.FAST_REUSE_OFF}"
+
+
+def test_help_and_run_start_without_torch() -> None:
+    """The launcher and --help import neither torch nor the probe (run execs a Python
+    that imports torch itself)."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from prefetch_offload import cli\n"
+        "try:\n"
+        "    cli.main(['--help'])\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+        "sys.exit(cli.main(['run', '-c', 'print(\"child ran\")']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("child ran")
