@@ -26,6 +26,7 @@ from prefetch_offload import (
     validate_offload_config,
 )
 from prefetch_offload import probe as probe_mod
+from prefetch_offload import slab as slab_mod
 
 SEED = Path("/work/shared/seed/activation_offload.py")
 
@@ -329,7 +330,7 @@ def test_probe_json_on_a_folder_without_o_direct(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(probe_mod, "direct_io_supported", lambda d: False)
-    monkeypatch.setattr(cli, "direct_io_supported", lambda d: False)
+    monkeypatch.setattr(slab_mod, "direct_io_supported", lambda d: False)  # the CLI's
     argv = ["probe", "--save-dir", str(tmp_path), "--total-mib", "1", "--requests", "1"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
