@@ -8,15 +8,11 @@ import functools
 import logging
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-from .blocks import SKIP, WrappedBlocks, find_blocks
-from .checkpointing import PlainCounts, plain_contexts, selective_contexts
 from .config import (
     _TARGET_DEFAULT,
     DEFAULT_CHUNK_BYTES,
@@ -25,17 +21,26 @@ from .config import (
     OffloadConfig,
     validate_offload_config,
 )
-from .engine import OffloadEngine, _NullEngine
-from .errors import OffloadError
+from .errors import OffloadError, OffloadFallbackWarning
 from .heap import fast_reuse_hint
-from .recompute import AutoDecider, RecordingDecider
+from .null_engine import NullEngine
 from .stats import OffloadStats
+
+# NOTE [no torch]: torch, and every module that needs it, is imported when a context
+# with a target is entered (or a model's blocks are checked), not with this module.
+if TYPE_CHECKING:
+    import torch
+
+    from .blocks import WrappedBlocks
+    from .engine import OffloadEngine
 
 __all__ = ["OffloadContext", "offload_context", "offload_context_from_config"]
 
 
 def _top_hooks() -> tuple[Any, Any] | None:
     """The innermost saved-tensor hooks of this thread (None: none, or torch cannot say)."""
+    import torch
+
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return None if top is None else top(False)
 
@@ -147,14 +152,14 @@ class OffloadContext:
                 f"{type(config).__name__}; for a mapping use offload_context_from_config()."
             )
         self.config = config
-        self._engine: OffloadEngine | _NullEngine | None = None
+        self._engine: OffloadEngine | NullEngine | None = None
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._thread: int | None = None
         self._wrapped: WrappedBlocks | None = None
         self._claim = threading.Lock()
         self._claimed = False  # entered, or being entered (by one thread only)
 
-    def __enter__(self) -> OffloadEngine | _NullEngine:
+    def __enter__(self) -> OffloadEngine | NullEngine:
         with self._claim:
             if self._claimed:
                 raise OffloadError(
@@ -169,10 +174,23 @@ class OffloadContext:
                 self._claimed = False
             raise
 
-    def _enter(self) -> OffloadEngine | _NullEngine:
+    def _enter(self) -> OffloadEngine | NullEngine:
         if self.config.target is None:
-            self._engine = _NullEngine()
+            self._engine = NullEngine()
             return self._engine
+        try:
+            import torch
+        except ImportError:  # NOTE [no torch]: no autograd here, so nothing to offload
+            warnings.warn(
+                f"prefetch_offload: torch cannot be imported here, so there is nothing to "
+                f"offload; offload_context({self.config.target!r}) does nothing.",
+                OffloadFallbackWarning,
+                stacklevel=3,
+            )
+            self._engine = NullEngine()
+            return self._engine
+        from .engine import OffloadEngine
+
         check_torch_version(torch.__version__)
         _claim_thread(self)
         engine = None
@@ -203,7 +221,7 @@ class OffloadContext:
     ) -> None:
         engine, hooks = self._engine, self._hooks
         if hooks is not None:
-            assert isinstance(engine, OffloadEngine)
+            assert engine is not None and not isinstance(engine, NullEngine)
             if threading.get_ident() != self._thread:
                 # The hooks are on the entering thread's stack: popping this one's would
                 # fail inside PyTorch and leave them (and the IO threads) behind.
@@ -227,7 +245,7 @@ class OffloadContext:
             hooks.__exit__(exc_type, exc, tb)
             self._hooks = None
             _release_thread(self)
-        if isinstance(engine, OffloadEngine):
+        if engine is not None and not isinstance(engine, NullEngine):
             if engine.closed:
                 return  # exited before: closed and summarized then
             try:
@@ -239,7 +257,7 @@ class OffloadContext:
         elif engine is not None:
             engine.close()
 
-    async def __aenter__(self) -> OffloadEngine | _NullEngine:
+    async def __aenter__(self) -> OffloadEngine | NullEngine:
         return self.__enter__()
 
     async def __aexit__(
@@ -249,7 +267,8 @@ class OffloadContext:
         tb: TracebackType | None,
     ) -> None:
         engine = self._engine
-        if isinstance(engine, OffloadEngine) and self._hooks is not None:
+        if self._hooks is not None:
+            assert engine is not None and not isinstance(engine, NullEngine)
             # Wait for the writes in a worker thread; the hooks come off in this thread.
             try:
                 await asyncio.get_running_loop().run_in_executor(None, engine._wait_writes)
@@ -261,6 +280,12 @@ class OffloadContext:
 
 def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
     """Checkpoint the model's blocks as ``config.recompute`` says (blocks.py)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from .blocks import SKIP, WrappedBlocks, find_blocks
+    from .checkpointing import PlainCounts, plain_contexts, selective_contexts
+    from .recompute import AutoDecider, RecordingDecider
+
     blocks = find_blocks(config.model, config.recompute_blocks)
     recompute = config.recompute
     stats = engine._ckpt_stats
@@ -295,6 +320,7 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
 
 def _saving_offloads(policy: Callable[..., Any]) -> Callable[..., Any]:
     """``policy`` with ``*_CPU_OFFLOAD`` read as ``*_SAVE`` (for the compiler's SAC)."""
+    from torch.utils.checkpoint import CheckpointPolicy
 
     def compiled_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         choice = policy(ctx, op, *args, **kwargs)
@@ -415,6 +441,8 @@ def offload_context(
         recompute_blocks=recompute_blocks,  # type: ignore[arg-type]  # checked, made a tuple
     )
     if recompute is not None:
+        from .blocks import find_blocks
+
         find_blocks(model, config.recompute_blocks)  # type: ignore[arg-type]  # at the call
     return OffloadContext(config)
 

@@ -77,7 +77,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy
 
 from .checkpointing import CheckpointStats, graph_kept, selective_contexts
 from .config import OffloadConfig
@@ -110,68 +110,6 @@ def _recomputing() -> bool:
     """Whether a reentrant checkpoint's backward runs now (NOTE [packs inside backward])."""
     node = _current_node()
     return node is not None and node.name() == "CheckpointFunctionBackward"
-
-
-class _NullEngine:
-    """What ``offload_context(None)`` yields: no hooks, all-zero stats.
-
-    It has the engine's public methods, so that code written for an offloading run
-    (``engine.flush()``, ``await engine.aflush()``) also runs with offloading off.
-    """
-
-    config = None
-    io_method = "none"
-
-    def __init__(self) -> None:
-        self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        """Whether the owning context has exited."""
-        return self._closed
-
-    def stats(self) -> OffloadStats:
-        """All-zero statistics."""
-        return OffloadStats()
-
-    def flush(self) -> None:
-        """Nothing is ever queued: returns at once."""
-
-    async def aflush(self) -> None:
-        """Nothing is ever queued: returns at once."""
-
-    def close(self, *, raise_errors: bool = True) -> None:
-        """Mark the context exited."""
-        self._closed = True
-
-    def recompute_plan(self) -> RecomputePlan | None:
-        """No ``recompute=`` runs with offloading off: None."""
-        return None
-
-    def checkpoint_context_fn(
-        self,
-        policy: Callable[..., Any] | list[Any],
-        *,
-        allow_cache_entry_mutation: bool = False,
-    ) -> tuple[Any, Any]:
-        """PyTorch's selective checkpoint contexts for ``policy``; with nothing to offload
-        to, a ``*_CPU_OFFLOAD`` output is kept (``*_SAVE``) rather than recomputed."""
-        if callable(policy):
-            user = policy
-
-            def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-                choice = user(ctx, op, *args, **kwargs)
-                return _OFFLOAD_AS_SAVE.get(choice, choice)
-
-        return create_selective_checkpoint_contexts(
-            policy, allow_cache_entry_mutation=allow_cache_entry_mutation
-        )
-
-
-_OFFLOAD_AS_SAVE = {
-    CheckpointPolicy.MUST_CPU_OFFLOAD: CheckpointPolicy.MUST_SAVE,
-    CheckpointPolicy.PREFER_CPU_OFFLOAD: CheckpointPolicy.PREFER_SAVE,
-}
 
 
 # NOTE [fork]: every engine alive, to mark in a forked child.

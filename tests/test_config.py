@@ -163,24 +163,42 @@ def test_fuzzed_config_is_valid_or_rejected_cleanly(kwargs: dict[str, Any]) -> N
     assert cfg.target != "disk" or cfg.save_dir
 
 
-def test_the_configuration_and_its_check_import_without_torch() -> None:
-    """As the per-tensor implementation this replaces: a CI job or a CLI's --help can
-    check a trainer's setting where torch is not installed."""
+def test_the_entry_points_work_without_torch() -> None:
+    """As the per-tensor implementation this replaces (NOTE [no torch]): a CI job or a
+    CLI's --help can check a trainer's setting, and enter its context, where torch is
+    not installed; with a target the context says once that it does nothing."""
     code = (
-        "import sys; sys.modules['torch'] = None\n"
+        "import sys, warnings; sys.modules['torch'] = None\n"
         "from prefetch_offload import OffloadConfig, OffloadError, validate_offload_config\n"
+        "from prefetch_offload import OffloadFallbackWarning, offload_context\n"
+        "from prefetch_offload import offload_context_from_config\n"
         "assert validate_offload_config(None, 'transformers', 'cuda', None) == []\n"
         "assert validate_offload_config('disk', 'transformers', 'cuda', None)\n"
         "OffloadConfig(target='disk', save_dir='acts')\n"
-        "import prefetch_offload\n"
+        "with offload_context(None) as engine:\n"
+        "    engine.flush()\n"
+        "assert engine.closed and engine.stats().bytes_offloaded == 0\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        "    with offload_context_from_config(\n"
+        "        {'activation_offloading': 'disk', 'save_dir': 'acts'}\n"
+        "    ) as engine:\n"
+        "        pass\n"
+        "(w,) = seen\n"
+        "assert w.category is OffloadFallbackWarning and 'torch' in str(w.message)\n"
+        "assert engine.recompute_plan() is None\n"
         "try:\n"
-        "    prefetch_offload.offload_context\n"
-        "except ImportError:\n"
-        "    print('torch needed for the hooks')\n"
+        "    offload_context('disk')\n"
+        "except ValueError as exc:\n"
+        "    assert 'save_dir' in str(exc)\n"
+        "else:\n"
+        "    raise AssertionError('a disk target without save_dir was accepted')\n"
+        "assert 'torch' not in [m.split('.')[0] for m in sys.modules if sys.modules[m]]\n"
+        "print('ok')\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "torch needed for the hooks"
+    assert proc.stdout.strip() == "ok"
 
 
 def test_byte_sizes_take_ascii_digits_and_heap_trim_bytes_names_its_words() -> None:

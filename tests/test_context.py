@@ -237,10 +237,10 @@ def test_a_context_is_entered_by_one_thread_only(
 ) -> None:
     import threading
 
-    from prefetch_offload import context as context_module
+    from prefetch_offload import engine as engine_module
 
     building, go = threading.Event(), threading.Event()
-    real = context_module.OffloadEngine
+    real = engine_module.OffloadEngine
 
     class SlowEngine(real):  # type: ignore[misc,valid-type]
         def __init__(self, config: OffloadConfig) -> None:
@@ -248,7 +248,7 @@ def test_a_context_is_entered_by_one_thread_only(
             assert go.wait(10)
             super().__init__(config)
 
-    monkeypatch.setattr(context_module, "OffloadEngine", SlowEngine)
+    monkeypatch.setattr(engine_module, "OffloadEngine", SlowEngine)  # imported at entry
     ctx = offload_context("disk", save_dir)
     done: list[object] = []
 
