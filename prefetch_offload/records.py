@@ -314,6 +314,7 @@ class Record:
         "host_only",
         "key",
         "on_disk",
+        "own",
         "pass_no",
         "pos",
         "prefetch",
@@ -370,6 +371,9 @@ class Record:
         self.align = 0
         # Whether the device's memory is host memory (CPU tensors): no copies either way.
         self.host_only = engine._device.identity(device)
+        # NOTE [handouts]: the saved tensor's own storage, which a read may hand out
+        # after the write has landed and ``source`` has let it go.
+        self.own = weakref.ref(source[0]) if self.host_only and source is not None else None
         self.seq = seq
         self.pos = self.step = self.spos = -1  # NOTE [lookahead] in plan.py
         self.tier = DEVICE  # NOTE [tiers] in policy.py
@@ -407,13 +411,9 @@ class Record:
         GIL, and may wait to get it back): ``handout`` is read and replaced whole."""
         last = self.handout
         if last is None or last[0]() is not storage:  # memory not handed out before
-            source, counter = self.source, self.counter
+            own, counter = self.own, self.counter
             if (
-                built is None
-                and counter is not None
-                and self.host_only
-                and source is not None
-                and source[0] is storage
+                built is None and counter is not None and own is not None and own() is storage
             ):  # NOTE [handouts]: the saved tensor's own memory, so its own counter
                 self.handout = (weakref.ref(storage), counter, counter._version)
                 return _sharing(counter, view)  # type: ignore[arg-type]

@@ -97,3 +97,35 @@ def test_other_subclasses_stay_in_memory_and_are_counted(save_dir: Path) -> None
     assert torch.equal(
         x.grad.as_subclass(torch.Tensor), (2 * (2 * x).cos()).as_subclass(torch.Tensor)
     )
+
+
+@pytest.mark.parametrize("write_lands", [False, True])
+def test_a_result_over_the_saved_memory_keeps_its_counter_when_the_write_lands_meanwhile(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch, write_lands: bool
+) -> None:
+    """NOTE [handouts]: a read that hands out the saved tensor's own memory gives it the
+    tensor's own version counter, also when the write lands (and the record lets the
+    memory go) between the read and the handout."""
+    from prefetch_offload import offload_context
+    from prefetch_offload.reader import ReadPath
+    from prefetch_offload.writer import WritePath
+
+    materialize = ReadPath.materialize
+
+    def landing(self: ReadPath, rec: Any) -> Any:
+        out = materialize(self, rec)
+        if write_lands:
+            rec.engine._writer.wait()
+        return out
+
+    monkeypatch.setattr(ReadPath, "materialize", landing)
+    monkeypatch.setattr(WritePath, "skip_tail", lambda self: None)  # the write stays queued
+    x = torch.randn(256, 1024, requires_grad=True)
+    with offload_context("disk", str(save_dir), min_offload_bytes=0, io_method="buffered"):
+        a = x * 2
+        b = a.sin()
+        result = b.grad_fn._saved_self
+        assert result.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+        before = a._version
+        result.add_(0)
+        assert a._version != before
