@@ -883,6 +883,8 @@ class OffloadEngine:
         self._reader.end_backward()
         if self._writer is not None:
             self._writer.end_backward()
+        if self._closed:  # a graph used after exit: no later pack or stats() gives back
+            self._drain_dead()  # the slab space its records held
 
     # -- lifetime ---------------------------------------------------------------------------
 

@@ -1228,3 +1228,16 @@ def test_a_warning_made_an_error_in_a_write_settles_the_batch_and_is_raised(
             assert engine._writer.pending_bytes == 0  # every record of the batch settled
             sum(y.sum() for y in ys).backward()
     assert torch.equal(x.grad, 2 * (2 * x.detach()).cos())
+
+
+def test_a_backward_after_exit_gives_the_slab_space_back_as_it_ends(save_dir: Path) -> None:
+    """Records that die in a backward run after the context exited return their space
+    when that backward ends, not at a later stats() call or garbage collection."""
+    x = torch.randn(1 << 18, requires_grad=True)
+    with offload_context("disk", str(save_dir), min_offload_bytes=0) as engine:
+        loss = (x * 2).sin().sum()
+        engine.flush()
+    store = engine._store
+    assert store is not None and store.used_bytes > 0
+    loss.backward()
+    assert store.used_bytes == 0 and store.reserved_bytes == 0
