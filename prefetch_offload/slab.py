@@ -41,8 +41,10 @@
 #     that failed or came out small: the next slab starts at the free bytes
 #     reported, so the churn of a shared disk costs a try or two, not a ladder
 #     from the top.
-# Where statvfs cannot tell (it fails, or a quota holds this user below the
-# free space), only ``trim`` resets the memory. Filesystems without fallocate
+# Where statvfs fails, only ``trim`` resets the memory. Under a quota that holds
+# this user below the free space, statvfs reports the disk's free space, so any
+# gain in it (another user's files deleted) starts the sizes again from what is
+# free, and a few reservations fail before one fits: time, not memory. Filesystems without fallocate
 # get a sparse file (ftruncate) of the full size: there a full disk shows up
 # at write time instead.
 """

@@ -42,7 +42,8 @@
 # anyway, and the copy runs on the CPU it leaves idle. Each IO worker stages
 # through one 2 MiB buffer (one huge page; 8 MiB buffers measured no better),
 # so staging holds at most io_workers * 2 MiB beyond the cap; the buffers are
-# unmapped when backward ends, with the read pool's idle blocks. Staging applies
+# unmapped when backward ends (the read pool keeps its idle blocks across
+# steps: NOTE [read buffer pool] in buffers.py). Staging applies
 # to O_DIRECT only: buffered and mmap writes copy through the kernel or memcpy
 # already. (With verify=True, runs holding an exposed CPU record are staged with
 # any io_method, for their checksums: NOTE [checksums].)
