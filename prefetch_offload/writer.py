@@ -102,6 +102,19 @@ _STAGE_BYTES = 2 << 20
 
 # A record queued for writing: its pieces (views of its host bytes) and its copy's fence.
 _Pending = tuple["_Record", list[memoryview], Fence | None]
+
+
+class _Job:
+    """A submitted write batch; ``started`` and ``void`` change under the writer's lock."""
+
+    __slots__ = ("batch", "started", "void")
+
+    def __init__(self, batch: list[_Pending]) -> None:
+        self.batch = batch
+        self.started = False
+        self.void = False
+
+
 # A checksum a staged write fills in: the record's crcs, the piece's index in them, and
 # the bytes [a, b) of the piece that belong to the span (NOTE [checksums]).
 _Sum = tuple[list[tuple[int, int, int]], int, int, int]
@@ -233,16 +246,21 @@ class WritePath:
         return batch
 
     def _submit_batch(self, batch: list[_Pending]) -> None:
+        job = _Job(batch)
         try:
-            fut = self.pool.submit(functools.partial(self._write_batch, batch), WRITE)
+            fut = self.pool.submit(functools.partial(self._write_batch, job), WRITE)
         except BaseException:
             # An interrupt (Ctrl-C) or a refused job: the batch goes back in front of the
             # open one, whose records a later pack, flush or backward settles; dropped, its
             # bytes would stay pending with no job to write them, and a pack at the cap
-            # would wait for them forever.
+            # would wait for them forever. An interrupt may come after the job was queued:
+            # one not started yet is voided (it will write nothing), one started keeps it.
             with self._lock:
-                self._open[:0] = batch
-                self._open_bytes += sum(rec.span.extent_bytes for rec, _, _ in batch)
+                if not job.started:
+                    job.void = True
+                    self._open[:0] = batch
+                    self._open_bytes += sum(rec.span.extent_bytes for rec, _, _ in batch)
+                    self._writes_idle.notify_all()  # a pack waiting at the cap submits it
             raise
         with self._lock:
             futs = self._futs
@@ -254,8 +272,13 @@ class WritePath:
                 tail.popleft()
             tail.append((fut, [weakref.ref(rec) for rec, _, _ in batch]))
 
-    def _write_batch(self, batch: list[_Pending]) -> None:
+    def _write_batch(self, job: _Job) -> None:
         """IO job: write a batch, adjacent extents with one vectored write each."""
+        with self._lock:
+            if job.void:
+                return  # its submit was interrupted after queueing it: the batch went back
+            job.started = True
+        batch = job.batch
         store = self._store
         runs: list[list[_Pending]] = []
         for item in batch:

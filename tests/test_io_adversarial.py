@@ -16,6 +16,7 @@ import queue
 import random
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -429,6 +430,93 @@ def test_an_interrupt_while_a_write_batch_is_submitted_loses_nothing(save_dir: P
     ref = x.detach().clone().requires_grad_()
     sum(y.sum() for y in [(ref * (i + 3)).exp() for i in range(4)]).backward()
     assert torch.equal(x.grad, ref.grad)
+
+
+def test_an_interrupt_after_a_write_batch_was_queued_writes_it_once(save_dir: Path) -> None:
+    """A Ctrl-C landing in the pool's submit after the job was queued: the batch goes
+    back for a later submit, and the queued job, not started yet, writes nothing."""
+    x = torch.randn(1 << 14, requires_grad=True)
+    with _engine(save_dir, chunk_bytes=1 << 20) as (engine, _):  # submitted at the flush
+        writer = engine._writer
+        pool = writer.pool
+        real_submit, real_done = pool.submit, writer._write_done
+        gate = threading.Event()
+        settled: list[int] = []
+
+        def queued_then_interrupted(fn: Any, prio: Any) -> Any:
+            def held() -> None:  # the IO thread starts the job only after the interrupt
+                gate.wait(10)
+                fn()
+
+            real_submit(held, prio)
+            raise KeyboardInterrupt
+
+        def counted(rec: Any, exc: Any, culprit: Any = None) -> None:
+            settled.append(id(rec))
+            real_done(rec, exc, culprit)
+
+        writer._write_done = counted  # type: ignore[method-assign]
+        pool.submit = queued_then_interrupted  # type: ignore[method-assign]
+        y = (x * 2).exp()
+        with pytest.raises(KeyboardInterrupt):
+            engine.flush()
+        pool.submit = real_submit  # type: ignore[method-assign]
+        gate.set()
+        engine.flush()
+        assert len(settled) == len(set(settled)) == 1  # one record, settled once
+        assert writer.pending_bytes == 0
+        y.sum().backward()
+    assert torch.equal(x.grad, 2 * (x.detach() * 2).exp())
+
+
+def test_an_interrupted_submit_wakes_a_pack_waiting_at_the_cap(save_dir: Path) -> None:
+    """Another thread's pack waits at the write cap for bytes in a batch whose submit
+    was interrupted: the batch went back into the open one, and the waiter submits it."""
+    small = torch.randn(1 << 14, requires_grad=True)  # 64 KiB: stays in the open batch
+    big = torch.randn(1 << 15, requires_grad=True)  # 128 KiB: over the cap beside it
+    with _engine(save_dir, chunk_bytes=1 << 20, max_pending_write_bytes=160 << 10) as (
+        engine,
+        _,
+    ):
+        pool = engine._writer.pool
+        real = pool.submit
+        hold, entered = threading.Event(), threading.Event()
+        fired: list[int] = []
+
+        def slow_then_interrupted(fn: Any, prio: Any) -> Any:
+            if not fired:
+                fired.append(1)
+                entered.set()
+                hold.wait(10)  # meanwhile the other thread's pack waits at the cap
+                raise KeyboardInterrupt
+            return real(fn, prio)
+
+        pool.submit = slow_then_interrupted  # type: ignore[method-assign]
+        a = (small * 2).exp()
+        kept: list[torch.Tensor] = []
+        done = threading.Event()
+
+        def pack_at_cap() -> None:
+            with torch.autograd.graph.saved_tensors_hooks(engine.pack, engine.unpack):
+                kept.append((big * 3).exp())
+            done.set()
+
+        def flush() -> None:
+            with contextlib.suppress(KeyboardInterrupt):
+                engine.flush()
+
+        flusher = threading.Thread(target=flush, daemon=True)
+        flusher.start()
+        assert entered.wait(10)
+        packer = threading.Thread(target=pack_at_cap, daemon=True)
+        packer.start()
+        time.sleep(0.2)  # the packer reaches the cap and waits
+        hold.set()
+        flusher.join(10)
+        assert done.wait(10), "a pack waited at the write cap for a batch no job writes"
+        (a.sum() + kept[0].sum()).backward()
+    assert torch.equal(small.grad, 2 * (small.detach() * 2).exp())
+    assert torch.equal(big.grad, 3 * (big.detach() * 3).exp())
 
 
 def test_read_pool_keeps_nothing_for_a_backward_after_exit(save_dir: Path) -> None:
