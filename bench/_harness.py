@@ -383,7 +383,7 @@ class Lane:
 
     def final_params(self) -> list[torch.Tensor]:
         """Copies of the parameters now (a tensor sent over a pipe shares its memory)."""
-        return [p.detach().cpu().clone() for p in self.params]
+        return [p.detach().cpu() if p.is_cuda else p.detach().clone() for p in self.params]
 
     def close(self) -> None:
         """Leave the run context (closing an engine raises what its threads raised)."""

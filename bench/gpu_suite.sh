@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
-# The prepared GPU run: one command that ends within SUITE_BUDGET_S (default 450 s: 7.5 of
-# the 8 minutes it may take), whose first minute says whether the rest is worth running.
+# The prepared GPU run: one command that ends within SUITE_BUDGET_S (default 450 s, of the
+# 10 minutes a device command may take; call it with timeout_s of about 520: the budget,
+# the last stage's 10 s kill grace and the packing), whose first minute says whether the
+# rest is worth running. With the machine's start (1-3 minutes) it takes about 10 of a
+# session's 15 device minutes: plan on one call.
 #
 #   1. preflight (40 s): bench/gpu_preflight.py -> preflight.json (torch, driver, kernel;
 #      time to pin 4 GiB; pinned D2H/H2D GB/s; how long a non_blocking copy to pageable
 #      memory takes to return; O_DIRECT through a pinned block; CUDA calls during a graph
 #      capture, each case written as it ends)
-#   2. tests/test_cuda.py (120 s), with faulthandler: a test past 60 s dumps every
-#      thread's stack, and pytest-timeout (if this python has it) fails it at 90 s; the
+#   2. tests/test_cuda.py (90 s), with faulthandler: a test past 15 s dumps every
+#      thread's stack, and pytest-timeout (if this python has it) fails it at 20 s; the
 #      stage's own limit sends SIGABRT, which faulthandler also answers with the stacks.
 #      Without pytest the stage is recorded as skipped and the others run.
 #   3. the step benchmark on the GPU (bench/step.py --device cuda), every lane in one
-#      process: fp32, compute-bound: none, cpu, save_on_cpu (90 s), then one more step
+#      process: fp32, compute-bound: none, cpu, save_on_cpu (120 s), then one more step
 #      per lane with allocated memory sampled every 10 ms, kept in gpu_fp32.json and
 #      drawn to memory_fp32.png where matplotlib is installed; bf16: none, cpu, budget
 #      (device_budget half the saved bytes) (90 s)
-#   4. disk, only if the preflight measured O_DIRECT through pinned memory at 1 GB/s or
-#      more (60 s)
-#   5. keep / offload / recompute (60 s): issue 23's comparison ("bench/recompute.py
-#      --gpu [--twin] --json PATH"), where its --help offers --gpu, else recorded as
-#      skipped
+#   4. keep / offload / recompute (75 s): the comparison of bench/recompute.py --gpu
+#      (a Hugging Face Llama in bf16 where transformers is installed, else the benchmark
+#      transformer), where its --help offers --gpu, else recorded as skipped
+#   5. disk, only if the preflight measured O_DIRECT through pinned memory at 1 GB/s or
+#      more (60 s): none and disk, bf16 at half the sequence (about 2.3 GB saved a step),
+#      one warm-up and two timed steps
 #
 # Usage (repository root): bash bench/gpu_suite.sh [OUTDIR]   (default: $OUT, else
 # gpu-suite-out). It uses the machine's python3 as it is (PYTHON overrides) and installs
@@ -132,21 +136,22 @@ step() {
 }
 
 stage env
+# Every probe outside a stage has its own limit: a wedged driver must not take the lease.
 { if [ "$twin" = 1 ]; then echo "SUITE_TWIN=1: CPU twin, toy sizes"; else
     timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; fi
-  $py -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
+  timeout 60 $py -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
   nproc; uname -a; df -h . | tail -1; } 2>&1 | tee "$work/env.txt"
 # The engine's own floor (prefetch_offload.context.check_torch_version) and numpy: without
 # them no stage can run, and the lease would go on import errors. pytest only the tests
 # stage needs: it checks for it itself.
-$py -c "import numpy, torch; from prefetch_offload.context import check_torch_version
+timeout 60 $py -c "import numpy, torch; from prefetch_offload.context import check_torch_version
 check_torch_version(torch.__version__)" 2>&1 | tail -3
 rc=$?
 record requirements $rc
 if [ $rc -ne 0 ]; then echo "!! $py lacks what the suite needs (above): nothing to run"; exit 1; fi
 if [ "$twin" != 1 ]; then
   # Under a CPU build of torch every gpu_only test would skip and pytest would pass.
-  $py -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
+  timeout 60 $py -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
   rc=$?
   record cuda_available $rc
   if [ $rc -ne 0 ]; then echo "!! torch sees no CUDA device: nothing to run"; exit 1; fi
@@ -190,7 +195,8 @@ else
         --steps 5 --warmup 2)
   bf16=(--device cuda --width 2048 --depth 4 --heads 16 --vocab 8192 --seq 2048 --batch 4
         --steps 5 --warmup 2)
-  disk=("${bf16[@]}")
+  disk=(--device cuda --width 2048 --depth 4 --heads 16 --vocab 8192 --seq 1024 --batch 4
+        --steps 2 --warmup 1)
   # The modes that decide issue 23's targets at one budget (each mode is a process that
   # builds the model: all eleven would not fit the stage).
   recompute=(--modes none,offload25,full,full_offload,selective,auto25)
@@ -205,33 +211,33 @@ fi
 stage "bf16: none, cpu, budget"
 if want bf16 gpu_bf16; then
   # The limit is an estimate (no GPU has run this stage): 3 lanes x (warmup + steps)
-  # steps of well under 0.2 s at this size (about 2.7 GB saved) and the engines' pinned
-  # arenas.
+  # steps of well under 0.2 s at this size (about 4.7 GB saved a step) and the engines'
+  # pinned arenas.
   step gpu_bf16 90 $py -X faulthandler bench/step.py --shared --dtype bf16 "${bf16[@]}" \
     --modes none,cpu,budget --json "$work/gpu_bf16.json"
-fi
-
-stage "disk (only with O_DIRECT at 1 GB/s or more)"
-if ! want disk gpu_disk; then
-  :
-elif $py -c "import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))['direct_io']['disk_ok'] else 1)" \
-    "$work/preflight.json" 2>/dev/null; then
-  step gpu_disk 60 $py -X faulthandler bench/step.py --shared --dtype bf16 "${disk[@]}" \
-    --modes none,cpu,disk --json "$work/gpu_disk.json"
-else
-  echo "skipped: the preflight did not measure O_DIRECT at 1 GB/s or more (see direct_io)"
-  record gpu_disk "skipped (no fast O_DIRECT)"
 fi
 
 stage "keep / offload / recompute"
 if ! want recompute recompute; then
   :
-elif [ -f bench/recompute.py ] && $py bench/recompute.py --help 2>/dev/null | grep -q -- --gpu; then
+elif [ -f bench/recompute.py ] && timeout 60 $py bench/recompute.py --help 2>/dev/null | grep -q -- --gpu; then
   step recompute 75 $py -X faulthandler bench/recompute.py --gpu "${recompute[@]}" \
     --json "$work/recompute.json"
 else
   echo "skipped: issue 23's comparison (bench/recompute.py) does not run on a GPU yet"
   record recompute "skipped (no GPU comparison yet)"
+fi
+
+stage "disk (only with O_DIRECT at 1 GB/s or more)"
+if ! want disk gpu_disk; then
+  :
+elif timeout 60 $py -c "import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))['direct_io']['disk_ok'] else 1)" \
+    "$work/preflight.json" 2>/dev/null; then
+  step gpu_disk 60 $py -X faulthandler bench/step.py --shared --dtype bf16 "${disk[@]}" \
+    --modes none,disk --json "$work/gpu_disk.json"
+else
+  echo "skipped: the preflight did not measure O_DIRECT at 1 GB/s or more (see direct_io)"
+  record gpu_disk "skipped (no fast O_DIRECT)"
 fi
 
 stage done

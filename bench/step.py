@@ -218,12 +218,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc["rows"] = summarize(doc)
     doc["targets"] = _targets(doc)
     _print_report(doc)
-    if args.plot is not None and doc["timelines"]:
-        if memory_over_step(doc, args.plot):
-            print(f"plot: memory over one training step in {args.plot}")
-    if args.json is not None:
+    if args.json is not None:  # before the picture: a failed or killed plot keeps it
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    if args.plot is not None and doc["timelines"]:
+        try:
+            if memory_over_step(doc, args.plot):
+                print(f"plot: memory over one training step in {args.plot}")
+        except Exception as exc:  # the figures are in the JSON; the picture is extra
+            log(f"plot failed: {exc!r}")
     return 0 if doc["check"]["ok"] or doc["check"]["not_judged"] else 1
 
 

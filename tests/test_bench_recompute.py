@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -118,18 +119,19 @@ def test_targets_are_judged_as_the_issue_states() -> None:
     assert "0.80x full (rounds 0.50-1.00) met" in mod.markdown(doc)
 
 
-def _run_gpu_path(tmp_path: Path, *extra: str) -> dict:
+def _run_gpu_path(tmp_path: Path, *extra: str, modes: str = "none,offload50,full,auto50") -> dict:
     out = tmp_path / "g.json"
     cmd = [sys.executable, str(BENCH / "recompute.py"), "--gpu", *extra, "--json", str(out)]
-    cmd += ["--modes", "none,offload50,full,auto50", "--save-dir", str(tmp_path)]
+    cmd += ["--modes", modes, "--save-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(out.read_text())
-    assert [r["mode"] for r in doc["rows"]] == ["none", "offload50", "full", "auto50"]
+    assert [r["mode"] for r in doc["rows"]] == modes.split(",")
     for row in doc["rows"]:
         assert row["median_step_s"] > 0 and row["host_peak_bytes"] is not None, row["mode"]
         assert "host RAM" in row["label"] or "disk" not in row["label"]
-    assert "recompute plan (auto)" in doc["plans"]["auto50"]
+    for mode in (m for m in modes.split(",") if m.startswith("auto")):
+        assert "recompute plan (auto)" in doc["plans"][mode]
     return doc
 
 
@@ -139,6 +141,17 @@ def test_gpu_comparison_runs_on_the_cpu_twin(tmp_path: Path) -> None:
     at toy sizes on the CPU."""
     doc = _run_gpu_path(tmp_path, "--twin")
     assert doc["args"]["width"] == 32 and doc["args"]["gpu"] and doc["args"]["twin"]
+
+
+@pytest.mark.slow
+def test_the_gpu_suite_s_llama_comparison_runs_on_the_cpu_twin(tmp_path: Path) -> None:
+    """The GPU suite's stage: on a machine with transformers, a Hugging Face Llama in
+    bf16 with the suite's modes; here at toy sizes on the CPU."""
+    pytest.importorskip("transformers")
+    suite = (BENCH / "gpu_suite.sh").read_text()
+    (modes,) = re.findall(r"recompute=\(--modes ([a-z0-9_,]+)\)", suite)
+    doc = _run_gpu_path(tmp_path, "--twin", "--model", "llama", modes=modes)
+    assert doc["model"] == "llama"
 
 
 @pytest.mark.gpu_only
