@@ -370,7 +370,12 @@ class OffloadEngine:
                 self._end_tasks.clear()  # in case a backward raised (no final callback)
                 self._plan.begin_forward()  # NOTE [learned order]
             self._enforce_budgets()  # NOTE [tiers]: what the write tail kept
-            self._reader.recent.clear()  # NOTE [recently restored]
+            # What the end of backward does, for a backward that raised (no final
+            # callback ran): no restored span kept into forward (NOTE [recently
+            # restored]), and staging off until forward waits on writes again.
+            self._reader.end_backward()
+            if self._writer is not None:
+                self._writer.end_backward()
             self._reader.read_pool.new_period()  # NOTE [read buffer pool]
             moved = self._policy.demoted[DISK]  # NOTE [heap trim]: the bound follows it
             basis = moved - self._moved_before_step
@@ -768,6 +773,7 @@ class OffloadEngine:
                         fence = joined_fence(held[2], self._device.mark(held[0]))
                         rec.held = (held[0], held[1], fence)
                     self._stats.add(dedup_hits=1)
+                    rec.shares += 1  # NOTE [recently restored]
                     view = ViewMeta(t.dtype, shape, stride, vstart - entry.start)
                     return Handle(rec, view)
         return None
@@ -819,12 +825,20 @@ class OffloadEngine:
             if packed.pass_no == self._pass_no:  # NOTE [backward passes]: a new pass
                 self._pass_no += 1
             packed.pass_no = rec.pass_no = self._pass_no
+            more = False  # NOTE [recently restored]: other saves of it unpack later
+            if rec.shares:
+                if rec.unpack_pass != self._pass_no:
+                    rec.unpack_pass, rec.unpacks = self._pass_no, 0
+                rec.unpacks += 1
+                more = rec.unpacks <= rec.shares
         if self._reader.copy_first(rec):  # NOTE [head of line]
             storage, base, built = self._reader.materialize(rec)
             self._reader.prefetch_after(rec)
         else:
             self._reader.prefetch_after(rec)
             storage, base, built = self._reader.materialize(rec)
+        if rec.shares:
+            self._reader.keep_shared(rec, storage, more)
         if built is not None and packed.view is rec.view0:  # NOTE [views built by the reader]
             return rec.hand_out(storage, None, built)  # NOTE [handouts]
         return rec.hand_out(storage, make_view(storage, base, packed.view))
@@ -1000,7 +1014,7 @@ class OffloadEngine:
         with self._lock:
             self._closed = self._reader.closed = True
             self._plan.clear()
-            self._reader.recent.clear()
+            self._reader.end_backward()
         self._settle_copies(wait=True)
         self._device.close()
         self._pool.shutdown()

@@ -29,6 +29,13 @@
 # backward pass ends, through an autograd final callback, or at the next pack
 # outside a backward) that removes those repeated reads.
 #
+# A record that several saves share (NOTE [dedup]: the rotary tables or the mask
+# that every layer saves) is consumed at its first unpack in a pass (NOTE
+# [backward passes]): no window prefetches it again in that pass, and once it
+# has left the recent spans each later save's unpack would read it again,
+# synchronously. So such a record stays restored from its first unpack in a
+# pass until as many unpacks as it has saves have come, or the pass ends.
+#
 # NOTE [head of line]
 # Copies to a device run in order on one stream. On a miss that needs such a
 # copy, the record being waited for is copied before its window's prefetches,
@@ -112,6 +119,8 @@ class ReadPath:
         self.recent: collections.deque[torch.UntypedStorage] = collections.deque(
             maxlen=_RECENT_SPANS
         )
+        # NOTE [recently restored]: shared records' restored spans, by id(record).
+        self.shared: dict[int, torch.UntypedStorage] = {}
         self.read_pool = HostBufferPool(_POOL_IDLE_BYTES, follow_peak=True)
 
     def copy_first(self, rec: Record) -> bool:
@@ -139,6 +148,15 @@ class ReadPath:
         """NOTE [recently restored]: no restored span is kept into forward; the read
         pool's idle blocks are (NOTE [read buffer pool])."""
         self.recent.clear()
+        self.shared.clear()
+
+    def keep_shared(self, rec: Record, storage: torch.UntypedStorage, more: bool) -> None:
+        """Keep a shared record's restored span while ``more`` of its saves will unpack
+        in this pass; let it go after the last (NOTE [recently restored])."""
+        if more:
+            self.shared[id(rec)] = storage
+        else:
+            self.shared.pop(id(rec), None)
 
     def materialize(
         self, rec: Record

@@ -321,6 +321,7 @@ class Record:
         "restored",
         "saved",
         "seq",
+        "shares",
         "skipped",
         "source",
         "span",
@@ -328,6 +329,8 @@ class Record:
         "step",
         "tainted",
         "tier",
+        "unpack_pass",
+        "unpacks",
         "version",
         "view0",
         "write_error",
@@ -363,6 +366,11 @@ class Record:
         # Whether span bytes outside the first saved view may change while it is written.
         self.exposed = False
         self.view0 = view0  # the first saved view, for messages
+        # NOTE [recently restored]: saves that share the record beyond its first (dedup),
+        # and its unpacks in backward pass ``unpack_pass``.
+        self.shares = 0
+        self.unpack_pass = -1
+        self.unpacks = 0
         self.extent = extent
         # The span in host memory while its bytes are not safely on disk.
         self.source: Resident | None = source

@@ -131,3 +131,47 @@ def test_read_buffers_are_kept_across_steps_and_reused(save_dir: Path) -> None:
         h = (h * 1.5).sin()
     h.sum().backward()
     assert all(torch.equal(g, ref.grad) for g in grads)
+
+
+def test_a_record_every_layer_shares_is_read_once_a_backward(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [recently restored]: a record several saves share (a table every layer
+    multiplies by) is consumed at its first unpack; it stays restored until its last
+    save has unpacked, instead of being read again, synchronously, by each layer."""
+    from prefetch_offload import offload_context
+    from prefetch_offload.reader import ReadPath
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(12))
+    scale = torch.nn.Parameter(torch.ones(64, 256))
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        table = scale * 1.0  # saved by every layer's mul: one record, shared
+        for layer in layers:
+            x = torch.tanh(layer(x)) * table
+        return x.square().mean()
+
+    x = torch.randn(64, 256)
+    loss_of(x).backward()
+    ref = [p.grad.clone() for p in [*layers.parameters(), scale]]
+    for p in [*layers.parameters(), scale]:
+        p.grad = None
+    reads: list[int] = []
+    read_job = ReadPath._read_job
+
+    def counted(self: ReadPath, rec: Any) -> Any:
+        reads.append(rec.seq)
+        return read_job(self, rec)
+
+    monkeypatch.setattr(ReadPath, "_read_job", counted)
+    with offload_context("disk", str(save_dir), min_offload_bytes=0) as engine:
+        for _ in range(2):
+            reads.clear()
+            loss = loss_of(x)
+            engine.flush()
+            loss.backward()
+    (shared,) = [seq for seq in set(reads) if reads.count(seq) > 1] or [None]
+    assert shared is None, f"record {shared} read {reads.count(shared)} times in one backward"
+    grads = [p.grad for p in [*layers.parameters(), scale]]
+    assert all(torch.equal(a, 2 * b) for a, b in zip(grads, ref, strict=True))
