@@ -1241,3 +1241,25 @@ def test_a_backward_after_exit_gives_the_slab_space_back_as_it_ends(save_dir: Pa
     assert store is not None and store.used_bytes > 0
     loss.backward()
     assert store.used_bytes == 0 and store.reserved_bytes == 0
+
+
+def test_the_first_pack_after_a_backward_that_raised_ends_it(save_dir: Path) -> None:
+    """Autograd runs no final callback for a backward that raised: the next forward's
+    first pack turns write staging off and lets the restored spans go, as the end of
+    backward does."""
+    x = torch.randn(1 << 16, requires_grad=True)
+    with offload_context("disk", str(save_dir), min_offload_bytes=0) as engine:
+        y = (x * 2).sin()
+        engine.flush()
+        engine._writer.staging = True  # as forward waiting at the write cap turns it on
+
+        def fail(grad: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("backward failed")
+
+        y.register_hook(fail)  # after exp's backward has unpacked what it saved
+        with pytest.raises(RuntimeError, match="backward failed"):
+            y.exp().sum().backward()
+        assert engine._writer.staging and engine._reader.recent  # it never ended
+        w = (x * 3).sin()
+        assert not engine._writer.staging and not engine._reader.recent
+        w.sum().backward()
