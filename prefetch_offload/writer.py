@@ -6,7 +6,15 @@
 # hand each record to the IO threads: records join an open batch, which is
 # submitted as one job once it holds ``chunk_bytes`` (at most half of
 # ``max_pending_write_bytes``, so that a full cap always has a submitted batch
-# to wait for), when the cap is reached, at flush() and at exit. The job waits
+# to wait for), when the cap is reached, at flush() and at exit. A batch filled
+# by an ``exposed`` CPU record (its span holds bytes outside the view saved: q
+# of a fused q, k, v projection) goes at the next record's pack instead: the
+# saves of one op that share the record (k and v) then all come before its
+# write begins, whatever the IO threads' timing (NOTE [dedup] in records.py:
+# once the write has begun, a save shares only bytes a dense saved view
+# covers), so the records a step makes, and the signature its learned order is
+# kept under (NOTE [learned order] in plan.py), are the same in every step of
+# one structure. The job waits
 # for each record's host copy (NOTE [copy streams]), then writes every run of
 # extents that are adjacent in one slab with one vectored write straight from
 # the records' own pages, and publishes each record's outcome (a failed run
@@ -203,10 +211,15 @@ class WritePath:
         """Add ``rec`` to the open write batch (NOTE [write batches])."""
         nbytes = rec.span.extent_bytes
         cap = self.config.max_pending_write_bytes
+        target = min(self.config.chunk_bytes, max(cap // 2, 1))
         batch = None
         with self._lock:
-            if self.pending_bytes and self.pending_bytes + nbytes > cap:
-                batch = self._take_batch()  # the bytes being waited for may be in it
+            # NOTE [write batches]: a full batch kept for the views of its newest
+            # record goes now, and the bytes waited for at the cap may be in it.
+            if self._open_bytes >= target or (
+                self.pending_bytes and self.pending_bytes + nbytes > cap
+            ):
+                batch = self._take_batch()
         if batch:
             self._submit_batch(batch)
         pieces = split_requests(nbytes, self.config.chunk_bytes)
@@ -235,8 +248,8 @@ class WritePath:
             views = [src[lo:hi] for lo, hi in itertools.pairwise(pieces)]
             self._open.append((rec, views, fence))
             self._open_bytes += nbytes
-            target = min(self.config.chunk_bytes, max(cap // 2, 1))
-            batch = self._take_batch() if self._open_bytes >= target else None
+            # NOTE [write batches]: full, unless the record's other views may come next.
+            batch = self._take_batch() if self._open_bytes >= target and not rec.exposed else None
         if batch:
             self._submit_batch(batch)
 

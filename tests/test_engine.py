@@ -8,6 +8,7 @@ import gc
 import itertools
 import os
 import threading
+import time
 import warnings
 import weakref
 from pathlib import Path
@@ -1263,3 +1264,24 @@ def test_the_first_pack_after_a_backward_that_raised_ends_it(save_dir: Path) -> 
         w = (x * 3).sin()
         assert not engine._writer.staging and not engine._reader.recent
         w.sum().backward()
+
+
+def test_the_views_of_one_fused_projection_share_a_record_whatever_the_io_timing(
+    save_dir: Path,
+) -> None:
+    """NOTE [write batches]: a full batch is submitted at the next record's pack, so
+    q, k and v of one fused projection share q's record even when the IO threads would
+    have begun writing it before k and v were saved; every step makes the same records."""
+    x = torch.randn(64, 128, requires_grad=True)
+    w = torch.randn(128, 3 * 128, requires_grad=True)
+    with offload_context("disk", str(save_dir), min_offload_bytes=0, chunk_bytes=4096) as eng:
+        hits = []
+        for _ in range(3):
+            before = eng.stats().dedup_hits
+            q, k, v = (x @ w).split(128, dim=-1)
+            a = q.sin()  # saves q: its record covers qkv's whole storage, a full batch
+            time.sleep(0.05)  # an IO thread would have begun a submitted write by now
+            b, c = k.sin(), v.sin()
+            hits.append(eng.stats().dedup_hits - before)
+            (a.sum() + b.sum() + c.sum()).backward()
+    assert hits == [2, 2, 2]

@@ -571,6 +571,8 @@ def test_verify_accepts_bytes_outside_saved_views_changing_during_the_write(
         setattr(owner, name, gated)
         x = a * 2
         y = x[::2].sin()  # saves x[::2]: its span holds x[1::2], which no saved view holds
+        other = torch.randn(1 << 10, requires_grad=True).exp()  # NOTE [write batches]:
+        # the next record's pack submits the batch the exposed record filled
         assert started.wait(10)  # the write job has begun
         x.data[1::2] = 0.0
         release.set()
@@ -580,6 +582,7 @@ def test_verify_accepts_bytes_outside_saved_views_changing_during_the_write(
     expect[::2] = 2 * (2 * a.detach()[::2]).cos()
     assert torch.equal(a.grad, expect)
     assert engine.stats().bytes_read > 0
+    del other
 
 
 def test_verify_still_catches_corruption_of_a_staged_exposed_record(
