@@ -786,8 +786,16 @@ class OffloadEngine:
         return Kept(t)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        # NOTE [reads outside backward]
+        # A saved tensor read outside any backward (``grad_fn._saved_self`` during
+        # forward, a graph drawn by torchviz) is restored for the caller and changes
+        # nothing else: the engine does not switch into backward (which would drop
+        # the write tail mid-forward and cut the step in two for the learned order),
+        # no backward pass is stamped, the plan learns nothing, and nothing is
+        # prefetched or kept among the recent spans.
+        outside = _graph_task_id() == -1
         if isinstance(packed, Kept):
-            if packed.spos >= 0:  # a placeholder (NOTE [learned order])
+            if packed.spos >= 0 and not outside:  # a placeholder (NOTE [learned order])
                 self._enter_backward()
                 if self.config.prefetch_depth:
                     with self._lock:  # its place in the order
@@ -812,7 +820,8 @@ class OffloadEngine:
                 "the forward that saves it too (a tensor saved under capture stays on the "
                 "device), or run that forward outside offload_context."
             )
-        self._enter_backward()
+        if not outside:
+            self._enter_backward()
         if self._dead:
             self._drain_dead()
         if self._copying:
@@ -821,6 +830,11 @@ class OffloadEngine:
         self._heap.check()  # NOTE [heap trim]
         packed.check_version()
         rec = packed.record
+        if outside:  # NOTE [reads outside backward]
+            storage, base, built = self._reader.materialize(rec, recent=False)
+            if built is not None and packed.view is rec.view0:
+                return rec.hand_out(storage, None, built)
+            return rec.hand_out(storage, make_view(storage, base, packed.view))
         with self._lock:
             if packed.pass_no == self._pass_no:  # NOTE [backward passes]: a new pass
                 self._pass_no += 1

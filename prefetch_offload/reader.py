@@ -159,10 +159,12 @@ class ReadPath:
             self.shared.pop(id(rec), None)
 
     def materialize(
-        self, rec: Record
+        self, rec: Record, *, recent: bool = True
     ) -> tuple[torch.UntypedStorage, int, tuple[torch.Tensor, torch.Tensor] | None]:
         """The record's span on its device, ready for the current stream: shared, in
-        memory, prefetched, or copied and read now; and the first view, if built."""
+        memory, prefetched, or copied and read now; and the first view, if built.
+        ``recent``: keep a span restored now among the recent ones (NOTE [recently
+        restored]; not for a read outside backward)."""
         placed = rec.resident()
         built = None
         if placed is not None:
@@ -183,7 +185,7 @@ class ReadPath:
                 placed, built = self._collect(rec, fut)
             if source is None or placed[0] is not source[0]:  # NOTE [version check]
                 rec.restored = (weakref.ref(placed[0]), placed[1], placed[2])
-            if not self.closed:
+            if recent and not self.closed:
                 self.recent.append(placed[0])  # NOTE [recently restored]
         storage, base, fence = placed
         if fence is not None:  # a copy to the device (CPU storages have none)

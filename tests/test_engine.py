@@ -1285,3 +1285,26 @@ def test_the_views_of_one_fused_projection_share_a_record_whatever_the_io_timing
             hits.append(eng.stats().dedup_hits - before)
             (a.sum() + b.sum() + c.sum()).backward()
     assert hits == [2, 2, 2]
+
+
+def test_a_saved_tensor_read_during_forward_changes_nothing_else(save_dir: Path) -> None:
+    """NOTE [reads outside backward]: ``grad_fn._saved_result`` read mid-forward (a
+    debugger, torchviz) neither switches the engine into backward nor cuts the step
+    in two: every step from the second on runs on its learned order."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(6))
+    peeked = []
+    with offload_context("disk", str(save_dir), min_offload_bytes=0) as engine:
+        for _ in range(4):
+            x = torch.randn(64, 256)
+            for i, layer in enumerate(layers):
+                x = torch.tanh(layer(x))
+                if i == 2:
+                    engine.flush()  # written: the read restores it from disk
+                    peeked.append(x.grad_fn._saved_result.clone())
+                    assert torch.equal(peeked[-1], x.detach())
+            loss = x.square().mean()
+            engine.flush()
+            loss.backward()
+        stats = engine.stats()
+    assert stats.predicted_steps == 3
