@@ -60,6 +60,14 @@ lifetimes and the errors that IO threads report.
 # there takes an engine lock (a parent thread may have held one at the fork,
 # held in the child for good): no stats (all zero) and no learned order, and
 # the finalizers that would close the parent's files at exit are detached.
+#
+# NOTE [reads outside backward]
+# A saved tensor read outside any backward (``grad_fn._saved_self`` during
+# forward, a graph drawn by torchviz) is restored for the caller and changes
+# nothing else: the engine does not switch into backward (which would drop the
+# write tail mid-forward and cut the step in two for the learned order), no
+# backward pass is stamped, the plan learns nothing, and nothing is prefetched
+# or kept among the recent spans.
 """
 
 from __future__ import annotations
@@ -786,14 +794,7 @@ class OffloadEngine:
         return Kept(t)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        # NOTE [reads outside backward]
-        # A saved tensor read outside any backward (``grad_fn._saved_self`` during
-        # forward, a graph drawn by torchviz) is restored for the caller and changes
-        # nothing else: the engine does not switch into backward (which would drop
-        # the write tail mid-forward and cut the step in two for the learned order),
-        # no backward pass is stamped, the plan learns nothing, and nothing is
-        # prefetched or kept among the recent spans.
-        outside = _graph_task_id() == -1
+        outside = _graph_task_id() == -1  # NOTE [reads outside backward]
         if isinstance(packed, Kept):
             if packed.spos >= 0 and not outside:  # a placeholder (NOTE [learned order])
                 self._enter_backward()

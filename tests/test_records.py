@@ -112,8 +112,8 @@ def test_a_result_over_the_saved_memory_keeps_its_counter_when_the_write_lands_m
 
     materialize = ReadPath.materialize
 
-    def landing(self: ReadPath, rec: Any) -> Any:
-        out = materialize(self, rec)
+    def landing(self: ReadPath, rec: Any, **kw: Any) -> Any:
+        out = materialize(self, rec, **kw)
         if write_lands:
             rec.engine._writer.wait()
         return out
