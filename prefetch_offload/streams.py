@@ -34,8 +34,11 @@ each copy with a :class:`Fence` that says when it has finished.
 # could give its block to the next H2D copy while backward still reads it.
 #
 # NOTE [copies keep their buffers]
-# Every copy keeps both of its tensors alive until its fence is seen to be
-# done: the in-flight list holds them, oldest first, and ``poll`` (called at
+# Every copy keeps the tensors it reads, and a D2H copy also the pinned block it
+# writes, alive until its fence is seen to be done (an H2D copy's destination
+# is allocated on the H2D stream, whose later work the caching allocator waits
+# for before reusing its block, and is marked used by the compute stream at
+# ``use``): the in-flight list holds them, oldest first, and ``poll`` (called at
 # each copy, and by ``synchronize`` and ``close``) drops the finished ones; so
 # the last copies of a pass keep their buffers until the next copy or close,
 # a few blocks at most. So a source
