@@ -1025,7 +1025,19 @@ class OffloadEngine:
         if self._forked:  # NOTE [fork]: no IO threads here, and the files are the parent's
             self._closed = True
             return
-        self._wait_writes()
+        try:
+            self._wait_writes()
+        except BaseException:
+            # Interrupted (Ctrl-C) while writes finish: the close goes on in a thread of
+            # its own once they have (the IO threads stop, the slab files close), and its
+            # errors come as warnings; the interrupt goes on to the caller.
+            threading.Thread(
+                target=self.close,
+                kwargs={"raise_errors": False},
+                name="prefetch_offload-close",
+                daemon=True,
+            ).start()
+            raise
         with self._lock:
             self._closed = self._reader.closed = True
             self._plan.clear()

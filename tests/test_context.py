@@ -340,3 +340,35 @@ def test_summary_names_glibc_s_tunables_only_when_trims_ran() -> None:
     assert "python -m prefetch_offload run" in _summary(trimmed, "disk", hint)
     assert hint not in _summary(OffloadStats(), "disk", hint)  # no trims: nothing to suggest
     assert "faulted in again" not in _summary(trimmed, "disk", None)  # already set, or no glibc
+
+
+def test_an_interrupt_while_exit_waits_for_writes_still_closes_the_engine(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while the exit waits for pending writes: the interrupt reaches the caller,
+    and the engine closes in the background (IO threads stopped, files closed)."""
+    import threading
+    import time
+
+    x = torch.randn(1 << 15, requires_grad=True)
+    with pytest.raises(KeyboardInterrupt):
+        with offload_context("disk", save_dir, min_offload_bytes=0) as engine:
+            y = (x * 2).sin()
+            real = engine._writer.wait
+            calls: list[int] = []
+
+            def interrupted() -> None:
+                calls.append(1)
+                if len(calls) == 1:
+                    raise KeyboardInterrupt
+                real()
+
+            monkeypatch.setattr(engine._writer, "wait", interrupted)
+    deadline = time.monotonic() + 10
+    while not engine.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.closed and len(calls) == 2
+    for thread in threading.enumerate():
+        if thread.name == "prefetch_offload-close":
+            thread.join(10)
+    del y
