@@ -5,25 +5,32 @@
 # forward; a checkpointed layer's recompute appends to it again, so its
 # attention sees twice the keys (a wrong gradient, or a recompute that runs
 # other ops than its forward). Hugging Face turns the cache off per call under
-# its own checkpointing (a forward with grad enabled, in training), and so does
-# the wrapping: while the blocks are wrapped, every module outside them that
-# holds a config with ``use_cache`` (the model, its base model) runs each
-# forward called with grad enabled (the forwards whose blocks the wrapper
-# checkpoints) with ``config.use_cache`` false, and sets it back as the forward
-# returns or raises. The model's forward reads the flag and passes the blocks
-# no cache; their recomputes in backward get the same arguments. At any other
-# time the config is as the user set it: ``save_pretrained`` (the Trainer's
-# checkpoints) and a deep copy see the user's value, a forward without grad
-# (``generate``) keeps its cache, and a value the user sets inside the context
-# stays. Nested forwards that share a config set it back once, at the
-# outermost; several threads share the flag as they share the config. The
-# hooks act only for the modules of a context still entered: a deep copy made
-# meanwhile carries them inert (its blocks are not wrapped, so its cache is
-# safe), and exit removes them.
+# its own checkpointing (in training, with grad enabled), and so does the
+# wrapping, whose blocks are checkpointed whenever grad is enabled: while the
+# blocks are wrapped, every module outside them that holds a config with
+# ``use_cache`` and whose forward takes it (the model, its base model; not a
+# rotary embedding that keeps the config) runs each forward called with grad
+# enabled with ``config.use_cache`` false, set back by a forward hook as the
+# forward returns or raises an ``Exception``. The model's forward reads the flag
+# and passes the blocks no cache; their recomputes in backward get the same
+# arguments. At any other time the config is as the user set it:
+# ``save_pretrained`` (the Trainer's checkpoints) and a deep copy see the
+# user's value, a forward without grad (``generate``) keeps its cache, and a
+# value the user sets inside the context stays. Nested forwards that share a
+# config set it back once, at the outermost; several threads share the flag as
+# they share the config. Limits: an interrupt (``KeyboardInterrupt``) inside a
+# forward skips PyTorch's always-called hooks, so the flag stays off until the
+# same module's next forward on that thread or the context's exit; the hooks
+# act only for the modules of a context still entered, and exit removes them
+# from the model, but a deep copy or a pickle (``torch.save(model)``) made
+# meanwhile carries them (inert; loading such a pickle needs this library); and
+# ``torch.compile(model, fullgraph=True)`` of the whole model cannot trace them
+# (compile the blocks, as ``docs/recipes.md`` does).
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 import weakref
 from typing import Any
@@ -44,6 +51,11 @@ _local = threading.local()
 def _before(module: nn.Module, args: Any) -> None:
     """Forward pre-hook: turn the config's cache off for a forward with grad enabled."""
     stack = _local.__dict__.setdefault("stack", [])
+    for i, entry in enumerate(stack):
+        if entry[0] == id(module):  # a forward of it that never returned (an interrupt)
+            _give_back(stack[i:])
+            del stack[i:]
+            break
     config = getattr(module, "config", None)
     counted = False
     if module in _watched and config is not None and torch.is_grad_enabled():
@@ -57,6 +69,19 @@ def _before(module: nn.Module, args: Any) -> None:
                 _turned_off[id(config)] = [config, 1]
                 counted = True
     stack.append((id(module), id(config), counted))
+
+
+def _give_back(stale: list[tuple[int, int, bool]]) -> None:
+    """Undo what forwards cut short by an interrupt counted (PyTorch runs its always-called
+    hooks for an ``Exception`` only)."""
+    with _lock:
+        for _, key, counted in stale:
+            entry = _turned_off.get(key) if counted else None
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del _turned_off[key]
+                    entry[0].use_cache = True
 
 
 def _after(module: nn.Module, args: Any, output: Any) -> None:
@@ -76,6 +101,16 @@ def _after(module: nn.Module, args: Any, output: Any) -> None:
                     entry[0].use_cache = True
 
 
+def _may_read_the_flag(module: nn.Module) -> bool:
+    """Whether the module's forward takes ``use_cache`` (or any keyword): the model and
+    its base model do, a rotary embedding that keeps the config does not."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: hooked, to be safe
+        return True
+    return any(p.name == "use_cache" or p.kind is p.VAR_KEYWORD for p in params)
+
+
 class CacheOff:
     """Hooks on the modules of ``model`` outside ``blocks`` that hold a config with
     ``use_cache``: their forwards with grad enabled run with the cache off (NOTE [kv
@@ -89,6 +124,8 @@ class CacheOff:
             for module in model.modules() if model is not None else ():
                 config = getattr(module, "config", None)
                 if id(module) in inside or not hasattr(config, "use_cache"):
+                    continue
+                if not _may_read_the_flag(module):
                     continue
                 with _lock:
                     _watched[module] = _watched.get(module, 0) + 1

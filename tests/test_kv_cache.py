@@ -33,7 +33,9 @@ class Base(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(2))
         self.seen: list[bool] = []
 
-    def forward(self, x: torch.Tensor, fail: bool = False) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, fail: bool = False, use_cache: bool | None = None
+    ) -> torch.Tensor:
         self.seen.append(self.config.use_cache)
         for layer in self.layers:
             x = layer(x)
@@ -49,7 +51,7 @@ class Head(nn.Module):
         self.model = Base(self.config)
         self.seen: list[bool] = []
 
-    def forward(self, x: torch.Tensor, fail: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fail: bool = False, **kwargs: object) -> torch.Tensor:
         self.seen.append(self.config.use_cache)
         out = self.model(x, fail)
         self.seen.append(self.config.use_cache)  # after the inner forward returned
@@ -74,8 +76,20 @@ def test_a_forward_with_grad_runs_with_the_cache_off_and_sets_it_back() -> None:
     assert model.seen[4:] == [True, True]
 
 
-def test_only_modules_outside_the_blocks_are_hooked() -> None:
+class Rotary(nn.Module):
+    """Keeps the config, never reads use_cache (Llama's rotary embedding)."""
+
+    def __init__(self, config: SimpleNamespace) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def test_only_modules_outside_the_blocks_whose_forward_takes_the_flag_are_hooked() -> None:
     model = Head()
+    model.model.rotary = Rotary(model.config)
     hooks = _hooked(model)
     assert hooks.modules == [model, model.model]
     hooks.remove()
@@ -172,4 +186,23 @@ def test_threads_share_the_flag_and_the_last_one_out_sets_it_back() -> None:
     go.set()
     thread.join(5)
     assert seen == [False] and model.config.use_cache is True
+    hooks.remove()
+
+
+def test_a_forward_cut_short_by_an_interrupt_is_given_back_at_the_next_one() -> None:
+    """An interrupt skips PyTorch's always-called hooks: the next forward of the same
+    module gives back what the cut-short one counted, and it ends with the cache on."""
+    model = Head()
+    hooks = _hooked(model)
+
+    def interrupt(module: nn.Module, args: object, output: object) -> None:
+        raise KeyboardInterrupt
+
+    handle = model.model.layers[1].register_forward_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(2, 4))
+    assert model.config.use_cache is False  # until the next forward, or the exit
+    handle.remove()
+    model(torch.randn(2, 4))
+    assert model.config.use_cache is True
     hooks.remove()
