@@ -224,6 +224,7 @@ class OffloadEngine:
         self._warned_cpu_budget = False
         self._seq = 0
         self._pass_no = 0  # NOTE [backward passes]
+        self._closer: threading.Thread | None = None  # an interrupted close, finishing
         self._closed = False
         self._in_backward = False
         # NOTE [recently restored]: the graph tasks whose ends final callbacks await,
@@ -864,8 +865,8 @@ class OffloadEngine:
         # NOTE [unpack threads]
         with self._lock:
             starting, self._in_backward = not self._in_backward, True
-            task = _graph_task_id()  # -1: outside backward (grad_fn._saved_self)
-            new_task = task != -1 and task not in self._end_tasks
+            task = _graph_task_id()  # (never -1: NOTE [reads outside backward])
+            new_task = task not in self._end_tasks
             if new_task:
                 me = threading.get_ident()
                 if not starting:
@@ -1020,6 +1021,11 @@ class OffloadEngine:
         Later unpacks (a graph used after the context) read synchronously.
         Raises a stored worker error if ``raise_errors``, else warns with it.
         """
+        closer = self._closer
+        if closer is not None:  # an interrupted close finishing: wait for it
+            if closer is not threading.current_thread():
+                closer.join()
+            return
         if self._closed:
             return
         if self._forked:  # NOTE [fork]: no IO threads here, and the files are the parent's
@@ -1029,15 +1035,23 @@ class OffloadEngine:
             self._wait_writes()
         except BaseException:
             # Interrupted (Ctrl-C) while writes finish: the close goes on in a thread of
-            # its own once they have (the IO threads stop, the slab files close), and its
-            # errors come as warnings; the interrupt goes on to the caller.
-            threading.Thread(
-                target=self.close,
+            # its own (the IO threads finish what is queued and stop, the slab files
+            # close), its errors come as warnings, and the interrupt goes on to the
+            # caller. Not a daemon: the interpreter's exit waits for it before the
+            # finalizers that close the files run.
+            closer = threading.Thread(
+                target=self._finish_close,
                 kwargs={"raise_errors": False},
                 name="prefetch_offload-close",
-                daemon=True,
-            ).start()
+            )
+            self._closer = closer
+            closer.start()
             raise
+        self._finish_close(raise_errors=raise_errors)
+
+    def _finish_close(self, *, raise_errors: bool) -> None:
+        """Close with the writes submitted: stop the IO threads (after what they have
+        queued), release the buffers and slabs, report a stored error."""
         with self._lock:
             self._closed = self._reader.closed = True
             self._plan.clear()

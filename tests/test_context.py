@@ -348,7 +348,6 @@ def test_an_interrupt_while_exit_waits_for_writes_still_closes_the_engine(
     """Ctrl-C while the exit waits for pending writes: the interrupt reaches the caller,
     and the engine closes in the background (IO threads stopped, files closed)."""
     import threading
-    import time
 
     x = torch.randn(1 << 15, requires_grad=True)
     with pytest.raises(KeyboardInterrupt):
@@ -364,11 +363,7 @@ def test_an_interrupt_while_exit_waits_for_writes_still_closes_the_engine(
                 real()
 
             monkeypatch.setattr(engine._writer, "wait", interrupted)
-    deadline = time.monotonic() + 10
-    while not engine.closed and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.closed and len(calls) == 2
-    for thread in threading.enumerate():
-        if thread.name == "prefetch_offload-close":
-            thread.join(10)
+    engine.close()  # a second close waits for the one the interrupt left running
+    assert engine.closed and len(calls) == 1
+    assert not [t for t in threading.enumerate() if t.name.startswith("prefetch_offload-")]
     del y
