@@ -113,14 +113,16 @@ _Pending = tuple["_Record", list[memoryview], Fence | None]
 
 
 class _Job:
-    """A submitted write batch; ``started`` and ``void`` change under the writer's lock."""
+    """A submitted write batch; ``started`` and ``void`` change under the writer's lock,
+    ``done`` is set when the job returns."""
 
-    __slots__ = ("batch", "started", "void")
+    __slots__ = ("batch", "done", "started", "void")
 
     def __init__(self, batch: list[_Pending]) -> None:
         self.batch = batch
         self.started = False
         self.void = False
+        self.done = threading.Event()
 
 
 # A checksum a staged write fills in: the record's crcs, the piece's index in them, and
@@ -185,6 +187,7 @@ class WritePath:
         self._futs: collections.deque[IOFuture[None]] = collections.deque()
         # The open write batch: records queued but not yet submitted (NOTE [write batches]).
         self._open: list[_Pending] = []
+        self._unfollowed: list[_Job] = []  # started jobs whose submit was interrupted
         self._open_bytes = 0
         # Submitted batches, oldest first, that backward may still skip (NOTE [write tail]).
         self._tail: collections.deque[tuple[IOFuture[None], list[weakref.ref[_Record]]]] = (
@@ -274,6 +277,8 @@ class WritePath:
                     self._open[:0] = batch
                     self._open_bytes += sum(rec.span.extent_bytes for rec, _, _ in batch)
                     self._writes_idle.notify_all()  # a pack waiting at the cap submits it
+                else:  # running with no future kept: wait() waits for it by its event
+                    self._unfollowed.append(job)
             raise
         with self._lock:
             futs = self._futs
@@ -286,7 +291,14 @@ class WritePath:
             tail.append((fut, [weakref.ref(rec) for rec, _, _ in batch]))
 
     def _write_batch(self, job: _Job) -> None:
-        """IO job: write a batch, adjacent extents with one vectored write each."""
+        """IO job: write a batch (NOTE [write batches]); ``job.done`` is set as it ends."""
+        try:
+            self._write_job(job)
+        finally:
+            job.done.set()
+
+    def _write_job(self, job: _Job) -> None:
+        """Write a batch, adjacent extents with one vectored write each."""
         with self._lock:
             if job.void:
                 return  # its submit was interrupted after queueing it: the batch went back
@@ -484,9 +496,13 @@ class WritePath:
                 while futs and futs[0].done():
                     futs.popleft()
                 if not futs:
-                    return
+                    break
                 fut = futs[0]
             fut.wait()
+        while self._unfollowed:  # started jobs whose submit was interrupted
+            self._unfollowed[0].done.wait()
+            with self._lock:
+                self._unfollowed = [j for j in self._unfollowed if not j.done.is_set()]
 
     def _write_failed(self, rec: _Record, exc: BaseException) -> None:
         """NOTE [errors from workers]: the record keeps its source in memory."""

@@ -469,6 +469,41 @@ def test_an_interrupt_after_a_write_batch_was_queued_writes_it_once(save_dir: Pa
     assert torch.equal(x.grad, 2 * (x.detach() * 2).exp())
 
 
+def test_flush_waits_for_a_batch_whose_interrupted_submit_had_started_it(
+    save_dir: Path,
+) -> None:
+    """The interrupt lands after an IO thread began the job: the batch is written by
+    it, and flush() waits for that job though no future of it was kept."""
+    x = torch.randn(1 << 14, requires_grad=True)
+    with _engine(save_dir, chunk_bytes=1 << 20) as (engine, _):
+        writer, store = engine._writer, engine._store
+        pool = writer.pool
+        real_submit, real_write = pool.submit, store.write
+        began, release = threading.Event(), threading.Event()
+
+        def slow_write(*args: Any) -> Any:
+            began.set()
+            assert release.wait(10)
+            return real_write(*args)
+
+        def started_then_interrupted(fn: Any, prio: Any) -> Any:
+            real_submit(fn, prio)
+            assert began.wait(10)  # an IO thread is writing the batch
+            raise KeyboardInterrupt
+
+        store.write = slow_write  # type: ignore[method-assign]
+        pool.submit = started_then_interrupted  # type: ignore[method-assign]
+        y = (x * 2).exp()
+        with pytest.raises(KeyboardInterrupt):
+            engine.flush()
+        pool.submit = real_submit  # type: ignore[method-assign]
+        threading.Timer(0.3, release.set).start()
+        engine.flush()
+        assert writer.pending_bytes == 0  # landed before flush returned
+        y.sum().backward()
+    assert torch.equal(x.grad, 2 * (x.detach() * 2).exp())
+
+
 def test_an_interrupted_submit_wakes_a_pack_waiting_at_the_cap(save_dir: Path) -> None:
     """Another thread's pack waits at the write cap for bytes in a batch whose submit
     was interrupted: the batch went back into the open one, and the waiter submits it."""
