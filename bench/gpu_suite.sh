@@ -136,7 +136,8 @@ step() {
 }
 
 stage env
-# Every probe outside a stage has its own limit: a wedged driver must not take the lease.
+# Every probe outside a stage that may touch the driver has its own limit: a wedged
+# driver must not take the lease.
 { if [ "$twin" = 1 ]; then echo "SUITE_TWIN=1: CPU twin, toy sizes"; else
     timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; fi
   timeout 60 $py -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"

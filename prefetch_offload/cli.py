@@ -44,9 +44,9 @@ if TYPE_CHECKING:
 __all__ = ["ProgressBar", "bench_script", "main", "run_environment"]
 
 PROG = "python -m prefetch_offload"
-MiB = 1 << 20
 # The probe (and torch, which its buffers need) is imported by the probe command
 # only: --help and run start without it (run execs a Python that imports it anyway).
+MiB = 1 << 20
 
 
 class ProgressBar:

@@ -97,7 +97,7 @@ def check_torch_version(version: str) -> None:
         )
 
 
-def _current_task() -> object | None:
+def _current_task() -> asyncio.Task[Any] | None:
     """The asyncio task running on this thread now, if any."""
     try:
         return asyncio.current_task()
@@ -110,14 +110,15 @@ def _current_task() -> object | None:
 _entered = threading.local()
 
 
-def _claim_thread(context: OffloadContext) -> object | None:
+def _claim_thread(context: OffloadContext) -> None:
     """Refuse a context that a task would enter while another task of this thread holds
     one: saved-tensor hooks are per thread, so each would take the other's tensors, and
     the first exit would find the other's hooks on top."""
     task = _current_task()
-    held: list[tuple[OffloadContext, object | None]] = _entered.__dict__.setdefault("held", [])
+    held: list[tuple[OffloadContext, asyncio.Task[Any] | None]]
+    held = _entered.__dict__.setdefault("held", [])
     for _, other in held:
-        if other is not None and other is not task and not other.done():  # type: ignore[attr-defined]
+        if other is not None and other is not task and not other.done():
             raise OffloadError(
                 "prefetch_offload: another asyncio task on this thread holds an "
                 "offload_context; saved-tensor hooks are per thread, so the two would "
@@ -125,10 +126,10 @@ def _claim_thread(context: OffloadContext) -> object | None:
                 "(or train each in a thread of its own)."
             )
     held.append((context, task))
-    return task
 
 
 def _release_thread(context: OffloadContext) -> None:
+    """``context`` no longer holds this thread (exited, or its entry failed)."""
     held = _entered.__dict__.get("held", [])
     held[:] = [entry for entry in held if entry[0] is not context]
 

@@ -142,6 +142,7 @@ class CacheOff:
         return list(self._modules)
 
     def remove(self) -> None:
+        """Take the hooks off; a config a forward cut short left off is turned back on."""
         while self._handles:
             self._handles.pop().remove()
         with _lock:

@@ -1,9 +1,9 @@
 """What ``offload_context(None)`` yields, and any context where torch is missing.
 
 # NOTE [no torch]
-# As the per-tensor implementation this library replaces, the entry points work
-# where torch is not installed (a CI job that checks a trainer's setting, a
-# CLI's --help path): the configuration and its check import no torch, and
+# The entry points work where torch is not installed, as the API's contract
+# says (a CI job that checks a trainer's setting, a CLI's --help path): the
+# configuration and its check import no torch, and
 # ``offload_context`` imports it only when a context with a target is entered.
 # With target None nothing needs torch. With a target and no torch there is no
 # autograd and so nothing to offload: the context says so once

@@ -44,9 +44,9 @@
 # Where statvfs fails, only ``trim`` resets the memory. Under a quota that holds
 # this user below the free space, statvfs reports the disk's free space, so any
 # gain in it (another user's files deleted) starts the sizes again from what is
-# free, and a few reservations fail before one fits: time, not memory. Filesystems without fallocate
-# get a sparse file (ftruncate) of the full size: there a full disk shows up
-# at write time instead.
+# free, and a few reservations fail before one fits: time, not memory.
+# Filesystems without fallocate get a sparse file (ftruncate) of the full size:
+# there a full disk shows up at write time instead.
 """
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ def test_fuzzed_config_is_valid_or_rejected_cleanly(kwargs: dict[str, Any]) -> N
 
 
 def test_the_entry_points_work_without_torch() -> None:
-    """As the per-tensor implementation this replaces (NOTE [no torch]): a CI job or a
+    """The API's contract (NOTE [no torch]): a CI job or a
     CLI's --help can check a trainer's setting, and enter its context, where torch is
     not installed; with a target the context says once that it does nothing."""
     code = (
