@@ -81,13 +81,18 @@ def _striped(workers: int, total: int, request: int, fn: Callable[[int, int], No
     """Run ``fn(worker, offset)`` over ``total`` bytes in ``request`` steps; seconds taken.
 
     Worker ``i`` takes requests ``i, i + workers, ...``. The first error raised in
-    a worker is raised here once all of them have stopped.
+    a worker is raised here once all of them have stopped. An interrupt here stops
+    the workers after the request each has in flight, and is raised once they have:
+    the caller's file is not closed under them (its number could be reused).
     """
     errors: list[BaseException] = []
+    stop = threading.Event()
 
     def work(i: int) -> None:
         try:
             for off in range(i * request, total, workers * request):
+                if stop.is_set():
+                    return
                 fn(i, off)
         except BaseException as exc:
             errors.append(exc)
@@ -96,8 +101,14 @@ def _striped(workers: int, total: int, request: int, fn: Callable[[int, int], No
     start = time.perf_counter()
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException:
+        stop.set()
+        for t in threads:
+            t.join()
+        raise
     elapsed = time.perf_counter() - start
     if errors:
         raise errors[0]

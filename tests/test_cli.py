@@ -280,3 +280,39 @@ def test_help_and_run_start_without_torch() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("child ran")
+
+
+def test_an_interrupted_probe_stops_its_workers_before_it_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C while the probe waits for its workers: they stop after the request in
+    flight before the interrupt goes on (the caller then closes the file)."""
+    import threading
+    import time
+
+    from prefetch_offload import probe as probe_module
+
+    started = threading.Event()
+    calls: list[int] = []
+
+    def request(worker: int, offset: int) -> None:
+        calls.append(offset)
+        started.set()
+        time.sleep(0.01)
+
+    real_join = threading.Thread.join
+    fired: list[int] = []
+
+    def interrupted_join(self: threading.Thread, timeout: float | None = None) -> None:
+        if not fired:
+            fired.append(1)
+            assert started.wait(5)
+            raise KeyboardInterrupt
+        real_join(self, timeout)
+
+    monkeypatch.setattr(threading.Thread, "join", interrupted_join)
+    with pytest.raises(KeyboardInterrupt):
+        probe_module._striped(2, 1000 * 4096, 4096, request)
+    done = len(calls)
+    time.sleep(0.1)
+    assert len(calls) == done < 1000  # nothing ran after it returned
