@@ -2,8 +2,8 @@
 # The prepared GPU run: one command that ends within SUITE_BUDGET_S (default 450 s, of the
 # 10 minutes a device command may take; call it with timeout_s of about 520: the budget,
 # the last stage's 10 s kill grace and the packing), whose first minute says whether the
-# rest is worth running. With the machine's start (1-3 minutes) it takes about 10 of a
-# session's 15 device minutes: plan on one call.
+# rest is worth running. With the machine's start (1-3 minutes) it takes about 10 of the
+# 15 minutes of device time a lease gives: plan on one call.
 #
 #   1. preflight (40 s): bench/gpu_preflight.py -> preflight.json (torch, driver, kernel;
 #      time to pin 4 GiB; pinned D2H/H2D GB/s; how long a non_blocking copy to pageable

@@ -795,10 +795,11 @@ class OffloadEngine:
         return Kept(t)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        outside = _graph_task_id() == -1  # NOTE [reads outside backward]
+        task = _graph_task_id()
+        outside = task == -1  # NOTE [reads outside backward]
         if isinstance(packed, Kept):
             if packed.spos >= 0 and not outside:  # a placeholder (NOTE [learned order])
-                self._enter_backward()
+                self._enter_backward(task)
                 if self.config.prefetch_depth:
                     with self._lock:  # its place in the order
                         self._plan.unpacked(packed, current_group_key())
@@ -823,7 +824,7 @@ class OffloadEngine:
                 "device), or run that forward outside offload_context."
             )
         if not outside:
-            self._enter_backward()
+            self._enter_backward(task)
         if self._dead:
             self._drain_dead()
         if self._copying:
@@ -833,10 +834,7 @@ class OffloadEngine:
         packed.check_version()
         rec = packed.record
         if outside:  # NOTE [reads outside backward]
-            storage, base, built = self._reader.materialize(rec, recent=False)
-            if built is not None and packed.view is rec.view0:
-                return rec.hand_out(storage, None, built)
-            return rec.hand_out(storage, make_view(storage, base, packed.view))
+            return self._hand_out(packed, *self._reader.materialize(rec, recent=False))
         with self._lock:
             if packed.pass_no == self._pass_no:  # NOTE [backward passes]: a new pass
                 self._pass_no += 1
@@ -855,18 +853,29 @@ class OffloadEngine:
             storage, base, built = self._reader.materialize(rec)
         if rec.shares:
             self._reader.keep_shared(rec, storage, more)
+        return self._hand_out(packed, storage, base, built)
+
+    @staticmethod
+    def _hand_out(
+        packed: Handle,
+        storage: torch.UntypedStorage,
+        base: int,
+        built: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """The unpack's result over the materialized span (NOTE [handouts])."""
+        rec = packed.record
         if built is not None and packed.view is rec.view0:  # NOTE [views built by the reader]
-            return rec.hand_out(storage, None, built)  # NOTE [handouts]
+            return rec.hand_out(storage, None, built)
         return rec.hand_out(storage, make_view(storage, base, packed.view))
 
-    def _enter_backward(self) -> None:
-        """An unpack: the switch into backward at the first one after packs (the write
-        tail is skipped, the window sized), and its graph task's end awaited."""
+    def _enter_backward(self, task: int) -> None:
+        """An unpack in the backward of graph task ``task``: the switch into backward at
+        the first one after packs (the write tail is skipped, the window sized), and the
+        task's end awaited."""
         # NOTE [unpack threads]
         with self._lock:
             starting, self._in_backward = not self._in_backward, True
-            task = _graph_task_id()  # (never -1: NOTE [reads outside backward])
-            new_task = task not in self._end_tasks
+            new_task = task not in self._end_tasks  # (never -1: NOTE [reads outside backward])
             if new_task:
                 me = threading.get_ident()
                 if not starting:

@@ -72,8 +72,9 @@ def _before(module: nn.Module, args: Any) -> None:
 
 
 def _give_back(stale: list[tuple[int, int, bool]]) -> None:
-    """Undo what forwards cut short by an interrupt counted (PyTorch runs its always-called
-    hooks for an ``Exception`` only)."""
+    """Undo what these forwards counted; the last forward out turns the cache back on
+    (also for forwards cut short by an interrupt: PyTorch runs its always-called hooks
+    for an ``Exception`` only)."""
     with _lock:
         for _, key, counted in stale:
             entry = _turned_off.get(key) if counted else None
@@ -90,15 +91,7 @@ def _after(module: nn.Module, args: Any, output: Any) -> None:
     stack = _local.__dict__.get("stack")
     if not stack or stack[-1][0] != id(module):
         return  # (an earlier pre-hook raised before ours ran)
-    _, key, counted = stack.pop()
-    if counted:
-        with _lock:
-            entry = _turned_off.get(key)
-            if entry is not None:
-                entry[1] -= 1
-                if entry[1] <= 0:
-                    del _turned_off[key]
-                    entry[0].use_cache = True
+    _give_back([stack.pop()])
 
 
 def _may_read_the_flag(module: nn.Module) -> bool:
