@@ -4,8 +4,8 @@ Every mode trains its own copy of one model (same weights, same batch) in a
 process of its own (its peak RSS is its own heap's), stepped one at a time, one
 step of each mode per round in a balanced Latin square's order (as ``bench/ab.py
 --isolate``); each mode's ``offload_context`` or checkpoint wrapping stays
-entered over all its steps. ``--warmup`` rounds (>= 7: ``recompute="auto"``
-profiles six steps, then its plan's first step learns the prefetch order), then
+entered over all its steps. ``--warmup`` rounds (>= 12: ``recompute="auto"``
+profiles nine steps, then tries its plan for three, NOTE [trial steps]), then
 ``--steps`` timed rounds.
 
 Per mode: ``peak MiB`` is the largest peak RSS (``VmHWM``, reset before each
@@ -504,7 +504,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                                   "llama's vocabulary", "timed rounds"), strict=True):  # fmt: skip
         p.add_argument(f"--{name}", type=int, default=None, help=f"{what} (default: SIZES)")
     for name, default, what in (
-        ("warmup", 7, "uncounted rounds first (>= 7)"),
+        ("warmup", 12, "uncounted rounds first (>= 12)"),
         ("throttle-mbps", None, "cap the scratch disk's reads and writes at MB/s (root)"),
         ("chunk-bytes", None, "the engine's chunk_bytes (default: its own)"),
     ):
@@ -532,8 +532,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         hf = importlib.util.find_spec("transformers") is not None
         args.model = "llama" if kind == "gpu" and hf else "transformer"
     args.depth = args.depth or (24 if args.model == "transformer" else 8)
-    if args.warmup < 7 or args.steps < 1:
-        p.error("--warmup must be >= 7 (auto profiles six steps, then plans); --steps >= 1")
+    if args.warmup < 12 or args.steps < 1:
+        p.error(
+            "--warmup must be >= 12 (auto profiles nine steps, then tries its plan for "
+            "three); --steps >= 1"
+        )
     return args
 
 

@@ -6,25 +6,38 @@
 # dispatch mode: recomputed whole), or selectively (the dispatch modes of
 # checkpointing.py: each op output is stored, i.e. handed to the engine, which
 # keeps the newest within ``device_budget`` and moves the rest, or recomputed).
-# NOTE [block modes] in blocks.py. The automatic policy measures six steps,
+# NOTE [block modes] in blocks.py. The automatic policy measures nine steps,
 # then decides once per block and once per op position (the n-th op of an
 # overload in a block class: NOTE [op keys] in checkpointing.py):
 #
 # - Profiling: (1) every block whole: the bytes each hands to the engine (its
 #   live records before and after its forward), and the first calls warm up;
 #   (2) every op output offloaded, each op timed (on CUDA, synchronized around
-#   it); (3) every output recomputed, each op timed again; (4) every block whole
-#   again, the step that offload alone takes at this budget; (5) and (6) as (3)
-#   and (4). Per op position the compute time is the median over every block
-#   and the three timed steps, times its calls in a step; a block's forward
-#   runs from its entry to its return, its backward from backward reaching its
-#   output to backward reaching the block before; a step's figures are its
-#   median block times the blocks, so a slow block (another process on the
-#   cores) moves them little, and of (3) and (5), and of (4) and (6), the step
-#   whose figures are lower counts, so a slow step does not decide between
-#   offload alone and checkpointing either: on this project's 2-core VM two
-#   runs of one mode differ by up to 16% a step, more than the modes often
-#   differ by. Also measured, in step (2): the
+#   it); (3) and (4) every output recomputed, each op timed again; (5) to (7)
+#   every block whole again, the step that offload alone takes at this budget;
+#   (8) and (9) as (3) and (4). Per op position the compute time is the median
+#   over every block and the timed steps, times its calls in a step; a block's
+#   forward runs from its entry to its return, its backward from backward
+#   reaching its output to backward reaching the block before; a step's figures
+#   are its median block times the blocks, so a slow block (another process on
+#   the cores) moves them little. The two plans the profile compares,
+#   checkpointing and offload alone, count only in steps that follow a step of
+#   their own kind, (4) and (9), (6) and (7), and the step of each pair whose
+#   figures are lower counts, so a slow step does not decide between them
+#   either: on this project's 2-core VM two runs of one mode differ by up to
+#   16% a step, more than the modes often differ by. A step after one of the
+#   other kind inherits that step's heap: after a whole step's trims, a
+#   recompute-all step touches again the pages they gave back (NOTE [heap
+#   trim] in heap.py). Measured on the 8-layer Llama of ``bench/recompute.py
+#   --model llama`` at 50% of the saved bytes, one process, runs of three steps
+#   of each kind in turn: recompute-all steps right after a step of another
+#   kind took 1.02-1.32 s with 33k-67k page faults, the two after each 0.91-1.19 s with
+#   0-52k; whole steps 0.98-1.41 s (88k-157k) whichever kind came before. So
+#   with the whole and recompute-all steps alternating, as the profile once
+#   ran them, the recompute-all steps paid the whole steps' trims. Both pairs
+#   sit at the same mean position, as the first steps of a process run slower
+#   (that run: 1.19-1.24 s for the whole steps of the first run of three,
+#   0.98-0.99 s for those of the third). Also measured, in step (2): the
 #   bytes the engine moved (``O0``), the forward and backward stalls on writes
 #   and reads (``Ef``, ``Eb``), the IO threads' read bandwidth ``R``, forward
 #   and backward times (``Tf``, ``Tb``), the step (``Sa``); in step (3), next
@@ -60,7 +73,7 @@
 #   time less move cost, summed) than the dispatch modes cost the blocks; else
 #   every non-whole block is checkpointed plainly and its ops all recompute.
 #   The cost per block is _DISPATCH_SWITCH times the median block's time in the
-#   modes in steps (3) and (5), forward and recompute (their ``__torch_dispatch__``
+#   modes in the recompute-all steps, forward and recompute (their ``__torch_dispatch__``
 #   beyond the ops: NOTE [dispatch cost] in checkpointing.py); the factor adds
 #   the switch into Python that the span misses (a cheap op costs 8.8 us more
 #   under the forward mode, 5.9 us of it in ``__torch_dispatch__``). A sum of
@@ -74,8 +87,8 @@
 #   1.16 s, no difference above the noise; a paired step with trims on had
 #   shown 15-90 ms a block, and chose plain and selective by turns.
 # - Offload alone: where, of the blocks the budget does not keep whole, the
-#   median block of step (4) or (6) took less than a checkpointed one is
-#   expected to (that of step (3) or (5), less the selective gain per block or
+#   median block of step (6) or (7) took less than a checkpointed one is
+#   expected to (that of step (4) or (9), less the selective gain per block or
 #   the dispatch cost that plain saves), every block runs whole and the engine
 #   moves what the budget does not keep. The kept blocks stay out of both
 #   medians: they run whole in either plan, and move nothing, so a median over
@@ -94,21 +107,54 @@
 # - A ``device_budget`` below what one block's recompute holds at once (what it
 #   saves for backward, step 1) cannot be met by any plan: one warning says the
 #   smallest reachable.
-# - Not in the plan: the heap trims (NOTE [heap trim] in heap.py). Every plan
-#   runs under them, and on the CPU they are what separates a checkpointed plan
-#   from checkpointing without the engine. Measured on the 8-layer Llama of
-#   ``bench/recompute.py --model llama``: selective plans at 25% and 50% of the
-#   saved bytes ran at 1.18-1.32x ``full``'s step (per-round median ratios)
-#   with trims, at peaks of 261-333 MiB. Without trims they ran at 0.90-1.04x,
-#   at 381-428 MiB. The peak limits there are 291 and 379 MiB. (One run of
-#   ``bench/recompute.py --model llama --steps 8`` with two lanes beside its
-#   modes: auto with no block kept whole, once with the default heap trims and
-#   once with ``heap_trim_bytes=None``; the 25% and 50% plans came out
-#   selective.) A trim level taken from the profile (no trims while the
-#   process holds less than the recompute-all step's peak plus the budget) met
-#   the time at 25% and 50% in two runs (1.02-1.03x and 0.93-0.95x ``full``),
-#   with peaks 13-69 MiB over the limits at every budget: that step, under the
-#   dispatch modes and the trims, holds more than checkpointing without them.
+# - Trial: a plan the profile did not run as it is, selective blocks or whole
+#   blocks beside checkpointed ones, runs three steps, and yields to a profiled
+#   plan that ran faster (NOTE [trial steps]).
+# - Not in the cost model: the heap trims (NOTE [heap trim] in heap.py). Every
+#   plan runs under them (the trial sees them), and on the CPU they are what
+#   separates a checkpointed plan from checkpointing without the engine.
+#   Measured on the 8-layer Llama of ``bench/recompute.py --model llama``:
+#   selective plans at 25% and 50% of the saved bytes ran at 1.18-1.32x
+#   ``full``'s step (per-round median ratios) with trims, at peaks of 261-333
+#   MiB. Without trims they ran at 0.90-1.04x, at 381-428 MiB. The peak limits
+#   there are 291 and 379 MiB. (One run of ``bench/recompute.py --model llama
+#   --steps 8`` with two lanes beside its modes: auto with no block kept whole,
+#   once with the default heap trims and once with ``heap_trim_bytes=None``; the
+#   25% and 50% plans came out selective.) A trim level taken from the profile
+#   (no trims while the process holds less than the recompute-all step's peak
+#   plus the budget) met the time at 25% and 50% in two runs (1.02-1.03x and
+#   0.93-0.95x ``full``), with peaks 13-69 MiB over the limits at every budget:
+#   that step, under the dispatch modes and the trims, holds more than
+#   checkpointing without them.
+#
+# NOTE [trial steps]
+# The profile runs two plans as they are: every block whole (offload alone,
+# steps (6) and (7)) and every block checkpointed with every output recomputed
+# (steps (4) and (9): plain checkpointing, plus the dispatch modes' cost). A
+# plan between them, whole blocks beside checkpointed ones or selective blocks,
+# is an estimate from block medians, and misses what the mix does to the step as
+# a whole. On the CPU that is the heap trims (NOTE [heap trim] in heap.py): the
+# whole blocks fill ``device_budget``, which was the trims' allowance, so near
+# the end of forward the trimmer gives back free heap that backward then touches
+# again. Measured on the 8-layer Llama of ``bench/recompute.py --model llama``
+# at 50% of the saved bytes (one run, each mode in a process of its own, side by
+# side): four layers whole and four plain, estimated at 1.002 s for the blocks,
+# ran 1.155 s a step with 2.0 trims and 86k page faults, 1.08x checkpointing
+# without the engine; every layer plain under the engine at the same budget ran
+# 1.026 s (1.04x) with 0.1 trims and 18k faults. (A trace of that plan's steps:
+# trims at the last layer's forward and at the head's backward, each giving back
+# 115-177 MiB.) So such a plan is tried. Its first planned step learns the
+# prefetch order (NOTE [learned order] in plan.py) and is not counted; the next
+# two are timed from the first block's forward to the next step's, and the
+# faster is set against the faster of each profiled plan's two steps, timed
+# alike (plain's less the dispatch modes' cost per block). The fastest of the
+# three runs from then on, until a new structure profiles again, and the printed
+# plan says which, with the three figures. The walls include what a step does
+# outside the blocks (the head, the loss, the optimizer, the data loader), alike
+# for the three. On this project's 2-core VM the steps of one mode spread from
+# 13% below to 17% above their median (eight rounds of checkpointing without the
+# engine in the run above), so plans closer than that may go either way; the
+# trial catches a plan clearly slower than one the profile ran.
 #
 # NOTE [profiling under trims]
 # The default trim bound follows the bytes the last step moved (NOTE [heap trim]
@@ -173,6 +219,11 @@ _DISPATCH_SWITCH = 1.5
 # Whether a plan may run every block whole where offload alone measured fastest (tests
 # of the checkpointed paths turn it off, for a plan they can predict).
 OFFLOAD_ALONE = True
+# Whether a plan the profile did not run as a whole is tried (NOTE [trial steps]); tests
+# that follow a selective or mixed plan step by step turn it off.
+TRIAL = True
+# NOTE [trial steps]: the planned steps timed before a tried plan is kept or replaced.
+_TRIAL_STEPS = 2
 
 # An op position: (block class, op overload, count in the block).
 Position = tuple[str, Any, int]
@@ -233,9 +284,17 @@ class RecomputePlan:
             )
         elif "blocks_whole" in m:
             lines.append(
-                f"  blocks: {m['blocks_whole']:.0f} whole (within device_budget), "
+                f"  blocks: {m['blocks_whole']:.0f} whole"
+                f"{'' if m.get('trial_choice') else ' (within device_budget)'}, "
                 f"{m['blocks_plain']:.0f} checkpointed plainly, "
                 f"{m['blocks_selective']:.0f} selectively (the ops below)"
+            )
+        if "trial_step_s" in m:
+            verdict = ("kept", "replaced by plain checkpointing", "replaced by offload alone")
+            lines.append(
+                f"  trial: the plan ran {m['trial_step_s']:.3f} s a step; in the profile, "
+                f"every block checkpointed plainly {m['trial_plain_s']:.3f} s and offload "
+                f"alone {m['trial_alone_s']:.3f} s: {verdict[int(m['trial_choice'])]}"
             )
         if self.measured:  # (a bandwidth with nothing moved is unmeasured: left out)
             shown = sorted((k, v) for k, v in self.measured.items() if math.isfinite(v))
@@ -399,9 +458,20 @@ class _Span:
 
 # The kinds of profiling step, then the plan (NOTE [keep, offload, recompute]).
 _WHOLE_ALL, _OFFLOAD_ALL, _RECOMPUTE_ALL, _WHOLE_TIMED, _PLANNED = range(5)
-# The profiling steps in order: the two whose times the plan compares run twice, in
-# turn, and the faster of each counts (NOTE [keep, offload, recompute]).
-_PROFILE = (_WHOLE_ALL, _OFFLOAD_ALL, _RECOMPUTE_ALL, _WHOLE_TIMED, _RECOMPUTE_ALL, _WHOLE_TIMED)
+# The profiling steps in order (NOTE [keep, offload, recompute]): the two kinds whose
+# times the plan compares each run twice after a step of their own kind, at the same
+# mean position, and the faster of each kind's two counts.
+_PROFILE = (
+    _WHOLE_ALL,
+    _OFFLOAD_ALL,
+    _RECOMPUTE_ALL,
+    _RECOMPUTE_ALL,
+    _WHOLE_TIMED,
+    _WHOLE_TIMED,
+    _WHOLE_TIMED,
+    _RECOMPUTE_ALL,
+    _RECOMPUTE_ALL,
+)
 _WHOLE_ALL_STEP = _PROFILE.index(_WHOLE_ALL)
 # NOTE [profiling under trims]: steps alike in the bytes they move.
 _TRIM_CLASS = {
@@ -424,14 +494,15 @@ def _live_bytes(s: OffloadStats) -> int:
 
 
 class AutoDecider:
-    """``recompute="auto"``: profile six steps, then decide per block and per op position.
+    """``recompute="auto"``: profile nine steps, then decide per block and per op position.
 
     Steps (NOTE [keep, offload, recompute]): every block whole (the bytes each saves),
     every op output offloaded and timed, every output recomputed and timed (with the
-    dispatch modes' own time), every block whole again (offload alone's step), and the
-    last two again; then the plan holds. A step starts at the first block forward
-    after backward reached a block. Implements both
-    :class:`~prefetch_offload.checkpointing.Decider` and
+    dispatch modes' own time) twice, every block whole again (offload alone's step)
+    three times, and every output recomputed twice more; then the plan holds, after
+    three trial steps where the profile did not run it as it is (NOTE [trial steps]). A
+    step starts at the first block forward after backward reached a block. Implements
+    both :class:`~prefetch_offload.checkpointing.Decider` and
     :class:`~prefetch_offload.blocks.BlockModes`.
 
     Args:
@@ -482,6 +553,14 @@ class AutoDecider:
         self._s1: OffloadStats | None = None
         self._block_bytes: collections.Counter[tuple[str, int]] = collections.Counter()
         self._warned = False
+        # NOTE [trial steps]: the planned steps' walls while a plan is tried, the start of
+        # the step now, the steps left, and what the profile measured of the others.
+        self._trial_walls: list[float] = []
+        self._trial_mark = 0.0
+        self._trial_left = 0
+        self._measured_walls: dict[str, float] = {}
+        self._trial_obs: dict[Position, _Obs] = {}  # the profile's, for the plan's summary
+        self._profiled: set[tuple[str, int]] = set()
         self.plans_made = 0
         self.measured: dict[str, float] = {}
         self._last = RecomputePlan("auto")
@@ -625,8 +704,11 @@ class AutoDecider:
         if self._ckpt_stats is not None:
             self._ckpt_stats.step_began()
         if self._phase == _PLANNED:
+            if self._trial_left and not self._stale:
+                self._trial_step_ended()
             if self._stale:
                 self._stale = False
+                self._trial_left, self._trial_obs = 0, {}
                 self._reset_profile()
                 self._moved_by.clear()  # NOTE [profiling under trims]: a new profile
                 self._step_no, self._phase = 0, _PROFILE[0]
@@ -658,13 +740,20 @@ class AutoDecider:
         """The profiling steps of a kind (their indices in _PROFILE)."""
         return [i for i, k in enumerate(_PROFILE) if k == kind]
 
+    @staticmethod
+    def _counted(kind: int) -> list[int]:
+        """The profiling steps of a kind that follow a step of the same kind: the ones the
+        plan compares (NOTE [keep, offload, recompute])."""
+        return [i for i, k in enumerate(_PROFILE) if k == kind and i and _PROFILE[i - 1] == k]
+
     def _block_times(
         self, kind: int, keys: set[tuple[str, int]] | None = None
     ) -> tuple[float, float, int]:
         """The median block's forward and backward seconds in the profiling step of a
-        kind (of two, the one whose median block took least), and the blocks it ran;
-        the median over ``keys`` only, where given and any ran."""
-        times = [self._step_block_times(i, keys) for i in self._steps(kind)]
+        kind (of its counted steps, the one whose median block took least), and the
+        blocks it ran; the median over ``keys`` only, where given and any ran."""
+        steps = self._counted(kind) or self._steps(kind)  # (the offload-all step: once)
+        times = [self._step_block_times(i, keys) for i in steps]
         return min(times, key=lambda t: t[0] + t[1])
 
     def _step_block_times(
@@ -841,8 +930,72 @@ class AutoDecider:
             "write_GBps": write_bw / 1e9 if math.isfinite(write_bw) else math.inf,
             "read_GBps": read_bw / 1e9 if math.isfinite(read_bw) else math.inf,
         }
-        self._last = self._summarize(share)
+        # NOTE [trial steps]: a plan the profile did not run as a whole is tried against
+        # the two it did.
+        self._profiled, self._share = profiled, share
+        self._measured_walls = {
+            "plain": self._wall(_RECOMPUTE_ALL) - n * overhead,
+            "alone": self._wall(_WHOLE_TIMED) if OFFLOAD_ALONE else math.inf,
+        }
+        tried = not offload_alone and (selective or 0 < len(whole) < len(profiled))
+        self._trial_left = _TRIAL_STEPS + 1 if TRIAL and tried else 0
+        self._trial_walls = []
+        self._trial_mark = self._clock()
+        self._trial_obs = dict(self._obs) if self._trial_left else {}
+        self._last = self._summarize(share, self._obs)
         self._warn_budget()
+
+    def _wall(self, kind: int) -> float:
+        """The shorter of the profiling steps of a kind, start to end (each step starts
+        where the one before ended: NOTE [trial steps])."""
+        ends = self._ends
+        walls = [ends[i] - ends[i - 1] for i in self._counted(kind) if i in ends and i - 1 in ends]
+        return min(walls) if walls else math.inf
+
+    def _trial_step_ended(self) -> None:
+        """A planned step of a tried plan ended (NOTE [trial steps])."""
+        now = self._clock()
+        self._trial_walls.append(now - self._trial_mark)
+        self._trial_mark = now
+        self._trial_left -= 1
+        if self._trial_left == 0:
+            self._judge_trial()
+
+    def _judge_trial(self) -> None:
+        """Keep the tried plan, or take the profiled one that ran faster (NOTE [trial
+        steps])."""
+        tried = min(self._trial_walls[1:])  # (the first planned step learns the order)
+        plain, alone = self._measured_walls["plain"], self._measured_walls["alone"]
+        choice = 0
+        if min(plain, alone) < tried:
+            choice = 1 if plain <= alone else 2
+            self._switch(PLAIN if choice == 1 else WHOLE)
+        self.measured.update(
+            trial_step_s=tried, trial_plain_s=plain, trial_alone_s=alone, trial_choice=choice
+        )
+        self._last = self._summarize(self._share, self._trial_obs)
+        self._trial_obs = {}
+
+    def _switch(self, how: str) -> None:
+        """Every profiled block checkpointed plainly (PLAIN) or whole (WHOLE)."""
+        if how == PLAIN:
+            why = "plain checkpointing of every block ran faster than this plan's trial"
+            moved = [pos for pos, policy in self._plan.items() if policy in OFFLOAD]
+        else:
+            why = "offload alone ran faster than this plan's trial"
+            moved = list(self._plan)
+        for pos in moved:
+            self._plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
+            self._reasons[pos] = (why, *self._reasons[pos][1:])
+        self._modes = dict.fromkeys(self._profiled, how)
+        n = len(self._profiled)
+        self.measured.update(
+            blocks_whole=n if how == WHOLE else 0,
+            blocks_plain=n if how == PLAIN else 0,
+            blocks_selective=0,
+            whole_MiB=0.0 if how == PLAIN else self.measured.get("whole_MiB", 0.0),
+        )
+        self._share = 1.0 if how == PLAIN else 0.0
 
     def _warn_budget(self) -> None:
         if self._warned or self._budget <= 0 or not self._block_bytes:
@@ -867,22 +1020,22 @@ class AutoDecider:
                 stacklevel=2,
             )
 
-    def _summarize(self, share: float) -> RecomputePlan:
+    def _summarize(self, share: float, obs: dict[Position, _Obs]) -> RecomputePlan:
         per: dict[str, list[Position]] = collections.defaultdict(list)
-        for pos in self._obs:
+        for pos in obs:
             per[op_kind(pos[1])].append(pos)
         ops = []
         totals: collections.Counter[str] = collections.Counter()
         for kind, positions in per.items():
             choices = {_choice_name(self._plan[p]) for p in positions}
-            nbytes = round(sum(self._obs[p].nbytes for p in positions) * share)
+            nbytes = round(sum(obs[p].nbytes for p in positions) * share)
             for p in positions:
-                totals[_choice_name(self._plan[p])] += round(self._obs[p].nbytes * share)
+                totals[_choice_name(self._plan[p])] += round(obs[p].nbytes * share)
             reasons = sorted({self._reasons[p][0] for p in positions})
             choice = choices.pop() if len(choices) == 1 else "mixed"
             if share == 0:  # no block checkpointed: what autograd saves goes to the engine
                 choice = "whole"
-                if not self.measured.get("offload_alone"):
+                if not self.measured.get("offload_alone") and not self.measured.get("trial_choice"):
                     reasons = ["every block whole: device_budget keeps what they save"]
             ops.append(
                 OpDecision(
@@ -890,7 +1043,7 @@ class AutoDecider:
                     choice,
                     nbytes,
                     len(positions),
-                    seconds_per_step=sum(self._obs[p].total_s for p in positions) * share,
+                    seconds_per_step=sum(obs[p].total_s for p in positions) * share,
                     move_seconds_per_step=sum(self._reasons[p][2] for p in positions),
                     reason="; ".join(reasons),
                 )

@@ -60,7 +60,7 @@ def _trainer_run(tmp: Path, recompute: Any, *, hf_checkpointing: bool = False) -
     args = transformers.TrainingArguments(
         output_dir=str(tmp),
         per_device_train_batch_size=4,
-        max_steps=8,  # recompute="auto" profiles six steps, then plans
+        max_steps=len(recompute_module._PROFILE) + 2,  # auto profiles, then plans
         logging_steps=1,
         learning_rate=1e-3,
         report_to=[],
@@ -98,7 +98,7 @@ def test_trainer_with_recompute_is_bit_identical(
     ref_losses, ref_params = _trainer_run(tmp_path / "a", None)
     mode = matmuls_offloaded if recompute == "policy" else recompute
     losses, params = _trainer_run(tmp_path / "b", mode)
-    assert len(losses) == 8 and losses == ref_losses
+    assert len(losses) == len(recompute_module._PROFILE) + 2 and losses == ref_losses
     for a, b in zip(params, ref_params, strict=True):
         assert torch.equal(a, b)
 
@@ -235,7 +235,7 @@ def _dist_train(rank: int, wrap: str, save_dir: str | None) -> dict[str, torch.T
         else offload_context(None)
     )
     with ctx as engine:
-        for step in range(8):  # six profiling steps, then two planned ones
+        for step in range(len(recompute_module._PROFILE) + 2):  # profile, then two planned
             tokens, targets = make_batch(4, 16, vocab=64, seed=100 * rank + step)
             opt.zero_grad(set_to_none=True)
             loss = model(tokens, targets)
