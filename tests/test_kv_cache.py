@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from prefetch_offload import kv_cache
 from prefetch_offload.kv_cache import CacheOff
 
 
@@ -36,7 +37,7 @@ class Base(nn.Module):
     def forward(
         self, x: torch.Tensor, fail: bool = False, use_cache: bool | None = None
     ) -> torch.Tensor:
-        self.seen.append(self.config.use_cache)
+        self.seen.append(self.config.use_cache if use_cache is None else use_cache)
         for layer in self.layers:
             x = layer(x)
         if fail:
@@ -45,6 +46,8 @@ class Base(nn.Module):
 
 
 class Head(nn.Module):
+    """Takes only ``**kwargs``: its hook turns the config's flag off."""
+
     def __init__(self) -> None:
         super().__init__()
         self.config = SimpleNamespace(use_cache=True)
@@ -176,8 +179,8 @@ def test_threads_share_the_flag_and_the_last_one_out_sets_it_back() -> None:
         seen.append(model.config.use_cache)
 
     base = model.model
-    base.forward = lambda x, fail=False: slow(x)  # type: ignore[method-assign]
-    thread = threading.Thread(target=lambda: model.model(torch.randn(2, 4)))
+    base.forward = lambda x, fail=False, **kw: slow(x)  # type: ignore[method-assign]
+    thread = threading.Thread(target=lambda: model(torch.randn(2, 4)))
     thread.start()
     assert inside.wait(5)
     del base.forward  # the second forward returns at once
@@ -205,4 +208,56 @@ def test_a_forward_cut_short_by_an_interrupt_is_given_back_at_the_next_one() -> 
     handle.remove()
     model(torch.randn(2, 4))
     assert model.config.use_cache is True
+    hooks.remove()
+
+
+def test_a_forward_that_names_use_cache_is_called_without_it(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward that takes ``use_cache`` gets False in its call, whatever the caller
+    passed, by keyword or by position; an explicit True is said once; the config is not
+    touched, so a value the user writes during the forward stays."""
+    monkeypatch.setattr(kv_cache, "_warned", False)  # (said once a process)
+    base = Base(SimpleNamespace(use_cache=True))
+    hooks = CacheOff(base, list(base.layers))
+    flags: list[bool] = []
+    base.layers[0].register_forward_pre_hook(lambda m, a: flags.append(base.config.use_cache))
+    x = torch.randn(2, 4)
+    with caplog.at_level("WARNING", logger="prefetch_offload"):
+        base(x)
+        base(x, use_cache=True)
+        base(x, False, True)
+    assert base.seen == [False, False, False] and flags == [True, True, True]
+    said = [r for r in caplog.records if "use_cache=True is incompatible" in r.message]
+    assert len(said) == 1
+    with torch.no_grad():  # generate: the caller's value
+        base(x, use_cache=True)
+    assert base.seen[-1] is True
+
+    def user_turns_it_off(module: nn.Module, args: object) -> None:
+        base.config.use_cache = False
+
+    handle = base.layers[1].register_forward_pre_hook(user_turns_it_off)
+    base(x)
+    handle.remove()
+    assert base.config.use_cache is False
+    hooks.remove()
+
+
+def test_a_flag_written_during_a_forward_that_turned_it_off_is_not_set_back() -> None:
+    """The flag is set back to the value it had only if the hook's False is still there:
+    a value written meanwhile (here True, after the forward had turned it off) stays."""
+    model = Head()
+    model.config.use_cache = 1  # a truthy value that is not True: set back as it was
+    hooks = _hooked(model)
+    model(torch.randn(2, 4))
+    assert model.config.use_cache == 1 and model.config.use_cache is not True
+
+    def user_writes(module: nn.Module, args: object) -> None:
+        model.config.use_cache = "user"
+
+    handle = model.model.layers[0].register_forward_pre_hook(user_writes)
+    model(torch.randn(2, 4))
+    handle.remove()
+    assert model.config.use_cache == "user"
     hooks.remove()

@@ -149,6 +149,50 @@ def test_a_kv_cache_is_off_in_forwards_with_grad_only(tmp_path: Path, recompute:
         assert torch.equal(a, p.grad)
 
 
+def test_a_cache_asked_for_in_a_forward_with_grad_is_not_made(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [kv cache]: ``use_cache=True`` passed by the caller, with a padding mask: the
+    forward makes no cache (a recompute would append to it, and backward's shapes would
+    not match), says so once, leaves the config alone (a value the user writes during
+    the forward stays), and the gradients match training with ``use_cache=False``."""
+    transformers = pytest.importorskip("transformers")
+    from prefetch_offload import kv_cache
+
+    monkeypatch.setattr(kv_cache, "_warned", False)  # (said once a process)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    seen: list[bool] = []
+    model.model.layers[0].register_forward_pre_hook(lambda m, a: seen.append(config.use_cache))
+    with caplog.at_level("WARNING", logger="prefetch_offload"):
+        with offload_context("disk", str(tmp_path), model=model, recompute="full"):
+            out = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=True)
+            assert not out.get("past_key_values", out.get("cache"))
+            out.loss.backward()
+            model.config.use_cache = False  # the user's, between forwards
+            model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=True)
+    assert seen[0] is True  # the config untouched inside the forward
+    assert model.config.use_cache is False
+    assert len([r for r in caplog.records if "use_cache=True" in r.message]) == 1
+    for a, p in zip(ref, model.parameters(), strict=True):
+        assert torch.equal(a, p.grad)
+
+
 # -- regional torch.compile -------------------------------------------------------------------
 
 
