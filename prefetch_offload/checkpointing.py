@@ -131,6 +131,7 @@ __all__ = [
     "OffloadHooks",
     "PlainCounts",
     "PolicyDecider",
+    "as_policy",
     "draws_random",
     "graph_kept",
     "op_kind",
@@ -151,6 +152,35 @@ _SEEDED = torch.Tag.nondeterministic_seeded
 
 # (block class, block index, op overload, count): NOTE [op keys].
 OpKey = tuple[str, int, Any, int]
+
+
+def as_policy(policy: Any) -> Callable[..., CheckpointPolicy]:
+    """``policy`` as a callable with PyTorch's signature ``policy(ctx, op, *args,
+    **kwargs) -> CheckpointPolicy``: a callable as it is, a list of op overloads as
+    theirs saved and the rest recomputed (``checkpoint_context_fn``'s contract).
+
+    Raises:
+        TypeError: neither, or a list holding something other than an OpOverload.
+    """
+    if isinstance(policy, list):
+        ops = list(policy)
+        for op in ops:
+            if not isinstance(op, torch._ops.OpOverload):
+                raise TypeError(
+                    f"prefetch_offload: the ops to save must be OpOverloads, got {op!r}; "
+                    "e.g. torch.ops.aten.mm.default rather than torch.ops.aten.mm."
+                )
+
+        def saves(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return saves
+    if not callable(policy):
+        raise TypeError(
+            "prefetch_offload: checkpoint_context_fn needs a policy callable "
+            f"policy(ctx, op, *args, **kwargs) or a list of ops, got {type(policy).__name__}."
+        )
+    return policy
 
 
 def op_kind(func: Any) -> str:

@@ -85,9 +85,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy
 
-from .checkpointing import CheckpointStats, graph_kept, selective_contexts
+from .checkpointing import CheckpointStats, as_policy, graph_kept, selective_contexts
 from .config import OffloadConfig
 from .device import DeviceLayer, default_device_layer
 from .errors import ErrorSlot, OffloadError, OffloadFallbackWarning
@@ -970,25 +969,7 @@ class OffloadEngine:
         checkpoint call, e.g. ``context_fn=functools.partial(engine.checkpoint_context_fn,
         policy)``.
         """
-        if isinstance(policy, list):
-            ops = list(policy)
-            for op in ops:
-                if not isinstance(op, torch._ops.OpOverload):
-                    raise TypeError(
-                        f"prefetch_offload: the ops to save must be OpOverloads, got {op!r}; "
-                        "e.g. torch.ops.aten.mm.default rather than torch.ops.aten.mm."
-                    )
-
-            def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-                return (
-                    CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
-                )
-
-        if not callable(policy):
-            raise TypeError(
-                "prefetch_offload: checkpoint_context_fn needs a policy callable "
-                f"policy(ctx, op, *args, **kwargs) or a list of ops, got {type(policy).__name__}."
-            )
+        policy = as_policy(policy)
         recorder = self._decider
         if recorder is None:
             recorder = self._decider = RecordingDecider("policy")

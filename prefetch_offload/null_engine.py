@@ -69,17 +69,18 @@ class NullEngine:
         to, a ``*_CPU_OFFLOAD`` output is kept (``*_SAVE``) rather than recomputed."""
         from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+        from .checkpointing import as_policy  # (torch is there: the policy uses it)
+
         as_save = {
             CheckpointPolicy.MUST_CPU_OFFLOAD: CheckpointPolicy.MUST_SAVE,
             CheckpointPolicy.PREFER_CPU_OFFLOAD: CheckpointPolicy.PREFER_SAVE,
         }
-        if callable(policy):
-            user = policy
+        user = as_policy(policy)  # the engine's checks and errors
 
-            def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-                choice = user(ctx, op, *args, **kwargs)
-                return as_save.get(choice, choice)
+        def kept(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            choice = user(ctx, op, *args, **kwargs)
+            return as_save.get(choice, choice)
 
         return create_selective_checkpoint_contexts(
-            policy, allow_cache_entry_mutation=allow_cache_entry_mutation
+            kept, allow_cache_entry_mutation=allow_cache_entry_mutation
         )

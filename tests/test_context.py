@@ -57,6 +57,13 @@ def test_the_none_engine_answers_the_recompute_api() -> None:
             context_fn=lambda: engine.checkpoint_context_fn(policy),
         )
         out.sum().backward()
+        # The engine's checks, with its errors (a list of ops saves those).
+        with pytest.raises(TypeError, match="OpOverloads"):
+            engine.checkpoint_context_fn([torch.ops.aten.mm])
+        with pytest.raises(TypeError, match="policy callable"):
+            engine.checkpoint_context_fn(3)  # type: ignore[arg-type]
+        forward, _ = engine.checkpoint_context_fn([torch.ops.aten.mm.default])
+        assert forward.policy_fn(None, torch.ops.aten.mm.default) is CheckpointPolicy.MUST_SAVE
     assert torch.equal(w.grad, want)
 
 
