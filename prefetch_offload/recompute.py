@@ -937,6 +937,8 @@ class AutoDecider:
             "plain": self._wall(_RECOMPUTE_ALL) - n * overhead,
             "alone": self._wall(_WHOLE_TIMED) if OFFLOAD_ALONE else math.inf,
         }
+        self.measured["wall_plain_s"] = self._measured_walls["plain"]
+        self.measured["wall_alone_s"] = self._wall(_WHOLE_TIMED)
         tried = not offload_alone and (selective or 0 < len(whole) < len(profiled))
         self._trial_left = _TRIAL_STEPS + 1 if TRIAL and tried else 0
         self._trial_walls = []
