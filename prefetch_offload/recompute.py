@@ -86,19 +86,22 @@
 #   process, three pairs: medians 1.19 / 1.04 / 1.12 s against 1.16 / 1.16 /
 #   1.16 s, no difference above the noise; a paired step with trims on had
 #   shown 15-90 ms a block, and chose plain and selective by turns.
-# - Offload alone: where, of the blocks the budget does not keep whole, the
-#   median block of step (6) or (7) took less than a checkpointed one is
-#   expected to (that of step (4) or (9), less the selective gain per block or
-#   the dispatch cost that plain saves), every block runs whole and the engine
-#   moves what the budget does not keep. The kept blocks stay out of both
-#   medians: they run whole in either plan, and move nothing, so a median over
-#   every block hid the stalls of the moved ones (the IO-bound shape of
-#   ``bench/recompute.py`` at 6 blocks and 50%: three blocks kept, offload alone
-#   chosen at 0.777 s against 0.793 s expected of checkpointing, then run at
-#   1.38 s a step against 1.36 s for ``recompute="full"``). On the CPU,
-#   where the IO threads and the recompute share the cores, this is often so at
-#   small budgets on a fast disk; never on a disk slower than forward saves. The
-#   plan prints both figures (``step_whole_s``, ``step_checkpointed_s``).
+# - Offload alone: where the plan so far is every block checkpointed plainly
+#   (none kept whole, selective not worth its dispatch cost), it runs every
+#   block whole instead, the engine moving what the budget does not keep, if
+#   steps (6) and (7) took less time, start to end, than steps (4) and (9) less
+#   the dispatch modes' cost per block (NOTE [trial steps]); a plan between
+#   the two is tried against both. On the CPU, where the IO threads and the
+#   recompute share the cores, offload alone is often faster at small budgets
+#   on a fast disk; never on a disk slower than forward saves. The plan also
+#   prints estimates from block medians (``step_whole_s``,
+#   ``step_checkpointed_s``: over the blocks the budget does not keep, the
+#   median block of each kind times those blocks, plus the kept blocks whole),
+#   which do not decide: on the 8-layer Llama of ``bench/recompute.py --model
+#   llama`` they put offload alone 21-22% ahead at 10% and 25% of the saved
+#   bytes (0.864 and 0.943 s against 1.100 and 1.173 s), and offload alone,
+#   chosen on them, then ran 1.08 and 1.11 s a step against 0.97 s for
+#   checkpointing without the engine (one run, 8 rounds).
 # - Re-planning: a block or, in a selective block, an op position that the
 #   profile did not see profiles again (once per new structure). A block run
 #   whole or plainly has no per-op plan to go stale. A plain block's op outputs
@@ -130,31 +133,33 @@
 # NOTE [trial steps]
 # The profile runs two plans as they are: every block whole (offload alone,
 # steps (6) and (7)) and every block checkpointed with every output recomputed
-# (steps (4) and (9): plain checkpointing, plus the dispatch modes' cost). A
-# plan between them, whole blocks beside checkpointed ones or selective blocks,
-# is an estimate from block medians, and misses what the mix does to the step as
-# a whole. On the CPU that is the heap trims (NOTE [heap trim] in heap.py): the
-# whole blocks fill ``device_budget``, which was the trims' allowance, so near
-# the end of forward the trimmer gives back free heap that backward then touches
-# again. Measured on the 8-layer Llama of ``bench/recompute.py --model llama``
-# at 50% of the saved bytes (one run, each mode in a process of its own, side by
-# side): four layers whole and four plain, estimated at 1.002 s for the blocks,
-# ran 1.155 s a step with 2.0 trims and 86k page faults, 1.08x checkpointing
-# without the engine; every layer plain under the engine at the same budget ran
-# 1.026 s (1.04x) with 0.1 trims and 18k faults. (A trace of that plan's steps:
-# trims at the last layer's forward and at the head's backward, each giving back
-# 115-177 MiB.) So such a plan is tried. Its first planned step learns the
-# prefetch order (NOTE [learned order] in plan.py) and is not counted; the next
-# two are timed from the first block's forward to the next step's, and the
-# faster is set against the faster of each profiled plan's two steps, timed
-# alike (plain's less the dispatch modes' cost per block). The fastest of the
-# three runs from then on, until a new structure profiles again, and the printed
-# plan says which, with the three figures. The walls include what a step does
-# outside the blocks (the head, the loss, the optimizer, the data loader), alike
-# for the three. On this project's 2-core VM the steps of one mode spread from
-# 13% below to 17% above their median (eight rounds of checkpointing without the
-# engine in the run above), so plans closer than that may go either way; the
-# trial catches a plan clearly slower than one the profile ran.
+# (steps (4) and (9): plain checkpointing, plus the dispatch modes' cost). Their
+# walls, each step timed from its first block's forward to the next step's,
+# decide between the two (NOTE [keep, offload, recompute]). A plan between them,
+# whole blocks beside checkpointed ones or selective blocks, is an estimate from
+# block medians, and misses what the mix does to the step as a whole. On the CPU
+# that is the heap trims (NOTE [heap trim] in heap.py): the whole blocks fill
+# ``device_budget``, which was the trims' allowance, so near the end of forward
+# the trimmer gives back free heap that backward then touches again. Measured on
+# the 8-layer Llama of ``bench/recompute.py --model llama`` at 50% of the saved
+# bytes (one run, each mode in a process of its own, side by side): four layers
+# whole and four plain, estimated at 1.002 s for the blocks, ran 1.155 s a step
+# with 2.0 trims and 86k page faults, 1.08x checkpointing without the engine;
+# every layer plain under the engine at the same budget ran 1.026 s (1.04x) with
+# 0.1 trims and 18k faults. (A trace of that plan's steps: trims at the last
+# layer's forward and at the head's backward, each giving back 115-177 MiB.) So
+# such a plan is tried. Its first planned step learns the prefetch order (NOTE
+# [learned order] in plan.py) and is not counted; the next two are timed from
+# the first block's forward to the next step's, and the faster is set against
+# the faster of each profiled plan's two steps, timed alike (plain's less the
+# dispatch modes' cost per block). The fastest of the three runs from then on,
+# until a new structure profiles again, and the printed plan says which, with
+# the three figures. The walls include what a step does outside the blocks (the
+# head, the loss, the optimizer, the data loader), alike for the three. On this
+# project's 2-core VM the steps of one mode spread from 13% below to 17% above
+# their median (eight rounds of checkpointing without the engine in the run
+# above), so plans closer than that may go either way; the trial catches a plan
+# clearly slower than one the profile ran.
 #
 # NOTE [profiling under trims]
 # The default trim bound follows the bytes the last step moved (NOTE [heap trim]
@@ -279,8 +284,8 @@ class RecomputePlan:
         if m.get("offload_alone"):
             lines.append(
                 f"  blocks: all {m['blocks_whole']:.0f} whole: offload alone measured "
-                f"{m['step_whole_s']:.3f} s a step, below checkpointing's expected "
-                f"{m['step_checkpointed_s']:.3f} s"
+                f"{m['wall_alone_s']:.3f} s a step, below plain checkpointing's "
+                f"{m['wall_plain_s']:.3f} s"
             )
         elif "blocks_whole" in m:
             lines.append(
@@ -890,15 +895,20 @@ class AutoDecider:
         block_ckpt = (f_rest + b_rest) - (gain / rest if selective and rest else overhead)
         step_kept = len(whole) * (f_kept + b_kept)
         checkpointed = rest
-        offload_alone = OFFLOAD_ALONE and rest > 0 and 0 < block_whole < block_ckpt
+        profiled = {key for spans in self._spans.values() for key in spans}
+        # NOTE [trial steps]: the two plans the profile ran, by their walls; a plan between
+        # them is tried against both.
+        wall_plain = self._wall(_RECOMPUTE_ALL) - n * overhead
+        wall_alone = self._wall(_WHOLE_TIMED)
+        tried = selective or 0 < len(whole) < len(profiled)
+        offload_alone = OFFLOAD_ALONE and rest > 0 and not tried and wall_alone < wall_plain
         if offload_alone:
-            alone = "every block whole: offload alone measured faster than checkpointing"
+            alone = "every block whole: offload alone measured faster than plain checkpointing"
             for pos in plan:
                 plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
                 reasons[pos] = (alone, reasons[pos][1], reasons[pos][2])
             whole = list(self._spans.get(_WHOLE_ALL_STEP, {}))
             selective, rest, share = False, 0, 0.0
-        profiled = {key for spans in self._spans.values() for key in spans}
         self._modes = dict.fromkeys(profiled, SELECTIVE if selective else PLAIN)
         self._modes.update(dict.fromkeys(whole, WHOLE))
         self._plain_bytes = dict(self._block_bytes)
@@ -916,9 +926,12 @@ class AutoDecider:
             "step_offload_all_s": step_offload,
             "step_recompute_all_s": step_recompute,
             # The blocks' share of the step with every block whole, and with the blocks the
-            # budget keeps whole and the rest checkpointed.
+            # budget keeps whole and the rest checkpointed (estimates, from block medians).
             "step_whole_s": step_kept + checkpointed * block_whole,
             "step_checkpointed_s": step_kept + checkpointed * block_ckpt,
+            # The profile's steps, start to end (NOTE [trial steps]).
+            "wall_plain_s": wall_plain,
+            "wall_alone_s": wall_alone,
             "offload_alone": float(offload_alone),
             "recompute_s": recomputed_s,
             "move_s_per_GB": per_byte * 1e9,
@@ -930,16 +943,11 @@ class AutoDecider:
             "write_GBps": write_bw / 1e9 if math.isfinite(write_bw) else math.inf,
             "read_GBps": read_bw / 1e9 if math.isfinite(read_bw) else math.inf,
         }
-        # NOTE [trial steps]: a plan the profile did not run as a whole is tried against
-        # the two it did.
         self._profiled, self._share = profiled, share
         self._measured_walls = {
-            "plain": self._wall(_RECOMPUTE_ALL) - n * overhead,
-            "alone": self._wall(_WHOLE_TIMED) if OFFLOAD_ALONE else math.inf,
+            "plain": wall_plain,
+            "alone": wall_alone if OFFLOAD_ALONE else math.inf,
         }
-        self.measured["wall_plain_s"] = self._measured_walls["plain"]
-        self.measured["wall_alone_s"] = self._wall(_WHOLE_TIMED)
-        tried = not offload_alone and (selective or 0 < len(whole) < len(profiled))
         self._trial_left = _TRIAL_STEPS + 1 if TRIAL and tried else 0
         self._trial_walls = []
         self._trial_mark = self._clock()

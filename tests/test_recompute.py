@@ -371,6 +371,30 @@ def test_offload_alone_runs_every_block_whole_where_it_measured_fastest() -> Non
     assert not decider.plan().measured["offload_alone"]
 
 
+def test_offload_alone_or_plain_is_decided_by_whole_steps_not_block_medians() -> None:
+    """Every block whole: two blocks of three took 0.5 s, one 5 s (its reads stalled),
+    so the median block (0.5 s) beats a checkpointed one (1 s, less the dispatch modes'
+    0.15 s), but the step (6 s) is slower than checkpointing's (3 s, less 3 x 0.15 s):
+    every block is checkpointed plainly."""
+    fake = _Fake()
+    decider = AutoDecider(fake.snapshot, 0, clock=fake.clock)
+    cheap = [(MM, GB // 2, 0.01), (GELU, GB // 2, 0.01), (VIEW, GB // 2, 0.0)]
+    run = functools.partial(_step, decider, fake, cheap, forward_s=0.1, blocks=3)
+    run(step_s=3.0)
+    run(step_s=1.0, consumed=_NEEDED, **_SLOW_LINK)
+    for kind in recompute._PROFILE[2:]:
+        if kind == recompute._RECOMPUTE_ALL:
+            run(step_s=1.0, dispatch_s=0.1)
+        else:
+            run(step_s=0.0, block_s=[0.5, 0.5, 5.0])
+    assert [decider.mode("Block", b) for b in range(3)] == [PLAIN] * 3
+    m = decider.plan().measured
+    assert m["step_whole_s"] < m["step_checkpointed_s"]  # the medians' verdict
+    assert m["wall_alone_s"] == pytest.approx(6.0)
+    assert m["wall_plain_s"] == pytest.approx(3.0 - 3 * 0.15)
+    assert not m["offload_alone"] and "trial_step_s" not in m
+
+
 def test_a_fast_link_offloads_everything_the_recompute_needs() -> None:
     # Storing was free: the recompute-all step was slower by exactly its recompute.
     decider = _plan(
@@ -435,11 +459,12 @@ def _profile_rest(run: Any, whole_s: list[float]) -> None:
             run(step_s=0.0, block_s=whole_s)  # every block whole again
 
 
-def test_offload_alone_is_judged_on_the_blocks_the_budget_does_not_keep() -> None:
+def test_the_estimates_are_over_the_blocks_the_budget_does_not_keep() -> None:
     """Four blocks; the budget keeps the two newest whole. With every block whole, the
     two kept ones took 0.5 s and the two moved ones 2 s (they waited on reads); a
-    checkpointed block takes 1.5 s. Over every block the median whole block (1.25 s)
-    would beat checkpointing; over the blocks it concerns (2 s) it does not."""
+    checkpointed block takes 1.5 s. The printed estimates take the median over the
+    blocks each concerns (over every block the whole one, 1.25 s, would look faster
+    than checkpointing); the mixed plan is tried (NOTE [trial steps])."""
     fake = _Fake()
     decider = AutoDecider(fake.snapshot, 250, clock=fake.clock)
     cheap = [(MM, GB // 2, 0.01), (GELU, GB // 2, 0.01), (VIEW, GB // 2, 0.0)]
