@@ -89,19 +89,18 @@
 # - Offload alone: where the plan so far is every block checkpointed plainly
 #   (none kept whole, selective not worth its dispatch cost), it runs every
 #   block whole instead, the engine moving what the budget does not keep, if
-#   steps (6) and (7) took less time, start to end, than steps (4) and (9) less
-#   the dispatch modes' cost per block (NOTE [trial steps]); a plan between
-#   the two is tried against both. On the CPU, where the IO threads and the
-#   recompute share the cores, offload alone is often faster at small budgets
-#   on a fast disk; never on a disk slower than forward saves. The plan also
-#   prints estimates from block medians (``step_whole_s``,
-#   ``step_checkpointed_s``: over the blocks the budget does not keep, the
-#   median block of each kind times those blocks, plus the kept blocks whole),
-#   which do not decide: on the 8-layer Llama of ``bench/recompute.py --model
-#   llama`` they put offload alone 21-22% ahead at 10% and 25% of the saved
-#   bytes (0.864 and 0.943 s against 1.100 and 1.173 s), and offload alone,
-#   chosen on them, then ran 1.08 and 1.11 s a step against 0.97 s for
-#   checkpointing without the engine (one run, 8 rounds).
+#   steps (6) and (7) took less time than steps (4) and (9) less the dispatch
+#   modes' cost per block (NOTE [trial steps]); a plan between the two is tried
+#   against both. On the CPU, where the IO threads and the recompute share the
+#   cores, offload alone is often faster at small budgets on a fast disk; never
+#   on a disk slower than forward saves. The plan also prints estimates from
+#   block medians (``step_whole_s``, ``step_checkpointed_s``: over the blocks
+#   the budget does not keep, the median block of each kind times those blocks,
+#   plus the kept blocks whole), which do not decide: on the 8-layer Llama of
+#   ``bench/recompute.py --model llama`` they put offload alone 21-22% ahead at
+#   10% and 25% of the saved bytes (0.864 and 0.943 s against 1.100 and 1.173
+#   s), and offload alone, chosen on them, then ran 1.08 and 1.11 s a step
+#   against 0.97 s for checkpointing without the engine (one run, 8 rounds).
 # - Re-planning: a block or, in a selective block, an op position that the
 #   profile did not see profiles again (once per new structure). A block run
 #   whole or plainly has no per-op plan to go stale. A plain block's op outputs
@@ -134,28 +133,29 @@
 # The profile runs two plans as they are: every block whole (offload alone,
 # steps (6) and (7)) and every block checkpointed with every output recomputed
 # (steps (4) and (9): plain checkpointing, plus the dispatch modes' cost). Their
-# walls, each step timed from its first block's forward to the next step's,
-# decide between the two (NOTE [keep, offload, recompute]). A plan between them,
-# whole blocks beside checkpointed ones or selective blocks, is an estimate from
-# block medians, and misses what the mix does to the step as a whole. On the CPU
-# that is the heap trims (NOTE [heap trim] in heap.py): the whole blocks fill
-# ``device_budget``, which was the trims' allowance, so near the end of forward
-# the trimmer gives back free heap that backward then touches again. Measured on
-# the 8-layer Llama of ``bench/recompute.py --model llama`` at 50% of the saved
-# bytes (one run, each mode in a process of its own, side by side): four layers
-# whole and four plain, estimated at 1.002 s for the blocks, ran 1.155 s a step
-# with 2.0 trims and 86k page faults, 1.08x checkpointing without the engine;
-# every layer plain under the engine at the same budget ran 1.026 s (1.04x) with
-# 0.1 trims and 18k faults. (A trace of that plan's steps: trims at the last
-# layer's forward and at the head's backward, each giving back 115-177 MiB.) So
-# such a plan is tried. Its first planned step learns the prefetch order (NOTE
-# [learned order] in plan.py) and is not counted; the next two are timed from
-# the first block's forward to the next step's, and the faster is set against
-# the faster of each profiled plan's two steps, timed alike (plain's less the
-# dispatch modes' cost per block). The fastest of the three runs from then on,
-# until a new structure profiles again, and the printed plan says which, with
-# the three figures. The walls include what a step does outside the blocks (the
-# head, the loss, the optimizer, the data loader), alike for the three. On this
+# walls, each step timed from its first block's forward to the end of its last
+# backward (autograd's final callback), decide between the two (NOTE [keep,
+# offload, recompute]). A plan between them, whole blocks beside checkpointed
+# ones or selective blocks, is an estimate from block medians, and misses what
+# the mix does to the step as a whole. On the CPU that is the heap trims (NOTE
+# [heap trim] in heap.py): the whole blocks fill ``device_budget``, which was
+# the trims' allowance, so near the end of forward the trimmer gives back free
+# heap that backward then touches again. Measured on the 8-layer Llama of
+# ``bench/recompute.py --model llama`` at 50% of the saved bytes (one run, each
+# mode in a process of its own, side by side): four layers whole and four plain,
+# estimated at 1.002 s for the blocks, ran 1.155 s a step with 2.0 trims and 86k
+# page faults, 1.08x checkpointing without the engine; every layer plain under
+# the engine at the same budget ran 1.026 s (1.04x) with 0.1 trims and 18k
+# faults. (A trace of that plan's steps: trims at the last layer's forward and
+# at the head's backward, each giving back 115-177 MiB.) So such a plan is
+# tried. Its first planned step learns the prefetch order (NOTE [learned order]
+# in plan.py) and is not counted; the next two are timed alike, and the faster
+# is set against the faster of each profiled plan's two steps, timed alike
+# (plain's less the dispatch modes' cost per block). The fastest of the three
+# runs from then on, until a new structure profiles again, and the printed plan
+# says which, with the three figures. The walls include the head and the loss,
+# alike for the three, and not what the loop does between steps (the optimizer,
+# the data loader, an evaluation, a benchmark's other processes). On this
 # project's 2-core VM the steps of one mode spread from 13% below to 17% above
 # their median (eight rounds of checkpointing without the engine in the run
 # above), so plans closer than that may go either way; the trial catches a plan
@@ -198,6 +198,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .blocks import PLAIN, SELECTIVE, WHOLE
@@ -561,8 +562,13 @@ class AutoDecider:
         # NOTE [trial steps]: the planned steps' walls while a plan is tried, the start of
         # the step now, the steps left, and what the profile measured of the others.
         self._trial_walls: list[float] = []
-        self._trial_mark = 0.0
         self._trial_left = 0
+        # The start of the step now, and the end of its last backward (NOTE [trial steps]);
+        # the profiling steps' times.
+        self._step_start: float | None = None
+        self._backward_end: float | None = None
+        self._end_queued = False
+        self._walls: dict[int, float] = {}
         self._measured_walls: dict[str, float] = {}
         self._trial_obs: dict[Position, _Obs] = {}  # the profile's, for the plan's summary
         self._profiled: set[tuple[str, int]] = set()
@@ -617,6 +623,18 @@ class AutoDecider:
             span = self._spans.get(self._step_no, {}).get((kind, index))
             if span is not None and span.grad is None:
                 span.grad = self._clock()
+            if not self._end_queued:  # NOTE [trial steps]: the step's time ends with it
+                try:
+                    torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+                    self._end_queued = True
+                except RuntimeError:  # not inside a backward (a test's own calls)
+                    pass
+
+    def _backward_ended(self) -> None:
+        """Autograd's final callback of a backward that reached a block."""
+        with self._lock:
+            self._end_queued = False
+            self._backward_end = self._clock()
 
     # -- Decider ----------------------------------------------------------------------------
 
@@ -706,11 +724,14 @@ class AutoDecider:
         """The first block forward after backward began: the next phase."""
         self._in_backward = False
         self._ended = self._phase
+        now = self._clock()
+        wall = self._ended_wall(now)
+        self._step_start, self._backward_end, self._end_queued = now, None, False
         if self._ckpt_stats is not None:
             self._ckpt_stats.step_began()
         if self._phase == _PLANNED:
             if self._trial_left and not self._stale:
-                self._trial_step_ended()
+                self._trial_step_ended(wall)
             if self._stale:
                 self._stale = False
                 self._trial_left, self._trial_obs = 0, {}
@@ -718,7 +739,8 @@ class AutoDecider:
                 self._moved_by.clear()  # NOTE [profiling under trims]: a new profile
                 self._step_no, self._phase = 0, _PROFILE[0]
             return
-        self._ends[self._step_no] = self._clock()
+        self._ends[self._step_no] = now
+        self._walls[self._step_no] = wall
         if self._phase == _WHOLE_ALL:
             self._s0 = self._stats()
         elif self._phase == _OFFLOAD_ALL:
@@ -731,11 +753,20 @@ class AutoDecider:
         self._reset_profile()
         self._phase = _PLANNED
 
+    def _ended_wall(self, now: float) -> float:
+        """The time of the step that ends now (NOTE [trial steps]): from its first block's
+        forward to the end of its last backward, or (no backward end seen) to now."""
+        start, end = self._step_start, self._backward_end
+        if start is None:
+            return math.inf  # (the first step: its start was not seen)
+        return (end if end is not None and end > start else now) - start
+
     def _reset_profile(self) -> None:
         self._obs.clear()
         self._fixed.clear()
         self._spans.clear()
         self._ends.clear()
+        self._walls.clear()
         self._dispatch.clear()
         self._block_bytes.clear()
         self._s0 = self._s1 = None
@@ -929,7 +960,7 @@ class AutoDecider:
             # budget keeps whole and the rest checkpointed (estimates, from block medians).
             "step_whole_s": step_kept + checkpointed * block_whole,
             "step_checkpointed_s": step_kept + checkpointed * block_ckpt,
-            # The profile's steps, start to end (NOTE [trial steps]).
+            # The profile's steps, forward to backward's end (NOTE [trial steps]).
             "wall_plain_s": wall_plain,
             "wall_alone_s": wall_alone,
             "offload_alone": float(offload_alone),
@@ -950,23 +981,18 @@ class AutoDecider:
         }
         self._trial_left = _TRIAL_STEPS + 1 if TRIAL and tried else 0
         self._trial_walls = []
-        self._trial_mark = self._clock()
         self._trial_obs = dict(self._obs) if self._trial_left else {}
         self._last = self._summarize(share, self._obs)
         self._warn_budget()
 
     def _wall(self, kind: int) -> float:
-        """The shorter of the profiling steps of a kind, start to end (each step starts
-        where the one before ended: NOTE [trial steps])."""
-        ends = self._ends
-        walls = [ends[i] - ends[i - 1] for i in self._counted(kind) if i in ends and i - 1 in ends]
+        """The shorter of the counted profiling steps of a kind (NOTE [trial steps])."""
+        walls = [self._walls[i] for i in self._counted(kind) if i in self._walls]
         return min(walls) if walls else math.inf
 
-    def _trial_step_ended(self) -> None:
-        """A planned step of a tried plan ended (NOTE [trial steps])."""
-        now = self._clock()
-        self._trial_walls.append(now - self._trial_mark)
-        self._trial_mark = now
+    def _trial_step_ended(self, wall: float) -> None:
+        """A planned step of a tried plan ended, taking ``wall`` (NOTE [trial steps])."""
+        self._trial_walls.append(wall)
         self._trial_left -= 1
         if self._trial_left == 0:
             self._judge_trial()

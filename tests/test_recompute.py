@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -638,6 +639,21 @@ def test_auto_is_bit_identical_and_plans_once(
     assert choices["aten.view.default"] == "recompute"
     assert stats.step_bytes_recomputed > 0
     assert stats.step_bytes_offloaded + stats.step_bytes_recomputed > 0
+
+
+def test_a_step_s_time_ends_with_its_backward_not_at_the_next_step(tmp_path: Path) -> None:
+    """NOTE [trial steps]: what a loop does between steps (evaluation, a checkpoint, a
+    benchmark's other processes) is in no step's time: here 0.3 s after each backward."""
+    model = _model()
+    with offload_context("disk", tmp_path, model=model, recompute="auto") as engine:
+        for step in range(len(recompute._PROFILE) + 1):
+            tokens, targets = make_batch(2, 16, vocab=64, seed=step)
+            model(tokens, targets).backward()
+            time.sleep(0.3)
+        plan = engine.recompute_plan()
+    assert plan is not None and plan.plans_made == 1
+    for key in ("wall_plain_s", "wall_alone_s"):
+        assert 0 < plan.measured[key] < 0.3, (key, plan.measured[key])
 
 
 @pytest.mark.parametrize("to", ["plain", "alone"])
