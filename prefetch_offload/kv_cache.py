@@ -17,9 +17,12 @@
 #   or by keyword); an explicit true value is said once on the
 #   ``prefetch_offload`` logger, as Hugging Face says it. Hugging Face gives an
 #   argument passed this way priority over the config, and the model passes
-#   it to its base model, so the config is not touched;
+#   it to its base model, so the config is not touched. The position is read
+#   from the forward in place at each call (a forward set on the module later
+#   is read again);
 # - a forward that takes only ``**kwargs`` (a wrapper that passes them on, or
-#   one that reads the config itself) runs with ``config.use_cache`` false,
+#   one that reads the config itself), or names ``use_cache`` as positional
+#   only, runs with ``config.use_cache`` false,
 #   set back to the value it had by a forward hook as the forward returns or
 #   raises an ``Exception``, unless something else wrote the flag meanwhile.
 #   Nested forwards that share a config set it back once, at the outermost;
@@ -42,7 +45,6 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import threading
@@ -69,7 +71,7 @@ _warned = False
 _Where = int | None
 
 
-def _before(where: _Where, module: nn.Module, args: Any, kwargs: Any) -> Any:
+def _before(module: nn.Module, args: Any, kwargs: Any) -> Any:
     """Forward pre-hook: a forward with grad enabled runs without the cache (NOTE [kv
     cache]): its call gets ``use_cache=False``, or its config's flag is turned off."""
     stack = _local.__dict__.setdefault("stack", [])
@@ -82,6 +84,7 @@ def _before(where: _Where, module: nn.Module, args: Any, kwargs: Any) -> Any:
     counted = False
     call = None
     if module in _watched and config is not None and torch.is_grad_enabled():
+        where = _where_of(module)
         if where is not None:
             call = _without_cache(where, args, kwargs)
         else:
@@ -107,8 +110,9 @@ def _without_cache(where: int, args: Any, kwargs: Any) -> tuple[Any, Any]:
         asked, kwargs = kwargs.get("use_cache"), {**kwargs, "use_cache": False}
     if asked:
         global _warned
-        if not _warned:
-            _warned = True
+        with _lock:
+            said, _warned = _warned, True
+        if not said:
             logger.warning(
                 "prefetch_offload: use_cache=True is incompatible with checkpointed blocks "
                 "(recompute=): a block's recompute would fill the cache again. Forwards with "
@@ -149,21 +153,40 @@ def _after(module: nn.Module, args: Any, output: Any) -> None:
     _give_back([stack.pop()])
 
 
-def _reads_the_flag(module: nn.Module) -> tuple[bool, _Where]:
-    """Whether the module's forward takes ``use_cache`` (or any keyword): the model and
+def _reads_the_flag(forward: Any) -> tuple[bool, _Where]:
+    """Whether a module's forward takes ``use_cache`` (or any keyword): the model and
     its base model do, a rotary embedding that keeps the config does not; and where it
-    names it (NOTE [kv cache])."""
+    names it, by position or by keyword (None: not by either: its config's flag is
+    turned off instead; NOTE [kv cache])."""
     try:
-        params = list(inspect.signature(module.forward).parameters.values())
+        params = list(inspect.signature(forward).parameters.values())
     except (TypeError, ValueError):  # no signature to read: hooked, to be safe
         return True, None
     for i, p in enumerate(params):
         if p.name == "use_cache" and p.kind is p.POSITIONAL_OR_KEYWORD:
-            before = params[:i]
-            return True, i if all(q.kind is q.POSITIONAL_OR_KEYWORD for q in before) else -1
+            return True, i  # (every parameter before it takes a position too)
         if p.name == "use_cache" and p.kind is p.KEYWORD_ONLY:
             return True, -1
+        if p.name == "use_cache":  # positional only: not passed by keyword
+            return True, None
     return any(p.kind is p.VAR_KEYWORD for p in params), None
+
+
+# Per hooked module: the forward its position was read from, and the position (a forward
+# set on the module after its hooks were made is read again).
+_wheres: weakref.WeakKeyDictionary[nn.Module, tuple[Any, _Where]] = weakref.WeakKeyDictionary()
+
+
+def _where_of(module: nn.Module) -> _Where:
+    """Where the module's forward now in place names ``use_cache``."""
+    forward = module.forward
+    key = getattr(forward, "__func__", forward)
+    known = _wheres.get(module)
+    if known is not None and known[0] is key:
+        return known[1]
+    where = _reads_the_flag(forward)[1]
+    _wheres[module] = (key, where)
+    return where
 
 
 class CacheOff:
@@ -180,14 +203,12 @@ class CacheOff:
                 config = getattr(module, "config", None)
                 if id(module) in inside or not hasattr(config, "use_cache"):
                     continue
-                reads, where = _reads_the_flag(module)
-                if not reads:
+                if not _reads_the_flag(module.forward)[0]:
                     continue
                 with _lock:
                     _watched[module] = _watched.get(module, 0) + 1
                 self._modules.append(module)
-                hook = functools.partial(_before, where)
-                self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+                self._handles.append(module.register_forward_pre_hook(_before, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(_after, always_call=True))
         except BaseException:
             self.remove()

@@ -261,3 +261,67 @@ def test_a_flag_written_during_a_forward_that_turned_it_off_is_not_set_back() ->
     handle.remove()
     assert model.config.use_cache == "user"
     hooks.remove()
+
+
+class _PositionalOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(use_cache=True)
+        self.seen: list[object] = []
+
+    def forward(self, x: torch.Tensor, /, fail: bool = False, use_cache: object = None) -> None:
+        self.seen.append((use_cache, self.config.use_cache))
+
+
+class _KeywordOnly(_PositionalOnly):
+    def forward(self, *args: object, use_cache: object = None) -> None:  # type: ignore[override]
+        self.seen.append((use_cache, self.config.use_cache))
+
+
+class _OnlyPositional(_PositionalOnly):
+    def forward(self, x: torch.Tensor, use_cache: object = None, /) -> None:  # type: ignore[override]
+        self.seen.append((use_cache, self.config.use_cache))
+
+
+def test_use_cache_after_positional_only_or_star_args_or_itself_positional_only() -> None:
+    """Its position counts positional-only parameters before it; after ``*args`` it is
+    keyword only; a positional-only ``use_cache`` (never passed by keyword) has the
+    config's flag turned off instead."""
+    x = torch.randn(2, 4)
+    m = _PositionalOnly()
+    hooks = CacheOff(m, [])
+    m(x, False, True)
+    m(x)
+    assert m.seen == [(False, True), (False, True)]
+    hooks.remove()
+    k = _KeywordOnly()
+    hooks = CacheOff(k, [])
+    k(x, 1, 2, use_cache=True)
+    assert k.seen == [(False, True)]
+    hooks.remove()
+    o = _OnlyPositional()
+    hooks = CacheOff(o, [])
+    o(x)
+    o(x, True)  # passed: the forward's own choice, with the config's flag off
+    assert o.seen == [(None, False), (True, False)] and o.config.use_cache is True
+    hooks.remove()
+
+
+def test_a_forward_set_on_the_module_after_its_hooks_is_read_again() -> None:
+    """A forward replaced on the instance (another signature) is read at the call: one
+    with another parameter where ``use_cache`` was keeps its argument, and the config's
+    flag is turned off for it instead."""
+    m = _PositionalOnly()
+    hooks = CacheOff(m, [])
+    seen: list[object] = []
+
+    def other(x: torch.Tensor, fail: bool = False, labels: object = None) -> None:
+        seen.append((labels, m.config.use_cache))
+
+    m.forward = other  # type: ignore[method-assign]
+    m(torch.randn(2, 4), False, "labels")
+    assert seen == [("labels", False)] and m.config.use_cache is True
+    del m.forward
+    m(torch.randn(2, 4), False, True)
+    assert m.seen == [(False, True)]
+    hooks.remove()
