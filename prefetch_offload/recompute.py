@@ -495,6 +495,13 @@ _PHASE_MODE = {
 }
 
 
+def _sync_device() -> None:
+    """Wait for the CUDA work queued so far, where CUDA runs (NOTE [trial steps]: a step's
+    time on a GPU is its kernels', not the host's queueing)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _live_bytes(s: OffloadStats) -> int:
     return s.device_tier_bytes + s.host_tier_bytes + s.disk_tier_bytes
 
@@ -634,6 +641,8 @@ class AutoDecider:
         """Autograd's final callback of a backward that reached a block."""
         with self._lock:
             self._end_queued = False
+            if self._phase != _PLANNED or self._trial_left:
+                _sync_device()
             self._backward_end = self._clock()
 
     # -- Decider ----------------------------------------------------------------------------
@@ -656,8 +665,12 @@ class AutoDecider:
             return policy
 
     def timing(self) -> bool:
-        # The selective profiling steps time their ops: more samples per position.
-        return self._phase in (_OFFLOAD_ALL, _RECOMPUTE_ALL)
+        # The selective profiling steps whose step time the plan does not compare time
+        # their ops (on CUDA, a synchronize each: NOTE [trial steps]).
+        if self._phase == _OFFLOAD_ALL:
+            return True
+        counted = self._counted(_RECOMPUTE_ALL)
+        return self._phase == _RECOMPUTE_ALL and self._step_no not in counted
 
     def observe(self, key: OpKey, func: Any, out: Any, seconds: float, policy: Any) -> None:
         with self._lock:
@@ -724,6 +737,8 @@ class AutoDecider:
         """The first block forward after backward began: the next phase."""
         self._in_backward = False
         self._ended = self._phase
+        if self._phase != _PLANNED or self._trial_left:
+            _sync_device()
         now = self._clock()
         wall = self._ended_wall(now)
         self._step_start, self._backward_end, self._end_queued = now, None, False
@@ -929,7 +944,10 @@ class AutoDecider:
         profiled = {key for spans in self._spans.values() for key in spans}
         # NOTE [trial steps]: the two plans the profile ran, by their walls; a plan between
         # them is tried against both.
-        wall_plain = self._wall(_RECOMPUTE_ALL) - n * overhead
+        wall_recompute = self._wall(_RECOMPUTE_ALL)
+        # (The correction at most half the step: a toy block whose ops all cost less
+        # than their dispatch.)
+        wall_plain = wall_recompute - min(n * overhead, wall_recompute / 2)
         wall_alone = self._wall(_WHOLE_TIMED)
         tried = selective or 0 < len(whole) < len(profiled)
         offload_alone = OFFLOAD_ALONE and rest > 0 and not tried and wall_alone < wall_plain
@@ -938,7 +956,7 @@ class AutoDecider:
             for pos in plan:
                 plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
                 reasons[pos] = (alone, reasons[pos][1], reasons[pos][2])
-            whole = list(self._spans.get(_WHOLE_ALL_STEP, {}))
+            whole = list(profiled)
             selective, rest, share = False, 0, 0.0
         self._modes = dict.fromkeys(profiled, SELECTIVE if selective else PLAIN)
         self._modes.update(dict.fromkeys(whole, WHOLE))
@@ -1030,6 +1048,7 @@ class AutoDecider:
             blocks_plain=n if how == PLAIN else 0,
             blocks_selective=0,
             whole_MiB=0.0 if how == PLAIN else self.measured.get("whole_MiB", 0.0),
+            offload_alone=float(how == WHOLE),
         )
         self._share = 1.0 if how == PLAIN else 0.0
 

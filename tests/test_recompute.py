@@ -6,6 +6,7 @@ test sets); the end-to-end tests train a model under recompute="auto".
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import math
@@ -143,12 +144,14 @@ def _plan(
     )  # type: ignore[arg-type]
     assert first[MM] is P.PREFER_CPU_OFFLOAD and first[VIEW] is P.PREFER_RECOMPUTE
     kinds = recompute._PROFILE
+    counted = AutoDecider._counted(recompute._RECOMPUTE_ALL)
     for i, kind in enumerate(kinds[2:], start=2):
         slower = 1.2 if kind not in kinds[i + 1 :] else 1.0
         if kind == recompute._RECOMPUTE_ALL:
             step_s = slower * recompute_all_s / blocks
             got = _step(decider, fake, ops, step_s=step_s, dispatch_s=dispatch_s, **per)  # type: ignore[arg-type]
-            assert set(got.values()) == {P.PREFER_RECOMPUTE} and decider.timing()
+            assert set(got.values()) == {P.PREFER_RECOMPUTE}
+            assert decider.timing() == (i not in counted)  # a counted step runs untimed
         else:
             got = _step(decider, fake, ops, step_s=slower * whole_s / blocks, saved=saved, **per)  # type: ignore[arg-type]
             assert not got and not decider.timing()  # every block whole
@@ -654,6 +657,36 @@ def test_a_step_s_time_ends_with_its_backward_not_at_the_next_step(tmp_path: Pat
     assert plan is not None and plan.plans_made == 1
     for key in ("wall_plain_s", "wall_alone_s"):
         assert 0 < plan.measured[key] < 0.3, (key, plan.measured[key])
+
+
+def test_profile_and_trial_steps_wait_for_the_device_at_both_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [trial steps]: on CUDA a step's time is its kernels'. The CPU twin counts the
+    synchronizes: one as each profiling or trial step starts and one as its backward
+    ends; none once the plan holds."""
+    calls: list[int] = []
+    monkeypatch.setattr(recompute, "_sync_device", lambda: calls.append(len(steps)))
+    monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
+    monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", 0.0)  # selective on a toy: tried
+    model = _model()
+    steps: list[int] = []
+    with offload_context(
+        "disk", tmp_path, model=model, recompute="auto", min_offload_bytes=0
+    ) as engine:
+        for step in range(len(recompute._PROFILE) + 6):
+            tokens, targets = make_batch(2, 16, vocab=64, seed=step)
+            model(tokens, targets).backward()
+            steps.append(step)
+        plan = engine.recompute_plan()
+    assert plan is not None
+    tried = 3 if "trial_step_s" in plan.measured else 0
+    timed = len(recompute._PROFILE) + tried  # steps whose time counts or could
+    per_step = collections.Counter(calls)
+    # Step k's backward end is counted at k (before the append), its start at k.
+    assert all(per_step[k] == 2 for k in range(1, timed)), per_step
+    assert per_step[0] == 1  # the first step: its end only
+    assert all(per_step[k] == 0 for k in range(timed + 1, len(steps))), per_step
 
 
 @pytest.mark.parametrize("to", ["plain", "alone"])
