@@ -110,23 +110,28 @@ def test_trainer_gradient_checkpointing_and_recompute_are_refused(tmp_path: Path
         _trainer_run(tmp_path, "full", hf_checkpointing=True)
 
 
+def _small_llama(transformers: Any, *, width: int, heads: int) -> Any:
+    """A seeded two-layer Llama with SDPA attention and the cache on (its default)."""
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
 @pytest.mark.parametrize("recompute", ["full", "policy"])
 def test_a_kv_cache_is_off_in_forwards_with_grad_only(tmp_path: Path, recompute: str) -> None:
     """NOTE [kv cache]: with use_cache on, a recompute would append to the cache again;
     forwards with grad run without it and gradients match, while the config keeps the
     user's value: save_pretrained writes it, and a forward without grad fills a cache."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = _small_llama(transformers, width=64, heads=2)
     assert model.config.use_cache
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()
@@ -160,18 +165,9 @@ def test_a_cache_asked_for_in_a_forward_with_grad_is_not_made(
     from prefetch_offload import kv_cache
 
     monkeypatch.setattr(kv_cache, "_warned", False)  # (said once a process)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    model = _small_llama(transformers, width=32, heads=4)
+    config = model.config
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding
     model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
