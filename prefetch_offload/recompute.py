@@ -33,8 +33,8 @@
 #   of each kind in turn: recompute-all steps right after a step of another
 #   kind took 1.02-1.32 s with 33k-67k page faults, the two after each 0.91-1.19 s with
 #   0-52k; whole steps 0.98-1.41 s (88k-157k) whichever kind came before. So
-#   with the whole and recompute-all steps alternating, as the profile once
-#   ran them, the recompute-all steps paid the whole steps' trims. Both pairs
+#   were the whole and recompute-all steps to alternate, the recompute-all
+#   steps would pay the whole steps' trims. Both pairs
 #   sit at the same mean position, as the first steps of a process run slower
 #   (that run: 1.19-1.24 s for the whole steps of the first run of three,
 #   0.98-0.99 s for those of the third). Also measured, in step (2): the
