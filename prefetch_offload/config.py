@@ -103,6 +103,39 @@ class _Default:
 _TARGET_DEFAULT: Any = _Default()
 
 
+def normalise_save_dir(save_dir: object) -> str | None:
+    """The folder a ``save_dir`` names, as the configuration stores it.
+
+    A path-like becomes its str and a leading "~" is expanded, as in a shell (not a
+    folder named "~" here). A relative path is joined (not normalised: ".." after a
+    symlink means what the OS makes of it) to the working directory now, so it names
+    the same folder whatever the working directory is when a later slab file is made.
+
+    Raises:
+        TypeError: not a str or path-like.
+        ValueError: "~user" for a user who does not exist here.
+    """
+    if isinstance(save_dir, os.PathLike):
+        save_dir = os.fspath(save_dir)
+    if save_dir is not None and not isinstance(save_dir, str):
+        raise TypeError(
+            "prefetch_offload: save_dir must be a str path, got "
+            f"{type(save_dir).__name__}; pass the folder as a str or pathlib.Path."
+        )
+    if not save_dir:
+        return save_dir
+    save_dir = os.path.expanduser(save_dir)
+    if save_dir.startswith("~"):
+        raise ValueError(
+            f"prefetch_offload: save_dir {save_dir!r} names a user's home folder "
+            "that does not exist here; pass the folder's full path."
+        )
+    if not os.path.isabs(save_dir):
+        with contextlib.suppress(OSError):  # no working directory: as given
+            save_dir = os.path.join(os.getcwd(), save_dir)
+    return save_dir
+
+
 def _check_int(name: str, value: object, minimum: int, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
@@ -199,31 +232,7 @@ class OffloadConfig:
                 f"Unknown activation_offloading target: {self.target!r}. "
                 "Expected None, 'cpu', or 'disk'."
             )
-        save_dir = self.save_dir
-        if isinstance(save_dir, os.PathLike):
-            save_dir = os.fspath(save_dir)
-        if save_dir is not None and not isinstance(save_dir, str):
-            raise TypeError(
-                "prefetch_offload: save_dir must be a str path, got "
-                f"{type(save_dir).__name__}; pass the folder as a str or pathlib.Path."
-            )
-        if save_dir:
-            # "~" means the home folder, as in a shell, not a folder named "~" here; a
-            # relative path is the folder it names when the configuration is made,
-            # whatever the working directory is when a later slab file is made (joined,
-            # not normalised: ".." after a symlink means what the OS makes of it).
-            save_dir = os.path.expanduser(save_dir)
-            if save_dir.startswith("~"):
-                raise ValueError(
-                    f"prefetch_offload: save_dir {save_dir!r} names a user's home folder "
-                    "that does not exist here; pass the folder's full path."
-                )
-            if not os.path.isabs(save_dir):
-                with contextlib.suppress(OSError):  # no working directory: as given
-                    save_dir = os.path.join(os.getcwd(), save_dir)
-            object.__setattr__(self, "save_dir", save_dir)
-        elif save_dir is not None:
-            object.__setattr__(self, "save_dir", save_dir)
+        object.__setattr__(self, "save_dir", normalise_save_dir(self.save_dir))
         if self.target == "disk" and not self.save_dir:
             raise ValueError(
                 "activation_offloading='disk' requires save_dir: pass a scratch folder, "
@@ -281,6 +290,13 @@ class OffloadConfig:
                 0,
                 "Use None for no cap, or a byte count.",
             )
+            if self.target == "disk" and self.disk_bytes_limit < _ALIGN:
+                raise ValueError(
+                    f"prefetch_offload: disk_bytes_limit={self.disk_bytes_limit} leaves no "
+                    f"room for one {_ALIGN}-byte page on disk, so every saved tensor would "
+                    "stay in memory; pass None for no cap, a byte count such as "
+                    '"20GiB", or target="cpu" to keep the copies in RAM.'
+                )
         object.__setattr__(self, "device_budget", parse_bytes("device_budget", self.device_budget))
         host_budget = self.host_budget
         if host_budget is _TARGET_DEFAULT:
@@ -420,4 +436,9 @@ def validate_offload_config(
             "activation_offloading='disk' requires a save_dir "
             "(scratch directory for offloaded activation tensors)."
         )
+    elif target == "disk":
+        try:  # what the context would refuse: not a path, "~nosuchuser"
+            normalise_save_dir(save_dir)
+        except (TypeError, ValueError) as exc:
+            errors.append(str(exc))
     return errors

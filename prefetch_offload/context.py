@@ -19,6 +19,7 @@ from .config import (
     DEFAULT_INFLIGHT_COPY_BYTES,
     ByteSize,
     OffloadConfig,
+    normalise_save_dir,
     validate_offload_config,
 )
 from .errors import OffloadError, OffloadFallbackWarning
@@ -493,6 +494,7 @@ def offload_context_from_config(
             f"prefetch_offload: unknown offload setting(s) {unknown}; valid keys are "
             f"{sorted(valid)}."
         )
+    normalise_save_dir(settings.get("save_dir"))  # its TypeError, not the list's ValueError
     errors = validate_offload_config(target, backend, device, settings.get("save_dir"))
     if errors:
         raise ValueError(" ".join(errors))

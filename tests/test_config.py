@@ -40,6 +40,20 @@ def test_cpu_training_with_disk_is_valid() -> None:
     assert validate_offload_config("cpu", "transformers", "cpu") == []
 
 
+def test_a_save_dir_the_context_would_refuse_is_reported() -> None:
+    """The validator says what offload_context_from_config would raise for save_dir."""
+    (msg,) = validate_offload_config("disk", "transformers", "cpu", "~nosuchuser_x/acts")
+    assert "home folder that does not exist" in msg
+    (msg,) = validate_offload_config("disk", "transformers", "cpu", 3)  # type: ignore[arg-type]
+    assert "save_dir must be a str path" in msg
+    assert validate_offload_config("cpu", "transformers", "cpu", 3) == []  # type: ignore[arg-type]
+
+
+def test_a_disk_limit_of_one_page_or_more_is_accepted() -> None:
+    assert OffloadConfig(target="disk", save_dir="/tmp/x", disk_bytes_limit=4096)
+    assert OffloadConfig(target="cpu", disk_bytes_limit=0).disk_bytes_limit == 0
+
+
 def test_unknown_target_and_device_are_reported() -> None:
     (msg,) = validate_offload_config("gpu", "transformers", "cuda")
     assert "Unknown activation_offloading target: 'gpu'" in msg and "'disk'" in msg
@@ -66,6 +80,8 @@ def test_unknown_target_and_device_are_reported() -> None:
         ({"stage_writes": "sometimes"}, ValueError, "stage_writes must be one of"),
         ({"stage_writes": True}, ValueError, "stage_writes must be one of"),
         ({"disk_bytes_limit": -1}, ValueError, "disk_bytes_limit"),
+        ({"disk_bytes_limit": 0}, ValueError, "disk_bytes_limit=0 leaves no room"),
+        ({"disk_bytes_limit": 4095}, ValueError, "pass None for no cap"),
         ({"save_dir": 3}, TypeError, "save_dir must be a str"),
     ],
 )
