@@ -300,6 +300,7 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
             engine.stats,
             engine.config.device_budget,  # type: ignore[arg-type]
             checkpoint_stats=stats,
+            trim_heap=engine._heap.trim_now,  # NOTE [a trim where the plan changes]
         )
         engine._decider = decider
         compiled = SKIP  # NOTE [compiled blocks]: the engine offloads what the graph saves

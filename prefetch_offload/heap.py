@@ -566,6 +566,22 @@ class HeapTrimmer:
             if level - floor < self._bound + max(self._allowance(), room):
                 return
             self._queued = True
+        self._queue()
+
+    def trim_now(self) -> None:
+        """Queue one trim whatever the slack, unless one is queued or running: the steps
+        after it run another plan, on a heap the steps before shaped (NOTE [a trim where
+        the plan changes] in recompute.py). Returns at once; the trimmer's thread trims."""
+        if self.threshold is None or not self._saved:
+            return
+        with self._lock:
+            if self._queued:
+                return
+            self._queued = True
+        self._queue()
+
+    def _queue(self) -> None:
+        """Hand the trim, marked queued under the lock, to the trimmer's thread."""
         try:
             self._submit(self._trim)
         except RuntimeError as exc:  # no thread can be started (limits, shutdown)

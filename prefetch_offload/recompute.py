@@ -179,6 +179,26 @@
 # plan's steps 2.67-3.02 s, while the recompute-all steps went from 1-3 trims
 # to 9-10, as checkpointed plans trim once made.
 #
+# NOTE [a trim where the plan changes]
+# glibc keeps the heap a step leaves resident (NOTE [heap trim] in heap.py), so a
+# step of one kind after steps of another runs on their heap: its allocations
+# land on pages already resident (fewer page faults: faster than it will run
+# once alone) and its peak RSS starts from their high-water mark (higher than
+# its own), until its own trims give that back, which at a bound of a quarter
+# of the bytes moved can take several steps. Measured on the 8-layer Llama of
+# ``bench/recompute.py --model llama`` at 25% of the saved bytes, one process,
+# six steps of offload alone then six with every layer checkpointed (two runs
+# each way): without a trim between them the checkpointed steps ran 0.83-1.06 s
+# at peaks of 213-326 MiB, the first three to five of them above 246 MiB;
+# with one ``malloc_trim`` between them, 0.99-1.09 s at 190-233 MiB from the
+# first. So a step whose trim class (``trim_basis``) differs from the last
+# one's asks the engine's trimmer for one trim as its forward begins, whatever
+# the slack: in the profile, the first step of each kind pays the refaults
+# and is not the one counted (NOTE [keep, offload, recompute]); after it, the
+# first planned step, which the trial does not count either (NOTE [trial
+# steps]). A trial that replaces its plan asks for one too. Later planned steps
+# trim only on the slack, as before.
+#
 # The measured figures decide, not a list of op names: on the benchmark
 # transformer the norms, activation functions and residual adds come out cheap
 # to recompute and the matmul and attention outputs expensive, on the CPU as
@@ -533,8 +553,10 @@ class AutoDecider:
         *,
         clock: Callable[[], float] = time.perf_counter,
         checkpoint_stats: CheckpointStats | None = None,
+        trim_heap: Callable[[], None] = lambda: None,
     ) -> None:
         self._stats = stats
+        self._trim_heap = trim_heap  # NOTE [a trim where the plan changes]
         self._budget = device_budget
         self._clock = clock
         self._ckpt_stats = checkpoint_stats
@@ -713,14 +735,17 @@ class AutoDecider:
     def trim_basis(self, moved: int) -> int:
         """The bytes the heap trim bound follows in the step that begins now, the step that
         ended having moved ``moved`` (NOTE [profiling under trims]): what the last step of
-        the new step's class moved. Called once per step, when its forward begins,
-        before or after the first block forward."""
+        the new step's class moved; a step of another class than the last asks for a
+        trim. Called once per step, when its forward begins, before or after the first
+        block forward."""
         with self._lock:
             if self._in_backward:  # the first block has not run yet: the phase will move
                 ended, upcoming = self._phase, self._next_phase()
             else:
                 ended, upcoming = self._ended, self._phase
             self._moved_by[_TRIM_CLASS[ended]] = moved
+            if _TRIM_CLASS[ended] != _TRIM_CLASS[upcoming]:
+                self._trim_heap()  # NOTE [a trim where the plan changes]
             default = 0 if _TRIM_CLASS[upcoming] == "checkpointed" else moved
             return self._moved_by.get(_TRIM_CLASS[upcoming], default)
 
@@ -1024,6 +1049,7 @@ class AutoDecider:
         if min(plain, alone) < tried:
             choice = 1 if plain <= alone else 2
             self._switch(PLAIN if choice == 1 else WHOLE)
+            self._trim_heap()  # NOTE [a trim where the plan changes]
         self.measured.update(
             trial_step_s=tried, trial_plain_s=plain, trial_alone_s=alone, trial_choice=choice
         )

@@ -310,6 +310,31 @@ def test_a_failed_trim_turns_trimming_off_with_one_warning(
 
 
 @glibc_only
+def test_trim_now_queues_one_trim_whatever_the_slack() -> None:
+    """NOTE [a trim where the plan changes]: no slack over the bound is needed; none before CPU
+    activations were saved, none beside a queued one, none with trims off."""
+    trimmer, jobs, slack, stats = _trimmer(64 * MiB)
+    trimmer.trim_now()
+    assert jobs.jobs == []  # nothing saved yet: the heap is not the engine's doing
+    trimmer.saved()
+    trimmer.check()  # the floor
+    slack.value = MiB  # far below the bound
+    trimmer.trim_now()
+    trimmer.trim_now()
+    assert len(jobs.jobs) == 1
+    slack.value = 0
+    jobs.run_all()
+    assert stats.snapshot().heap_trims == 1 and not trimmer._queued
+    slack.value = 63 * MiB
+    trimmer.check()  # the floor the trim left (0) stands: 63 MiB is below the bound
+    assert jobs.jobs == []
+    off, off_jobs, _, _ = _trimmer(None)
+    off.saved()
+    off.trim_now()
+    assert off_jobs.jobs == []
+
+
+@glibc_only
 def test_no_measure_while_a_trim_is_queued_and_none_across_one() -> None:
     calls = [0]
     jobs, slack = _Jobs(), _Slack()

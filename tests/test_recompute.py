@@ -12,6 +12,7 @@ import functools
 import math
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,7 @@ def _plan(
     whole_s: float = 10.0,
     ops: list[tuple[Any, int, float]] = _OPS,
     checkpoint_stats: Any = None,
+    trim_heap: Callable[[], None] = lambda: None,
     **profile: float,
 ) -> AutoDecider:
     """The profiling steps (NOTE [keep, offload, recompute]), each block's share of
@@ -134,7 +136,11 @@ def _plan(
     per block in the recompute-all steps."""
     fake = _Fake()
     decider = AutoDecider(
-        fake.snapshot, budget, clock=fake.clock, checkpoint_stats=checkpoint_stats
+        fake.snapshot,
+        budget,
+        clock=fake.clock,
+        checkpoint_stats=checkpoint_stats,
+        trim_heap=trim_heap,
     )
     per = {"blocks": blocks, "forward_s": 1.0 / blocks}
     whole = _step(decider, fake, ops, step_s=3.0 / blocks, saved=saved, **per)  # type: ignore[arg-type]
@@ -235,7 +241,10 @@ def test_in_the_profile_the_trim_bound_follows_the_last_step_of_the_same_class(
     """NOTE [profiling under trims]: whatever runs first in a step, the engine's forward
     or the first block, each profiling step trims as a step of its own kind would."""
     fake = _Fake()
-    decider = AutoDecider(fake.snapshot, 0, clock=fake.clock)
+    trims: list[int] = []  # NOTE [a trim where the plan changes]: the steps that ask
+    decider = AutoDecider(
+        fake.snapshot, 0, clock=fake.clock, trim_heap=lambda: trims.append(len(got) + 1)
+    )
     # Bytes each step moves: whole 1000, offload-all 2000, recompute-all 10 and 20, whole
     # 900 to 1100, recompute-all 30 and 40, planned 500.
     moved = [1000, 2000, 10, 20, 900, 1000, 1100, 30, 40, 500, 500]
@@ -257,6 +266,9 @@ def test_in_the_profile_the_trim_bound_follows_the_last_step_of_the_same_class(
             fake.now += 0.2
         assert decider.profiling == (step < len(recompute._PROFILE)), step
     assert got == expected
+    # Of another class than the step before: offload-all, the first recompute-all, the
+    # first whole again, recompute-all again, the first planned step.
+    assert trims == [1, 2, 4, 7, 9]
 
 
 def test_the_newest_blocks_the_budget_keeps_anyway_run_whole() -> None:
@@ -512,6 +524,24 @@ def test_a_mixed_plan_slower_in_its_trial_than_plain_checkpointing_yields_to_it(
     assert plan.bytes_offloaded == 0 and plan.bytes_recomputed > 0
     assert "replaced by plain checkpointing" in str(plan)
     assert _planned_steps(decider, [9.0, 9.0, 9.0], 3) == [PLAIN] * 3  # judged once
+
+
+@pytest.mark.parametrize("trial_s", [3.1, 2.0])
+def test_a_trial_that_replaces_its_plan_asks_for_a_trim_as_it_does(trial_s: float) -> None:
+    """NOTE [a trim where the plan changes]: the profiling steps' trims come with the
+    engine's trim_basis (the test below); the trial asks for one more only where it
+    replaces the plan, as the plan that runs from then on begins."""
+    trims: list[int] = []
+    decider = _plan(
+        3.0, 2.5, blocks=3, budget=250, saved=100, dispatch_s=0.01,
+        trim_heap=lambda: trims.append(1), **_SLOW_LINK,
+    )  # fmt: skip
+    first = [decider.mode("Block", b) for b in range(3)]
+    assert _planned_steps(decider, [3.0], 3) == first and trims == []
+    assert _planned_steps(decider, [trial_s], 3) == (first if trial_s < 2.5 else [PLAIN] * 3)
+    assert len(trims) == (1 if trial_s > 2.5 else 0)
+    _planned_steps(decider, [9.0, 9.0], 3)
+    assert len(trims) == (1 if trial_s > 2.5 else 0)
 
 
 def test_a_tried_plan_that_ran_fastest_is_kept_judged_on_its_faster_step() -> None:
