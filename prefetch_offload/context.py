@@ -286,6 +286,7 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
 
     from .blocks import SKIP, WrappedBlocks, find_blocks
     from .checkpointing import PlainCounts, plain_contexts, selective_contexts
+    from .peak import PeakSampler
     from .recompute import AutoDecider, RecordingDecider
 
     blocks = find_blocks(config.model, config.recompute_blocks)
@@ -301,6 +302,7 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
             engine.config.device_budget,  # type: ignore[arg-type]
             checkpoint_stats=stats,
             trim_heap=engine._heap.trim_now,  # NOTE [a trim where the plan changes]
+            peaks=PeakSampler(_memory_reader(config.model)),
         )
         engine._decider = decider
         compiled = SKIP  # NOTE [compiled blocks]: the engine offloads what the graph saves
@@ -319,6 +321,21 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
 
     modes = decider if recompute == "auto" else None  # NOTE [block modes]
     return WrappedBlocks(blocks, context_fn, compiled=compiled, model=config.model, modes=modes)
+
+
+def _memory_reader(model: Any) -> Callable[[], int]:
+    """What a plan holds (NOTE [plans within the noise] in recompute.py): the bytes the
+    device's allocator has handed out for a CUDA model, else the process's resident
+    memory."""
+    import torch
+
+    from .heap import resident_bytes
+
+    param = next(iter(model.parameters()), None)
+    if param is not None and param.is_cuda:
+        device = param.device
+        return lambda: torch.cuda.memory_allocated(device)
+    return resident_bytes
 
 
 def _saving_offloads(policy: Callable[..., Any]) -> Callable[..., Any]:

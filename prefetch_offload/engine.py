@@ -1050,6 +1050,8 @@ class OffloadEngine:
         self._device.close()
         self._pool.shutdown()
         self._heap.close()
+        if isinstance(self._decider, AutoDecider):
+            self._decider.close()  # NOTE [plans within the noise]: its sampling thread
         # After the IO threads stopped: a prefetch still reading at close returns its
         # block when it ends, and a read for a backward after exit leases one (NOTE [read
         # buffer pool]: nothing idle is kept after exit; a late return is released).

@@ -90,7 +90,8 @@
 #   (none kept whole, selective not worth its dispatch cost), it runs every
 #   block whole instead, the engine moving what the budget does not keep, if
 #   steps (6) and (7) took less time than steps (4) and (9) less the dispatch
-#   modes' cost per block (NOTE [trial steps]); a plan between the two is tried
+#   modes' cost per block (NOTE [trial steps]) by more than the noise, or at no
+#   more memory (NOTE [plans within the noise]); a plan between the two is tried
 #   against both. On the CPU, where the IO threads and the recompute share the
 #   cores, offload alone is often faster at small budgets on a fast disk; never
 #   on a disk slower than forward saves. The plan also prints estimates from
@@ -152,7 +153,8 @@
 # in plan.py) and is not counted; the next two are timed alike, and the faster
 # is set against the faster of each profiled plan's two steps, timed alike
 # (plain's less the dispatch modes' cost per block). The fastest of the three
-# runs from then on, until a new structure profiles again, and the printed plan
+# (or, within the noise of the fastest, the one that held least: NOTE [plans
+# within the noise]) runs from then on, until a new structure profiles again, and the printed plan
 # says which, with the three figures. The walls include the head and the loss,
 # alike for the three, and not what the loop does between steps (the optimizer,
 # the data loader, an evaluation, a benchmark's other processes). On this
@@ -197,7 +199,28 @@
 # and is not the one counted (NOTE [keep, offload, recompute]); after it, the
 # first planned step, which the trial does not count either (NOTE [trial
 # steps]). A trial that replaces its plan asks for one too. Later planned steps
-# trim only on the slack, as before.
+# trim only on the slack.
+#
+# NOTE [plans within the noise]
+# The walls that choose between plans (NOTE [trial steps]) are single steps on a
+# shared machine, and the plans they compare often differ by less than the
+# noise: on the 8-layer Llama of ``bench/recompute.py --model llama`` the
+# profile put offload alone 1.6-3.3% ahead of plain checkpointing at 25% and
+# 50% of the saved bytes in one run, and in the same run's side-by-side
+# rounds offload alone ran 1.057-1.116 s (two processes of the same plan, 5.6%
+# apart); in three such runs every layer checkpointed plainly under the
+# engine ran 0.97-1.07 s at peaks of 222-305 MiB, offload alone 0.90-1.17 s at
+# 273-376 MiB. So the plans are also weighed by the memory their steps held:
+# a thread samples it every 2 ms while the plan is measured (the process's
+# resident memory, or the CUDA allocator's bytes for a CUDA model; sampled
+# rather than read from the kernel's or CUDA's high-water marks, whose reset
+# would reset a user's own peak figures too), per step, the most of its
+# counted steps per kind. Of the plans whose steps took at most _TIE (5%)
+# longer than the fastest's, the one that held least runs: between offload
+# alone and plain checkpointing when the plan is every block checkpointed
+# plainly, and among the trial, plain checkpointing and offload alone at the
+# end of a trial. A plan clearly faster runs whatever it holds, and where a
+# peak is unknown (no ``/proc``, a failed read) the fastest runs.
 #
 # The measured figures decide, not a list of op names: on the benchmark
 # transformer the norms, activation functions and residual adds come out cheap
@@ -234,6 +257,7 @@ from .checkpointing import (
 )
 from .checkpointing import output_aliases as _aliases  # (storing one moves its bytes twice)
 from .errors import OffloadFallbackWarning
+from .peak import PeakSampler
 from .stats import OffloadStats
 
 __all__ = ["AutoDecider", "OpDecision", "RecomputePlan", "RecordingDecider"]
@@ -305,8 +329,9 @@ class RecomputePlan:
         if m.get("offload_alone"):
             lines.append(
                 f"  blocks: all {m['blocks_whole']:.0f} whole: offload alone measured "
-                f"{m['wall_alone_s']:.3f} s a step, below plain checkpointing's "
-                f"{m['wall_plain_s']:.3f} s"
+                f"{m['wall_alone_s']:.3f} s a step{_peak_text(m, 'peak_alone_MiB')}, "
+                f"plain checkpointing {m['wall_plain_s']:.3f} s"
+                f"{_peak_text(m, 'peak_plain_MiB')}"
             )
         elif "blocks_whole" in m:
             lines.append(
@@ -318,9 +343,12 @@ class RecomputePlan:
         if "trial_step_s" in m:
             verdict = ("kept", "replaced by plain checkpointing", "replaced by offload alone")
             lines.append(
-                f"  trial: the plan ran {m['trial_step_s']:.3f} s a step; in the profile, "
-                f"every block checkpointed plainly {m['trial_plain_s']:.3f} s and offload "
-                f"alone {m['trial_alone_s']:.3f} s: {verdict[int(m['trial_choice'])]}"
+                f"  trial: the plan ran {m['trial_step_s']:.3f} s a step"
+                f"{_peak_text(m, 'trial_peak_MiB')}; in the profile, every block "
+                f"checkpointed plainly {m['trial_plain_s']:.3f} s"
+                f"{_peak_text(m, 'peak_plain_MiB')} and offload alone "
+                f"{m['trial_alone_s']:.3f} s{_peak_text(m, 'peak_alone_MiB')}: "
+                f"{verdict[int(m['trial_choice'])]}"
             )
         if self.measured:  # (a bandwidth with nothing moved is unmeasured: left out)
             shown = sorted((k, v) for k, v in self.measured.items() if math.isfinite(v))
@@ -500,6 +528,28 @@ _PROFILE = (
 )
 _WHOLE_ALL_STEP = _PROFILE.index(_WHOLE_ALL)
 # NOTE [profiling under trims]: steps alike in the bytes they move.
+# NOTE [plans within the noise]: a plan whose step took at most this share longer than
+# the fastest plan's counts as fast as it; of those, the one that held least memory runs.
+_TIE = 0.05
+
+
+def _leanest_of_the_fastest(plans: dict[str, tuple[float, int]]) -> str:
+    """Of ``plans`` (name: (step seconds, the most memory it held, 0 if unknown)), the one
+    that held least among those within _TIE of the fastest; the faster on a tie, and
+    the fastest where one of them held an unknown peak."""
+    fastest = min(wall for wall, _ in plans.values())
+    close = [name for name, (wall, _) in plans.items() if wall <= fastest * (1 + _TIE)]
+    if any(plans[name][1] <= 0 for name in close):
+        return min(close, key=lambda name: plans[name][0])
+    return min(close, key=lambda name: (plans[name][1], plans[name][0]))
+
+
+def _peak_text(measured: dict[str, float], key: str) -> str:
+    """ " at N MiB" for a sampled peak, else nothing."""
+    value = measured.get(key, 0.0)
+    return f" at {value:.0f} MiB" if value > 0 else ""
+
+
 _TRIM_CLASS = {
     _WHOLE_ALL: "whole",
     _WHOLE_TIMED: "whole",
@@ -554,9 +604,18 @@ class AutoDecider:
         clock: Callable[[], float] = time.perf_counter,
         checkpoint_stats: CheckpointStats | None = None,
         trim_heap: Callable[[], None] = lambda: None,
+        peaks: PeakSampler | None = None,
     ) -> None:
         self._stats = stats
         self._trim_heap = trim_heap  # NOTE [a trim where the plan changes]
+        # NOTE [plans within the noise]: the most memory each profiling step held, and each
+        # trial step; sampled while the plan is measured.
+        self._peak_source = peaks
+        self._peaks: dict[int, int] = {}
+        self._trial_peaks: list[int] = []
+        self._measured_peaks: dict[str, int] = {}
+        if peaks is not None:
+            peaks.start()
         self._budget = device_budget
         self._clock = clock
         self._ckpt_stats = checkpoint_stats
@@ -730,6 +789,11 @@ class AutoDecider:
             if self._phase != _PLANNED:
                 self._dispatch.setdefault(self._step_no, collections.Counter())[block] += seconds
 
+    def close(self) -> None:
+        """Stop sampling memory (the context exits)."""
+        if self._peak_source is not None:
+            self._peak_source.stop()
+
     # -- the heap trims ---------------------------------------------------------------------
 
     def trim_basis(self, moved: int) -> int:
@@ -766,14 +830,17 @@ class AutoDecider:
             _sync_device()
         now = self._clock()
         wall = self._ended_wall(now)
+        peak = self._peak_source.take() if self._peak_source is not None else 0
         self._step_start, self._backward_end, self._end_queued = now, None, False
         if self._ckpt_stats is not None:
             self._ckpt_stats.step_began()
         if self._phase == _PLANNED:
             if self._trial_left and not self._stale:
-                self._trial_step_ended(wall)
+                self._trial_step_ended(wall, peak)
             if self._stale:
                 self._stale = False
+                if self._peak_source is not None:
+                    self._peak_source.start()
                 self._trial_left, self._trial_obs = 0, {}
                 self._reset_profile()
                 self._moved_by.clear()  # NOTE [profiling under trims]: a new profile
@@ -781,6 +848,7 @@ class AutoDecider:
             return
         self._ends[self._step_no] = now
         self._walls[self._step_no] = wall
+        self._peaks[self._step_no] = peak
         if self._phase == _WHOLE_ALL:
             self._s0 = self._stats()
         elif self._phase == _OFFLOAD_ALL:
@@ -792,6 +860,8 @@ class AutoDecider:
         self._make_plan()
         self._reset_profile()
         self._phase = _PLANNED
+        if not self._trial_left and self._peak_source is not None:
+            self._peak_source.stop()
 
     def _ended_wall(self, now: float) -> float:
         """The time of the step that ends now (NOTE [trial steps]): from its first block's
@@ -807,6 +877,7 @@ class AutoDecider:
         self._spans.clear()
         self._ends.clear()
         self._walls.clear()
+        self._peaks.clear()
         self._dispatch.clear()
         self._block_bytes.clear()
         self._s0 = self._s1 = None
@@ -974,8 +1045,17 @@ class AutoDecider:
         # than their dispatch.)
         wall_plain = wall_recompute - min(n * overhead, wall_recompute / 2)
         wall_alone = self._wall(_WHOLE_TIMED)
+        peak_plain, peak_alone = self._peak(_RECOMPUTE_ALL), self._peak(_WHOLE_TIMED)
         tried = selective or 0 < len(whole) < len(profiled)
-        offload_alone = OFFLOAD_ALONE and rest > 0 and not tried and wall_alone < wall_plain
+        offload_alone = (
+            OFFLOAD_ALONE
+            and rest > 0
+            and not tried
+            and _leanest_of_the_fastest(
+                {"plain": (wall_plain, peak_plain), "alone": (wall_alone, peak_alone)}
+            )
+            == "alone"
+        )
         if offload_alone:
             alone = "every block whole: offload alone measured faster than plain checkpointing"
             for pos in plan:
@@ -1006,6 +1086,9 @@ class AutoDecider:
             # The profile's steps, forward to backward's end (NOTE [trial steps]).
             "wall_plain_s": wall_plain,
             "wall_alone_s": wall_alone,
+            # The most memory those steps held (NOTE [plans within the noise]; 0: unknown).
+            "peak_plain_MiB": peak_plain / _MiB,
+            "peak_alone_MiB": peak_alone / _MiB,
             "offload_alone": float(offload_alone),
             "recompute_s": recomputed_s,
             "move_s_per_GB": per_byte * 1e9,
@@ -1023,7 +1106,8 @@ class AutoDecider:
             "alone": wall_alone if OFFLOAD_ALONE else math.inf,
         }
         self._trial_left = _TRIAL_STEPS + 1 if TRIAL and tried else 0
-        self._trial_walls = []
+        self._trial_walls, self._trial_peaks = [], []
+        self._measured_peaks = {"plain": peak_plain, "alone": peak_alone}
         self._trial_obs = dict(self._obs) if self._trial_left else {}
         self._last = self._summarize(share, self._obs)
         self._warn_budget()
@@ -1033,9 +1117,17 @@ class AutoDecider:
         walls = [self._walls[i] for i in self._counted(kind) if i in self._walls]
         return min(walls) if walls else math.inf
 
-    def _trial_step_ended(self, wall: float) -> None:
-        """A planned step of a tried plan ended, taking ``wall`` (NOTE [trial steps])."""
+    def _peak(self, kind: int) -> int:
+        """The most memory the counted profiling steps of a kind held (NOTE [plans within
+        the noise]); 0 if unknown."""
+        peaks = [self._peaks.get(i, 0) for i in self._counted(kind)]
+        return 0 if not peaks or 0 in peaks else max(peaks)
+
+    def _trial_step_ended(self, wall: float, peak: int) -> None:
+        """A planned step of a tried plan ended, taking ``wall`` and holding at most
+        ``peak`` bytes (NOTE [trial steps])."""
         self._trial_walls.append(wall)
+        self._trial_peaks.append(peak)
         self._trial_left -= 1
         if self._trial_left == 0:
             self._judge_trial()
@@ -1044,14 +1136,28 @@ class AutoDecider:
         """Keep the tried plan, or take the profiled one that ran faster (NOTE [trial
         steps])."""
         tried = min(self._trial_walls[1:])  # (the first planned step learns the order)
+        peaks = self._trial_peaks[1:]
+        trial_peak = 0 if 0 in peaks else max(peaks)
         plain, alone = self._measured_walls["plain"], self._measured_walls["alone"]
-        choice = 0
-        if min(plain, alone) < tried:
-            choice = 1 if plain <= alone else 2
+        pick = _leanest_of_the_fastest(
+            {
+                "trial": (tried, trial_peak),
+                "plain": (plain, self._measured_peaks["plain"]),
+                "alone": (alone, self._measured_peaks["alone"]),
+            }
+        )
+        choice = ("trial", "plain", "alone").index(pick)
+        if choice:
             self._switch(PLAIN if choice == 1 else WHOLE)
             self._trim_heap()  # NOTE [a trim where the plan changes]
+        if self._peak_source is not None:
+            self._peak_source.stop()
         self.measured.update(
-            trial_step_s=tried, trial_plain_s=plain, trial_alone_s=alone, trial_choice=choice
+            trial_step_s=tried,
+            trial_plain_s=plain,
+            trial_alone_s=alone,
+            trial_choice=choice,
+            trial_peak_MiB=trial_peak / _MiB,
         )
         self._last = self._summarize(self._share, self._trial_obs)
         self._trial_obs = {}
