@@ -295,7 +295,7 @@ class OffloadConfig:
                     f"prefetch_offload: disk_bytes_limit={self.disk_bytes_limit} leaves no "
                     f"room for one {_ALIGN}-byte page on disk, so every saved tensor would "
                     "stay in memory; pass None for no cap, a byte count such as "
-                    '"20GiB", or target="cpu" to keep the copies in RAM.'
+                    '20 << 30, or target="cpu" to keep the copies in RAM.'
                 )
         object.__setattr__(self, "device_budget", parse_bytes("device_budget", self.device_budget))
         host_budget = self.host_budget
@@ -436,8 +436,8 @@ def validate_offload_config(
             "activation_offloading='disk' requires a save_dir "
             "(scratch directory for offloaded activation tensors)."
         )
-    elif target == "disk":
-        try:  # what the context would refuse: not a path, "~nosuchuser"
+    else:
+        try:  # what the context would refuse, whatever the target: not a path, "~nosuchuser"
             normalise_save_dir(save_dir)
         except (TypeError, ValueError) as exc:
             errors.append(str(exc))

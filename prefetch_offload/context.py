@@ -286,7 +286,6 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
 
     from .blocks import SKIP, WrappedBlocks, find_blocks
     from .checkpointing import PlainCounts, plain_contexts, selective_contexts
-    from .peak import PeakSampler
     from .recompute import AutoDecider, RecordingDecider
 
     blocks = find_blocks(config.model, config.recompute_blocks)
@@ -302,7 +301,7 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
             engine.config.device_budget,  # type: ignore[arg-type]
             checkpoint_stats=stats,
             trim_heap=engine._heap.trim_now,  # NOTE [a trim where the plan changes]
-            peaks=PeakSampler(_memory_reader(config.model)),
+            peaks=_peak_sampler(engine, config.model),
         )
         engine._decider = decider
         compiled = SKIP  # NOTE [compiled blocks]: the engine offloads what the graph saves
@@ -323,19 +322,20 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
     return WrappedBlocks(blocks, context_fn, compiled=compiled, model=config.model, modes=modes)
 
 
-def _memory_reader(model: Any) -> Callable[[], int]:
-    """What a plan holds (NOTE [plans within the noise] in recompute.py): the bytes the
-    device's allocator has handed out for a CUDA model, else the process's resident
-    memory."""
-    import torch
-
-    from .heap import resident_bytes
+def _peak_sampler(engine: OffloadEngine, model: Any) -> Any:
+    """What samples the memory a plan holds (NOTE [plans within the noise] in
+    recompute.py): the process's anonymous resident memory, for a CPU model offloaded to
+    disk under heap trims. None (plans go by time alone) for a CUDA model, whose
+    allocation peaks last microseconds of host time, and without trims (heap trims off,
+    or target "cpu", which keeps CPU tensors where they are), where the resident memory
+    keeps what earlier steps of other plans left."""
+    from .peak import PeakSampler
 
     param = next(iter(model.parameters()), None)
-    if param is not None and param.is_cuda:
-        device = param.device
-        return lambda: torch.cuda.memory_allocated(device)
-    return resident_bytes
+    on_cuda = param is not None and param.is_cuda
+    if on_cuda or engine.config.target != "disk" or not engine._heap.enabled:
+        return None
+    return PeakSampler()
 
 
 def _saving_offloads(policy: Callable[..., Any]) -> Callable[..., Any]:

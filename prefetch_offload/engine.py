@@ -1042,6 +1042,8 @@ class OffloadEngine:
     def _finish_close(self, *, raise_errors: bool) -> None:
         """Close with the writes submitted: stop the IO threads (after what they have
         queued), release the buffers and slabs, report a stored error."""
+        if isinstance(self._decider, AutoDecider):
+            self._decider.close()  # NOTE [plans within the noise]: its sampling thread
         with self._lock:
             self._closed = self._reader.closed = True
             self._plan.clear()
@@ -1050,8 +1052,6 @@ class OffloadEngine:
         self._device.close()
         self._pool.shutdown()
         self._heap.close()
-        if isinstance(self._decider, AutoDecider):
-            self._decider.close()  # NOTE [plans within the noise]: its sampling thread
         # After the IO threads stopped: a prefetch still reading at close returns its
         # block when it ends, and a read for a backward after exit leases one (NOTE [read
         # buffer pool]: nothing idle is kept after exit; a late return is released).

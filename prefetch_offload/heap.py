@@ -171,6 +171,7 @@ __all__ = [
     "AUTO_TRIM_STEP_SHARE",
     "FAST_REUSE_OFF",
     "HeapTrimmer",
+    "anon_resident_bytes",
     "fast_reuse_hint",
     "fast_reuse_tunables",
     "heap_levels",
@@ -358,6 +359,12 @@ _STATM = _Statm()
 def resident_bytes() -> int:
     """This process's resident memory in bytes (``/proc/self/statm``; Linux)."""
     return _STATM.pages()[0] * _PAGE
+
+
+def anon_resident_bytes() -> int:
+    """This process's anonymous resident memory in bytes: resident less file-backed and
+    shared pages (``/proc/self/statm``; Linux)."""
+    return _STATM.anon_resident_bytes()
 
 
 def malloc_in_use_bytes() -> int | None:

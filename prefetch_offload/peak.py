@@ -2,19 +2,18 @@
 
 NOTE [plans within the noise] in recompute.py says what reads it. The peak is sampled,
 not read from the kernel's high-water mark (``VmHWM``), because resetting that mark
-(``/proc/self/clear_refs``) would reset the peak a user or a profiler measures too;
-CUDA's own peak counters would need ``torch.cuda.reset_peak_memory_stats``, which
-they share with the user as well.
+(``/proc/self/clear_refs``) would reset the peak a user or a profiler measures too.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
 
-from .heap import resident_bytes
+from .heap import anon_resident_bytes
 
 __all__ = ["PeakSampler"]
 
@@ -24,17 +23,23 @@ logger = logging.getLogger("prefetch_offload")
 # ms, so its peak lasts several samples; one read of /proc/self/statm costs ~10 us.
 SAMPLE_INTERVAL_S = 0.002
 
+_SAMPLERS: weakref.WeakSet[PeakSampler] = weakref.WeakSet()
+
 
 class PeakSampler:
     """The most of ``read()`` (bytes) between two :meth:`take` calls, sampled every
     ``interval`` seconds by a daemon thread while started, and at each ``take``.
 
-    A failed read stops the sampling for good (one log line) and ``take`` returns 0
-    from then on: what reads the peaks then goes by time alone.
+    A failed read, or a thread that cannot start, stops the sampling for good (one log
+    line), and ``take`` returns 0 (unknown) from then on: what reads the peaks then
+    goes by time alone. So does the child of a fork.
     """
 
     def __init__(
-        self, read: Callable[[], int] = resident_bytes, *, interval: float = SAMPLE_INTERVAL_S
+        self,
+        read: Callable[[], int] = anon_resident_bytes,
+        *,
+        interval: float = SAMPLE_INTERVAL_S,
     ) -> None:
         self._read = read
         self._interval = interval
@@ -43,6 +48,10 @@ class PeakSampler:
         self._failed = False
         self._stop: threading.Event | None = None
         self._thread: threading.Thread | None = None
+        # The running thread's stop event, set when the sampler is dropped (one finalizer).
+        self._event_box: list[threading.Event | None] = [None]
+        weakref.finalize(self, _set_event, self._event_box)
+        _SAMPLERS.add(self)
 
     def start(self) -> None:
         """Sample in the background until :meth:`stop` (again after a stop)."""
@@ -54,21 +63,30 @@ class PeakSampler:
             target=_sample, args=(weakref.ref(self), stop), name="prefetch_offload-peak"
         )
         thread.daemon = True  # it holds no resource; it ends at stop or with the sampler
-        weakref.finalize(self, stop.set)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError as exc:  # no thread can be started (limits, shutdown)
+            with self._lock:
+                self._stop = None
+            self._fail(f"cannot start the sampling thread ({exc})")
+            return
         with self._lock:
             if self._stop is stop:  # (a stop meanwhile: the thread sees the event and ends)
                 self._thread = thread
+                self._event_box[0] = stop
 
     def stop(self) -> None:
         """Stop the background samples (``take`` still samples once) and wait for the
         thread, which is between two reads of a few microseconds."""
+        current = threading.current_thread()
         with self._lock:
             stop, self._stop = self._stop, None
-            thread, self._thread = self._thread, None
+            thread = self._thread
+            if thread is not current:  # (the thread itself, failing: a later stop joins it)
+                self._thread = None
         if stop is not None:
             stop.set()
-        if thread is not None and thread is not threading.current_thread():
+        if thread is not None and thread is not current:
             thread.join(timeout=1.0)
 
     @property
@@ -77,7 +95,7 @@ class PeakSampler:
         return self._stop is not None
 
     def take(self) -> int:
-        """The most sampled since the last call, this moment included; 0 once a read
+        """The most sampled since the last call, this moment included; 0 once sampling
         failed. The next span starts from this moment's reading."""
         now = self.sample()
         with self._lock:
@@ -85,22 +103,38 @@ class PeakSampler:
         return 0 if self._failed else peak
 
     def sample(self) -> int:
-        """One reading, kept if it is the most of this span; 0 once a read failed."""
+        """One reading, kept if it is the most of this span; 0 once sampling failed."""
         if self._failed:
             return 0
         try:
             value = self._read()
-        except (OSError, ValueError, IndexError) as exc:  # no /proc (not Linux), a bad read
-            with self._lock:
-                already, self._failed = self._failed, True
-            if not already:
-                logger.info("prefetch_offload: memory peaks not sampled (%s)", exc)
-            self.stop()
+        except Exception as exc:  # no /proc, a CUDA error: never the user's
+            self._fail(f"reading memory failed ({exc!r})")
             return 0
         with self._lock:
             if value > self._peak:
                 self._peak = value
         return value
+
+    def _fail(self, why: str) -> None:
+        with self._lock:
+            already, self._failed = self._failed, True
+        if not already:
+            logger.info("prefetch_offload: memory peaks not sampled: %s", why)
+        self.stop()
+
+    def _after_fork_in_child(self) -> None:
+        """No sampling thread in the child of a fork, and the lock may have been copied
+        held: the child's peaks are unknown."""
+        self._lock = threading.Lock()
+        self._stop = self._thread = None
+        self._failed = True
+
+
+def _set_event(box: list[threading.Event | None]) -> None:
+    event = box[0]
+    if event is not None:
+        event.set()
 
 
 def _sample(ref: weakref.ref[PeakSampler], stop: threading.Event) -> None:
@@ -114,3 +148,12 @@ def _sample(ref: weakref.ref[PeakSampler], stop: threading.Event) -> None:
         del sampler
         if stop.wait(interval):
             return
+
+
+def _after_fork_in_child() -> None:
+    for sampler in list(_SAMPLERS):
+        sampler._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

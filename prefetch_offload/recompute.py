@@ -90,9 +90,9 @@
 #   (none kept whole, selective not worth its dispatch cost), it runs every
 #   block whole instead, the engine moving what the budget does not keep, if
 #   steps (6) and (7) took less time than steps (4) and (9) less the dispatch
-#   modes' cost per block (NOTE [trial steps]) by more than the noise, or at no
-#   more memory (NOTE [plans within the noise]); a plan between the two is tried
-#   against both. On the CPU, where the IO threads and the recompute share the
+#   modes' cost per block (NOTE [trial steps]), unless plain checkpointing, within
+#   5% of it, held 5% less memory (NOTE [plans within the noise]); a plan between
+#   the two is tried against both. On the CPU, where the IO threads and the recompute share the
 #   cores, offload alone is often faster at small budgets on a fast disk; never
 #   on a disk slower than forward saves. The plan also prints estimates from
 #   block medians (``step_whole_s``, ``step_checkpointed_s``: over the blocks
@@ -112,7 +112,7 @@
 #   smallest reachable.
 # - Trial: a plan the profile did not run as it is, selective blocks or whole
 #   blocks beside checkpointed ones, runs three steps, and yields to a profiled
-#   plan that ran faster (NOTE [trial steps]).
+#   plan that ran faster, or as fast and held less (NOTE [trial steps]).
 # - Not in the cost model: the heap trims (NOTE [heap trim] in heap.py). Every
 #   plan runs under them (the trial sees them), and on the CPU they are what
 #   separates a checkpointed plan from checkpointing without the engine.
@@ -153,8 +153,8 @@
 # in plan.py) and is not counted; the next two are timed alike, and the faster
 # is set against the faster of each profiled plan's two steps, timed alike
 # (plain's less the dispatch modes' cost per block). The fastest of the three
-# (or, within the noise of the fastest, the one that held least: NOTE [plans
-# within the noise]) runs from then on, until a new structure profiles again, and the printed plan
+# (or one as fast that held less: NOTE [plans within the noise]) runs from then
+# on, until a new structure profiles again, and the printed plan
 # says which, with the three figures. The walls include the head and the loss,
 # alike for the three, and not what the loop does between steps (the optimizer,
 # the data loader, an evaluation, a benchmark's other processes). On this
@@ -184,8 +184,8 @@
 # NOTE [a trim where the plan changes]
 # glibc keeps the heap a step leaves resident (NOTE [heap trim] in heap.py), so a
 # step of one kind after steps of another runs on their heap: its allocations
-# land on pages already resident (fewer page faults: faster than it will run
-# once alone) and its peak RSS starts from their high-water mark (higher than
+# land on pages already resident (fewer page faults: faster than it runs
+# on its own heap) and its peak RSS starts from their high-water mark (higher than
 # its own), until its own trims give that back, which at a bound of a quarter
 # of the bytes moved can take several steps. Measured on the 8-layer Llama of
 # ``bench/recompute.py --model llama`` at 25% of the saved bytes, one process,
@@ -210,17 +210,22 @@
 # rounds offload alone ran 1.057-1.116 s (two processes of the same plan, 5.6%
 # apart); in three such runs every layer checkpointed plainly under the
 # engine ran 0.97-1.07 s at peaks of 222-305 MiB, offload alone 0.90-1.17 s at
-# 273-376 MiB. So the plans are also weighed by the memory their steps held:
-# a thread samples it every 2 ms while the plan is measured (the process's
-# resident memory, or the CUDA allocator's bytes for a CUDA model; sampled
-# rather than read from the kernel's or CUDA's high-water marks, whose reset
-# would reset a user's own peak figures too), per step, the most of its
-# counted steps per kind. Of the plans whose steps took at most _TIE (5%)
-# longer than the fastest's, the one that held least runs: between offload
-# alone and plain checkpointing when the plan is every block checkpointed
-# plainly, and among the trial, plain checkpointing and offload alone at the
-# end of a trial. A plan clearly faster runs whatever it holds, and where a
-# peak is unknown (no ``/proc``, a failed read) the fastest runs.
+# 273-376 MiB. So the plans are also weighed by the memory their steps held.
+# While the plan is measured a thread samples the process's anonymous resident
+# memory every 2 ms (peak.py), and each step's peak runs, as its wall does,
+# from its first block's forward to the end of its last backward; per kind,
+# the most of its counted steps. The fastest plan runs, unless one whose steps
+# took at most _TIE (5%) longer held _LEANER (5%) less memory than it: then the
+# one of those that held least. That decides between offload alone and plain
+# checkpointing when the plan is every block checkpointed plainly, and among
+# the trial, plain checkpointing and offload alone at the end of a trial.
+# Peaks are sampled only under heap trims (without them the resident memory
+# keeps what steps of other kinds left: NOTE [a trim where the plan changes])
+# and only for a CPU model: a GPU block's allocation peak lasts microseconds of
+# host time, which sampling misses. Not sampled, or a failed read (no
+# ``/proc``), or a fork's child: the fastest runs. The kernel's and CUDA's
+# high-water marks are not used because resetting them resets a user's own
+# peak figures too.
 #
 # The measured figures decide, not a list of op names: on the benchmark
 # transformer the norms, activation functions and residual adds come out cheap
@@ -340,6 +345,12 @@ class RecomputePlan:
                 f"{m['blocks_plain']:.0f} checkpointed plainly, "
                 f"{m['blocks_selective']:.0f} selectively (the ops below)"
             )
+            if "trial_step_s" not in m and math.isfinite(m.get("wall_alone_s", math.inf)):
+                lines.append(
+                    f"  weighed: plain checkpointing {m['wall_plain_s']:.3f} s a step"
+                    f"{_peak_text(m, 'peak_plain_MiB')}, offload alone "
+                    f"{m['wall_alone_s']:.3f} s{_peak_text(m, 'peak_alone_MiB')}"
+                )
         if "trial_step_s" in m:
             verdict = ("kept", "replaced by plain checkpointing", "replaced by offload alone")
             lines.append(
@@ -528,20 +539,24 @@ _PROFILE = (
 )
 _WHOLE_ALL_STEP = _PROFILE.index(_WHOLE_ALL)
 # NOTE [profiling under trims]: steps alike in the bytes they move.
-# NOTE [plans within the noise]: a plan whose step took at most this share longer than
-# the fastest plan's counts as fast as it; of those, the one that held least memory runs.
+# NOTE [plans within the noise]: a plan whose step took at most _TIE longer than the
+# fastest plan's counts as fast as it; of those, one that held at least _LEANER less
+# memory than the fastest runs instead (the one that held least).
 _TIE = 0.05
+_LEANER = 0.05
 
 
 def _leanest_of_the_fastest(plans: dict[str, tuple[float, int]]) -> str:
-    """Of ``plans`` (name: (step seconds, the most memory it held, 0 if unknown)), the one
-    that held least among those within _TIE of the fastest; the faster on a tie, and
-    the fastest where one of them held an unknown peak."""
-    fastest = min(wall for wall, _ in plans.values())
-    close = [name for name, (wall, _) in plans.items() if wall <= fastest * (1 + _TIE)]
+    """Of ``plans`` (name: (step seconds, the most memory it held, 0 if unknown)), the
+    fastest, unless one within _TIE of it held _LEANER less: then the one of those that
+    held least. Where a plan within _TIE held an unknown peak, the fastest."""
+    fastest = min(plans, key=lambda name: plans[name][0])
+    wall, peak = plans[fastest]
+    close = [name for name, (w, _) in plans.items() if w <= wall * (1 + _TIE)]
     if any(plans[name][1] <= 0 for name in close):
-        return min(close, key=lambda name: plans[name][0])
-    return min(close, key=lambda name: (plans[name][1], plans[name][0]))
+        return fastest
+    leaner = [name for name in close if plans[name][1] <= peak * (1 - _LEANER)]
+    return min(leaner, key=lambda name: (plans[name][1], plans[name][0])) if leaner else fastest
 
 
 def _peak_text(measured: dict[str, float], key: str) -> str:
@@ -614,8 +629,8 @@ class AutoDecider:
         self._peaks: dict[int, int] = {}
         self._trial_peaks: list[int] = []
         self._measured_peaks: dict[str, int] = {}
-        if peaks is not None:
-            peaks.start()
+        self._step_peak: int | None = None  # the step's, taken as its backward ended
+        self._closed = False
         self._budget = device_budget
         self._clock = clock
         self._ckpt_stats = checkpoint_stats
@@ -724,6 +739,9 @@ class AutoDecider:
             self._end_queued = False
             if self._phase != _PLANNED or self._trial_left:
                 _sync_device()
+                if self._peak_source is not None:  # NOTE [plans within the noise]
+                    peak = self._peak_source.take()
+                    self._step_peak = max(self._step_peak or 0, peak) if peak else 0
             self._backward_end = self._clock()
 
     # -- Decider ----------------------------------------------------------------------------
@@ -790,9 +808,10 @@ class AutoDecider:
                 self._dispatch.setdefault(self._step_no, collections.Counter())[block] += seconds
 
     def close(self) -> None:
-        """Stop sampling memory (the context exits)."""
-        if self._peak_source is not None:
-            self._peak_source.stop()
+        """Stop sampling memory, for good (the context exits)."""
+        with self._lock:
+            self._closed = True
+            self._sample_peaks(False)
 
     # -- the heap trims ---------------------------------------------------------------------
 
@@ -830,7 +849,7 @@ class AutoDecider:
             _sync_device()
         now = self._clock()
         wall = self._ended_wall(now)
-        peak = self._peak_source.take() if self._peak_source is not None else 0
+        peak = self._ended_peak()
         self._step_start, self._backward_end, self._end_queued = now, None, False
         if self._ckpt_stats is not None:
             self._ckpt_stats.step_began()
@@ -839,8 +858,7 @@ class AutoDecider:
                 self._trial_step_ended(wall, peak)
             if self._stale:
                 self._stale = False
-                if self._peak_source is not None:
-                    self._peak_source.start()
+                self._sample_peaks(True)
                 self._trial_left, self._trial_obs = 0, {}
                 self._reset_profile()
                 self._moved_by.clear()  # NOTE [profiling under trims]: a new profile
@@ -860,8 +878,29 @@ class AutoDecider:
         self._make_plan()
         self._reset_profile()
         self._phase = _PLANNED
-        if not self._trial_left and self._peak_source is not None:
-            self._peak_source.stop()
+        if not self._trial_left:
+            self._sample_peaks(False)
+
+    def _ended_peak(self) -> int:
+        """The most memory the step that ends now held, from its first block's forward
+        to the end of its last backward (NOTE [plans within the noise]); what came after
+        its backward (the optimizer, the loop) is dropped. 0 if unknown."""
+        source, peak, self._step_peak = self._peak_source, self._step_peak, None
+        if source is None:
+            return 0
+        since = source.take()  # (a backward end not seen: the whole span)
+        if self._phase == _PLANNED and not self._trial_left and not self._stale:
+            return 0
+        self._sample_peaks(True)  # (the first step's end: sampling begins)
+        return since if peak is None else peak
+
+    def _sample_peaks(self, on: bool) -> None:
+        """Sample memory while the plan is measured (not after the context exits)."""
+        if self._peak_source is not None:
+            if on and not self._closed:
+                self._peak_source.start()
+            elif not on:
+                self._peak_source.stop()
 
     def _ended_wall(self, now: float) -> float:
         """The time of the step that ends now (NOTE [trial steps]): from its first block's
@@ -1057,7 +1096,12 @@ class AutoDecider:
             == "alone"
         )
         if offload_alone:
-            alone = "every block whole: offload alone measured faster than plain checkpointing"
+            alone = (
+                "every block whole: offload alone measured faster than plain checkpointing"
+                if wall_alone < wall_plain
+                else f"every block whole: offload alone measured within {_TIE:.0%} of plain "
+                "checkpointing and held less memory"
+            )
             for pos in plan:
                 plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
                 reasons[pos] = (alone, reasons[pos][1], reasons[pos][2])
@@ -1133,8 +1177,8 @@ class AutoDecider:
             self._judge_trial()
 
     def _judge_trial(self) -> None:
-        """Keep the tried plan, or take the profiled one that ran faster (NOTE [trial
-        steps])."""
+        """Keep the tried plan, or take the profiled one that ran faster or as fast with
+        less memory (NOTE [trial steps], NOTE [plans within the noise])."""
         tried = min(self._trial_walls[1:])  # (the first planned step learns the order)
         peaks = self._trial_peaks[1:]
         trial_peak = 0 if 0 in peaks else max(peaks)
@@ -1148,10 +1192,9 @@ class AutoDecider:
         )
         choice = ("trial", "plain", "alone").index(pick)
         if choice:
-            self._switch(PLAIN if choice == 1 else WHOLE)
+            self._switch(PLAIN if choice == 1 else WHOLE, faster=(plain, alone)[choice - 1] < tried)
             self._trim_heap()  # NOTE [a trim where the plan changes]
-        if self._peak_source is not None:
-            self._peak_source.stop()
+        self._sample_peaks(False)
         self.measured.update(
             trial_step_s=tried,
             trial_plain_s=plain,
@@ -1162,13 +1205,19 @@ class AutoDecider:
         self._last = self._summarize(self._share, self._trial_obs)
         self._trial_obs = {}
 
-    def _switch(self, how: str) -> None:
-        """Every profiled block checkpointed plainly (PLAIN) or whole (WHOLE)."""
+    def _switch(self, how: str, *, faster: bool) -> None:
+        """Every profiled block checkpointed plainly (PLAIN) or whole (WHOLE), which ran
+        faster than the trial or (NOTE [plans within the noise]) held less."""
+        than = (
+            "ran faster than this plan's trial"
+            if faster
+            else f"ran within {_TIE:.0%} of this plan's trial and held less memory"
+        )
         if how == PLAIN:
-            why = "plain checkpointing of every block ran faster than this plan's trial"
+            why = f"plain checkpointing of every block {than}"
             moved = [pos for pos, policy in self._plan.items() if policy in OFFLOAD]
         else:
-            why = "offload alone ran faster than this plan's trial"
+            why = f"offload alone {than}"
             moved = list(self._plan)
         for pos in moved:
             self._plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE

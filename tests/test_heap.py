@@ -317,17 +317,21 @@ def test_trim_now_queues_one_trim_whatever_the_slack() -> None:
     trimmer.trim_now()
     assert jobs.jobs == []  # nothing saved yet: the heap is not the engine's doing
     trimmer.saved()
-    trimmer.check()  # the floor
-    slack.value = MiB  # far below the bound
+    slack.value = 30 * MiB
+    trimmer.check()  # the floor: 30 MiB
+    slack.value = 31 * MiB  # far below the bound
     trimmer.trim_now()
     trimmer.trim_now()
     assert len(jobs.jobs) == 1
-    slack.value = 0
+    slack.value = 5 * MiB
     jobs.run_all()
     assert stats.snapshot().heap_trims == 1 and not trimmer._queued
-    slack.value = 63 * MiB
-    trimmer.check()  # the floor the trim left (0) stands: 63 MiB is below the bound
+    slack.value = 68 * MiB
+    trimmer.check()  # the trim's floor (5 MiB), not 30, stands: 63 MiB over it, below
     assert jobs.jobs == []
+    slack.value = 69 * MiB
+    trimmer.check()  # 64 MiB over the floor the trim left
+    assert len(jobs.jobs) == 1
     off, off_jobs, _, _ = _trimmer(None)
     off.saved()
     off.trim_now()

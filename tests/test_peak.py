@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from prefetch_offload.heap import resident_bytes
+from prefetch_offload.heap import anon_resident_bytes
 from prefetch_offload.peak import PeakSampler
 
 
@@ -91,9 +91,48 @@ def test_a_failed_read_stops_the_sampling_and_peaks_read_zero(
         assert sampler.take() == 0 and sampler.take() == 0
         sampler.start()  # nothing to sample: stays off
         assert not sampler.running
+        sampler.stop()  # joins the thread that failed
     assert len([r for r in caplog.records if "not sampled" in r.getMessage()]) == 1
+
+
+def test_an_error_of_any_kind_stops_the_sampling_not_the_caller() -> None:
+    def broken() -> int:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    sampler = PeakSampler(broken)
+    assert sampler.take() == 0 and sampler.sample() == 0
+
+
+def test_a_thread_that_cannot_start_leaves_the_peaks_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    sampler = PeakSampler(_Gauge(5))
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    sampler.start()
+    monkeypatch.undo()
+    assert not sampler.running and sampler.take() == 0
+
+
+def test_in_the_child_of_a_fork_the_peaks_are_unknown() -> None:
+    sampler = PeakSampler(_Gauge(5), interval=0.001)
+    sampler.start()
+    thread = sampler._thread
+    sampler._after_fork_in_child()  # what the fork handler does in the child
+    assert not sampler.running and sampler.take() == 0
+    sampler.start()
+    assert not sampler.running
+    assert thread is not None
+    sampler._stop = None
+    thread_stop = [e for e in sampler._event_box if e is not None]
+    for event in thread_stop:
+        event.set()  # (here, the parent: end the thread the child would not have)
+    thread.join(timeout=5)
+    assert not thread.is_alive()
 
 
 def test_the_default_reads_this_process_resident_memory() -> None:
     sampler = PeakSampler()
-    assert sampler.take() >= resident_bytes() // 2 > 0
+    assert sampler.take() >= anon_resident_bytes() // 2 > 0
