@@ -208,9 +208,10 @@
 # profile put offload alone 1.6-3.3% ahead of plain checkpointing at 25% and
 # 50% of the saved bytes in one run, and in the same run's side-by-side
 # rounds offload alone ran 1.057-1.116 s (two processes of the same plan, 5.6%
-# apart); in three such runs every layer checkpointed plainly under the
-# engine ran 0.97-1.07 s at peaks of 222-305 MiB, offload alone 0.90-1.17 s at
-# 273-376 MiB. So the plans are also weighed by the memory their steps held.
+# apart); in three such runs (two with lanes added for ``recompute="full"`` at
+# those budgets) every layer checkpointed plainly under the engine ran
+# 0.97-1.07 s at peaks of 222-305 MiB, offload alone 0.90-1.17 s at 273-376
+# MiB. So the plans are also weighed by the memory their steps held.
 # While the plan is measured a thread samples the process's anonymous resident
 # memory every 2 ms (peak.py), and each step's peak runs, as its wall does,
 # from its first block's forward to the end of its last backward; per kind,

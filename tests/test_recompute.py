@@ -692,6 +692,24 @@ def test_an_unplanned_block_or_op_profiles_again_once() -> None:
     assert decider.mode("Block", 0) == WHOLE and decider.profiling  # the profile again
 
 
+def test_memory_is_sampled_while_a_plan_is_measured_and_not_after_close() -> None:
+    """NOTE [plans within the noise]: from the first step's end through the trial, again
+    for a new profile, and never once the decider is closed."""
+    source = _Peaks(_LEAN_PLAIN)
+    decider = _plan(3.0, 2.5, peaks=source, **_SLOW_LINK)
+    assert decider.mode("Block", 0) == SELECTIVE and source.running  # on trial
+    _planned_steps(decider, [3.0, 3.0, 3.0], 1)
+    assert not decider._trial_left and not source.running  # judged
+    assert decider.mode("Block", 7) == PLAIN and decider._stale  # a block not profiled
+    decider.backward("Block", 7)
+    assert decider.mode("Block", 0) == WHOLE and decider.profiling and source.running
+    decider.close()
+    assert not source.running
+    decider.backward("Block", 0)
+    decider.mode("Block", 0)  # the next profiling step
+    assert decider.profiling and not source.running  # closed: not started again
+
+
 def _grads(model: nn.Module, steps: int, seq: int | list[int] = 16) -> list[list[torch.Tensor]]:
     out = []
     for step in range(steps):
