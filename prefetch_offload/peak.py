@@ -45,6 +45,7 @@ class PeakSampler:
         self._interval = interval
         self._lock = threading.Lock()
         self._peak = 0
+        self._span = 0  # take() counts the spans: a reading from an ended span is dropped
         self._failed = False
         self._stop: threading.Event | None = None
         self._thread: threading.Thread | None = None
@@ -59,21 +60,18 @@ class PeakSampler:
             if self._stop is not None or self._failed:
                 return
             stop = self._stop = threading.Event()
-        thread = threading.Thread(
-            target=_sample, args=(weakref.ref(self), stop), name="prefetch_offload-peak"
-        )
-        thread.daemon = True  # it holds no resource; it ends at stop or with the sampler
+            thread = threading.Thread(
+                target=_sample, args=(weakref.ref(self), stop), name="prefetch_offload-peak"
+            )
+            thread.daemon = True  # it holds no resource; it ends at stop or with the sampler
+            # Known before it runs: a thread that fails at once is joined by a later stop.
+            self._thread, self._event_box[0] = thread, stop
         try:
             thread.start()
         except RuntimeError as exc:  # no thread can be started (limits, shutdown)
             with self._lock:
-                self._stop = None
+                self._stop = self._thread = None
             self._fail(f"cannot start the sampling thread ({exc})")
-            return
-        with self._lock:
-            if self._stop is stop:  # (a stop meanwhile: the thread sees the event and ends)
-                self._thread = thread
-                self._event_box[0] = stop
 
     def stop(self) -> None:
         """Stop the background samples (``take`` still samples once) and wait for the
@@ -86,8 +84,8 @@ class PeakSampler:
                 self._thread = None
         if stop is not None:
             stop.set()
-        if thread is not None and thread is not current:
-            thread.join(timeout=1.0)
+        if thread is not None and thread is not current and thread.ident is not None:
+            thread.join(timeout=1.0)  # (not started yet: it sees the event and ends)
 
     @property
     def running(self) -> bool:
@@ -100,19 +98,21 @@ class PeakSampler:
         now = self.sample()
         with self._lock:
             peak, self._peak = max(self._peak, now), now
+            self._span += 1
         return 0 if self._failed else peak
 
     def sample(self) -> int:
         """One reading, kept if it is the most of this span; 0 once sampling failed."""
         if self._failed:
             return 0
+        span = self._span
         try:
             value = self._read()
         except Exception as exc:  # no /proc, a CUDA error: never the user's
             self._fail(f"reading memory failed ({exc!r})")
             return 0
         with self._lock:
-            if value > self._peak:
+            if value > self._peak and span == self._span:  # (not a reading from before take)
                 self._peak = value
         return value
 

@@ -112,7 +112,9 @@
 #   smallest reachable.
 # - Trial: a plan the profile did not run as it is, selective blocks or whole
 #   blocks beside checkpointed ones, runs three steps, and yields to a profiled
-#   plan that ran faster, or as fast and held less (NOTE [trial steps]).
+#   plan that ran faster, unless the trial, within 5% of it, held at least 5%
+#   less; or to one within 5% of the fastest that held at least 5% less than
+#   it (NOTE [trial steps], NOTE [plans within the noise]).
 # - Not in the cost model: the heap trims (NOTE [heap trim] in heap.py). Every
 #   plan runs under them (the trial sees them), and on the CPU they are what
 #   separates a checkpointed plan from checkpointing without the engine.
@@ -153,8 +155,8 @@
 # in plan.py) and is not counted; the next two are timed alike, and the faster
 # is set against the faster of each profiled plan's two steps, timed alike
 # (plain's less the dispatch modes' cost per block). The fastest of the three
-# (or one as fast that held less: NOTE [plans within the noise]) runs from then
-# on, until a new structure profiles again, and the printed plan
+# (or one within 5% of it that held at least 5% less: NOTE [plans within the
+# noise]) runs from then on, until a new structure profiles again, and the printed plan
 # says which, with the three figures. The walls include the head and the loss,
 # alike for the three, and not what the loop does between steps (the optimizer,
 # the data loader, an evaluation, a benchmark's other processes). On this
@@ -1178,8 +1180,9 @@ class AutoDecider:
             self._judge_trial()
 
     def _judge_trial(self) -> None:
-        """Keep the tried plan, or take the profiled one that ran faster or as fast with
-        less memory (NOTE [trial steps], NOTE [plans within the noise])."""
+        """Keep the tried plan or take a profiled one: the fastest of the three, unless
+        one within 5% of it held at least 5% less memory (NOTE [trial steps], NOTE
+        [plans within the noise])."""
         tried = min(self._trial_walls[1:])  # (the first planned step learns the order)
         peaks = self._trial_peaks[1:]
         trial_peak = 0 if 0 in peaks else max(peaks)
