@@ -90,18 +90,19 @@
 #   (none kept whole, selective not worth its dispatch cost), it runs every
 #   block whole instead, the engine moving what the budget does not keep, if
 #   steps (6) and (7) took less time than steps (4) and (9) less the dispatch
-#   modes' cost per block (NOTE [trial steps]), unless plain checkpointing, within
-#   5% of it, held 5% less memory (NOTE [plans within the noise]); a plan between
-#   the two is tried against both. On the CPU, where the IO threads and the recompute share the
-#   cores, offload alone is often faster at small budgets on a fast disk; never
-#   on a disk slower than forward saves. The plan also prints estimates from
-#   block medians (``step_whole_s``, ``step_checkpointed_s``: over the blocks
-#   the budget does not keep, the median block of each kind times those blocks,
-#   plus the kept blocks whole), which do not decide: on the 8-layer Llama of
-#   ``bench/recompute.py --model llama`` they put offload alone 21-22% ahead at
-#   10% and 25% of the saved bytes (0.864 and 0.943 s against 1.100 and 1.173
-#   s), and offload alone, chosen on them, then ran 1.08 and 1.11 s a step
-#   against 0.97 s for checkpointing without the engine (one run, 8 rounds).
+#   modes' cost per block (NOTE [trial steps]); where the two are within 5%,
+#   one that held at least 5% less memory wins (NOTE [plans within the noise]).
+#   A plan between the two is tried against both. On the CPU, where the IO
+#   threads and the recompute share the cores, offload alone is often faster at
+#   small budgets on a fast disk; never on a disk slower than forward saves.
+#   The plan also prints estimates from block medians (``step_whole_s``,
+#   ``step_checkpointed_s``: over the blocks the budget does not keep, the
+#   median block of each kind times those blocks, plus the kept blocks whole),
+#   which do not decide: on the 8-layer Llama of ``bench/recompute.py --model
+#   llama`` they put offload alone 21-22% ahead at 10% and 25% of the saved
+#   bytes (0.864 and 0.943 s against 1.100 and 1.173 s), and offload alone,
+#   chosen on them, then ran 1.08 and 1.11 s a step against 0.97 s for
+#   checkpointing without the engine (one run, 8 rounds).
 # - Re-planning: a block or, in a selective block, an op position that the
 #   profile did not see profiles again (once per new structure). A block run
 #   whole or plainly has no per-op plan to go stale. A plain block's op outputs
@@ -135,35 +136,35 @@
 # NOTE [trial steps]
 # The profile runs two plans as they are: every block whole (offload alone,
 # steps (6) and (7)) and every block checkpointed with every output recomputed
-# (steps (4) and (9): plain checkpointing, plus the dispatch modes' cost). Their
-# walls, each step timed from its first block's forward to the end of its last
-# backward (autograd's final callback), decide between the two (NOTE [keep,
-# offload, recompute]). A plan between them, whole blocks beside checkpointed
-# ones or selective blocks, is an estimate from block medians, and misses what
-# the mix does to the step as a whole. On the CPU that is the heap trims (NOTE
-# [heap trim] in heap.py): the whole blocks fill ``device_budget``, which was
-# the trims' allowance, so near the end of forward the trimmer gives back free
-# heap that backward then touches again. Measured on the 8-layer Llama of
-# ``bench/recompute.py --model llama`` at 50% of the saved bytes (one run, each
-# mode in a process of its own, side by side): four layers whole and four plain,
-# estimated at 1.002 s for the blocks, ran 1.155 s a step with 2.0 trims and 86k
-# page faults, 1.08x checkpointing without the engine; every layer plain under
-# the engine at the same budget ran 1.026 s (1.04x) with 0.1 trims and 18k
-# faults. (A trace of that plan's steps: trims at the last layer's forward and
-# at the head's backward, each giving back 115-177 MiB.) So such a plan is
-# tried. Its first planned step learns the prefetch order (NOTE [learned order]
-# in plan.py) and is not counted; the next two are timed alike, and the faster
-# is set against the faster of each profiled plan's two steps, timed alike
-# (plain's less the dispatch modes' cost per block). The fastest of the three
-# (or one within 5% of it that held at least 5% less: NOTE [plans within the
-# noise]) runs from then on, until a new structure profiles again, and the printed plan
-# says which, with the three figures. The walls include the head and the loss,
-# alike for the three, and not what the loop does between steps (the optimizer,
-# the data loader, an evaluation, a benchmark's other processes). On this
-# project's 2-core VM the steps of one mode spread from 13% below to 17% above
-# their median (eight rounds of checkpointing without the engine in the run
-# above), so plans closer than that may go either way; the trial catches a plan
-# clearly slower than one the profile ran.
+# (steps (4) and (9): plain checkpointing, plus the dispatch modes' cost).
+# Their walls, each step timed from its first block's forward to the end of its
+# last backward (autograd's final callback), decide between the two (NOTE
+# [keep, offload, recompute]). A plan between them, whole blocks beside
+# checkpointed ones or selective blocks, is an estimate from block medians, and
+# misses what the mix does to the step as a whole. On the CPU that is the heap
+# trims (NOTE [heap trim] in heap.py): the whole blocks fill ``device_budget``,
+# which was the trims' allowance, so near the end of forward the trimmer gives
+# back free heap that backward then touches again. Measured on the 8-layer
+# Llama of ``bench/recompute.py --model llama`` at 50% of the saved bytes (one
+# run, each mode in a process of its own, side by side): four layers whole and
+# four plain, estimated at 1.002 s for the blocks, ran 1.155 s a step with 2.0
+# trims and 86k page faults, 1.08x checkpointing without the engine; every
+# layer plain under the engine at the same budget ran 1.026 s (1.04x) with 0.1
+# trims and 18k faults. (A trace of that plan's steps: trims at the last
+# layer's forward and at the head's backward, each giving back 115-177 MiB.) So
+# such a plan is tried. Its first planned step learns the prefetch order (NOTE
+# [learned order] in plan.py) and is not counted; the next two are timed alike,
+# and the faster is set against the faster of each profiled plan's two steps,
+# timed alike (plain's less the dispatch modes' cost per block). The fastest of
+# the three (or one within 5% of it that held at least 5% less: NOTE [plans
+# within the noise]) runs from then on, until a new structure profiles again,
+# and the printed plan says which, with the three figures. The walls include
+# the head and the loss, alike for the three, and not what the loop does
+# between steps (the optimizer, the data loader, an evaluation, a benchmark's
+# other processes). On this project's 2-core VM the steps of one mode spread
+# from 13% below to 17% above their median (eight rounds of checkpointing
+# without the engine in the run above), so plans closer than that may go either
+# way; the trial catches a plan clearly slower than one the profile ran.
 #
 # NOTE [profiling under trims]
 # The default trim bound follows the bytes the last step moved (NOTE [heap trim]
@@ -184,24 +185,24 @@
 # to 9-10, as checkpointed plans trim once made.
 #
 # NOTE [a trim where the plan changes]
-# glibc keeps the heap a step leaves resident (NOTE [heap trim] in heap.py), so a
-# step of one kind after steps of another runs on their heap: its allocations
-# land on pages already resident (fewer page faults: faster than it runs
-# on its own heap) and its peak RSS starts from their high-water mark (higher than
-# its own), until its own trims give that back, which at a bound of a quarter
-# of the bytes moved can take several steps. Measured on the 8-layer Llama of
+# glibc keeps the heap a step leaves resident (NOTE [heap trim] in heap.py), so
+# a step of one kind after steps of another runs on their heap: its allocations
+# land on pages already resident (fewer page faults: faster than it runs on its
+# own heap) and its peak RSS starts from their high-water mark (higher than its
+# own), until its own trims give that back, which at a bound of a quarter of
+# the bytes moved can take several steps. Measured on the 8-layer Llama of
 # ``bench/recompute.py --model llama`` at 25% of the saved bytes, one process,
 # six steps of offload alone then six with every layer checkpointed (two runs
 # each way): without a trim between them the checkpointed steps ran 0.83-1.06 s
-# at peaks of 213-326 MiB, the first three to five of them above 246 MiB;
-# with one ``malloc_trim`` between them, 0.99-1.09 s at 190-233 MiB from the
-# first. So a step whose trim class (``trim_basis``) differs from the last
-# one's asks the engine's trimmer for one trim as its forward begins, whatever
-# the slack: in the profile, the first step of each kind pays the refaults
-# and is not the one counted (NOTE [keep, offload, recompute]); after it, the
-# first planned step, which the trial does not count either (NOTE [trial
-# steps]). A trial that replaces its plan asks for one too. Later planned steps
-# trim only on the slack.
+# at peaks of 213-326 MiB, the first three to five of them above 246 MiB; with
+# one ``malloc_trim`` between them, 0.99-1.09 s at 190-233 MiB from the first.
+# So a step whose trim class (``trim_basis``) differs from the last one's asks
+# the engine's trimmer for one trim as its forward begins, whatever the slack:
+# in the profile, the first step of each kind pays the refaults and is not the
+# one counted (NOTE [keep, offload, recompute]); after it, the first planned
+# step, which the trial does not count either (NOTE [trial steps]). A trial
+# that replaces its plan asks for one too. Later planned steps trim only on the
+# slack.
 #
 # NOTE [plans within the noise]
 # The walls that choose between plans (NOTE [trial steps]) are single steps on a
@@ -541,7 +542,6 @@ _PROFILE = (
     _RECOMPUTE_ALL,
 )
 _WHOLE_ALL_STEP = _PROFILE.index(_WHOLE_ALL)
-# NOTE [profiling under trims]: steps alike in the bytes they move.
 # NOTE [plans within the noise]: a plan whose step took at most _TIE longer than the
 # fastest plan's counts as fast as it; of those, one that held at least _LEANER less
 # memory than the fastest runs instead (the one that held least).
@@ -562,12 +562,18 @@ def _leanest_of_the_fastest(plans: dict[str, tuple[float, int]]) -> str:
     return min(leaner, key=lambda name: (plans[name][1], plans[name][0])) if leaner else fastest
 
 
+def _most(peaks: list[int]) -> int:
+    """The most of sampled peaks; 0 (unknown) if there are none or one is unknown."""
+    return 0 if not peaks or 0 in peaks else max(peaks)
+
+
 def _peak_text(measured: dict[str, float], key: str) -> str:
     """ " at N MiB" for a sampled peak, else nothing."""
     value = measured.get(key, 0.0)
     return f" at {value:.0f} MiB" if value > 0 else ""
 
 
+# NOTE [profiling under trims]: steps alike in the bytes they move.
 _TRIM_CLASS = {
     _WHOLE_ALL: "whole",
     _WHOLE_TIMED: "whole",
@@ -631,7 +637,6 @@ class AutoDecider:
         self._peak_source = peaks
         self._peaks: dict[int, int] = {}
         self._trial_peaks: list[int] = []
-        self._measured_peaks: dict[str, int] = {}
         self._step_peak: int | None = None  # the step's, taken as its backward ended
         self._closed = False
         self._budget = device_budget
@@ -675,7 +680,8 @@ class AutoDecider:
         self._backward_end: float | None = None
         self._end_queued = False
         self._walls: dict[int, float] = {}
-        self._measured_walls: dict[str, float] = {}
+        # The two plans the profile ran, by name: (wall, peak) (NOTE [trial steps]).
+        self._profiled_plans: dict[str, tuple[float, int]] = {}
         self._trial_obs: dict[Position, _Obs] = {}  # the profile's, for the plan's summary
         self._profiled: set[tuple[str, int]] = set()
         self.plans_made = 0
@@ -861,7 +867,6 @@ class AutoDecider:
                 self._trial_step_ended(wall, peak)
             if self._stale:
                 self._stale = False
-                self._sample_peaks(True)
                 self._trial_left, self._trial_obs = 0, {}
                 self._reset_profile()
                 self._moved_by.clear()  # NOTE [profiling under trims]: a new profile
@@ -889,12 +894,10 @@ class AutoDecider:
         to the end of its last backward (NOTE [plans within the noise]); what came after
         its backward (the optimizer, the loop) is dropped. 0 if unknown."""
         source, peak, self._step_peak = self._peak_source, self._step_peak, None
-        if source is None:
-            return 0
+        if source is None or (self._phase == _PLANNED and not self._trial_left and not self._stale):
+            return 0  # (a plan that runs: nothing measured)
         since = source.take()  # (a backward end not seen: the whole span)
-        if self._phase == _PLANNED and not self._trial_left and not self._stale:
-            return 0
-        self._sample_peaks(True)  # (the first step's end: sampling begins)
+        self._sample_peaks(True)  # (the first step's end, or a new profile: sampling begins)
         return since if peak is None else peak
 
     def _sample_peaks(self, on: bool) -> None:
@@ -1148,13 +1151,12 @@ class AutoDecider:
             "read_GBps": read_bw / 1e9 if math.isfinite(read_bw) else math.inf,
         }
         self._profiled, self._share = profiled, share
-        self._measured_walls = {
-            "plain": wall_plain,
-            "alone": wall_alone if OFFLOAD_ALONE else math.inf,
+        self._profiled_plans = {
+            "plain": (wall_plain, peak_plain),
+            "alone": (wall_alone if OFFLOAD_ALONE else math.inf, peak_alone),
         }
         self._trial_left = _TRIAL_STEPS + 1 if TRIAL and tried else 0
         self._trial_walls, self._trial_peaks = [], []
-        self._measured_peaks = {"plain": peak_plain, "alone": peak_alone}
         self._trial_obs = dict(self._obs) if self._trial_left else {}
         self._last = self._summarize(share, self._obs)
         self._warn_budget()
@@ -1167,8 +1169,7 @@ class AutoDecider:
     def _peak(self, kind: int) -> int:
         """The most memory the counted profiling steps of a kind held (NOTE [plans within
         the noise]); 0 if unknown."""
-        peaks = [self._peaks.get(i, 0) for i in self._counted(kind)]
-        return 0 if not peaks or 0 in peaks else max(peaks)
+        return _most([self._peaks.get(i, 0) for i in self._counted(kind)])
 
     def _trial_step_ended(self, wall: float, peak: int) -> None:
         """A planned step of a tried plan ended, taking ``wall`` and holding at most
@@ -1184,17 +1185,10 @@ class AutoDecider:
         one within 5% of it held at least 5% less memory (NOTE [trial steps], NOTE
         [plans within the noise])."""
         tried = min(self._trial_walls[1:])  # (the first planned step learns the order)
-        peaks = self._trial_peaks[1:]
-        trial_peak = 0 if 0 in peaks else max(peaks)
-        plain, alone = self._measured_walls["plain"], self._measured_walls["alone"]
-        pick = _leanest_of_the_fastest(
-            {
-                "trial": (tried, trial_peak),
-                "plain": (plain, self._measured_peaks["plain"]),
-                "alone": (alone, self._measured_peaks["alone"]),
-            }
-        )
-        choice = ("trial", "plain", "alone").index(pick)
+        trial_peak = _most(self._trial_peaks[1:])
+        plans = {"trial": (tried, trial_peak), **self._profiled_plans}
+        choice = ("trial", "plain", "alone").index(_leanest_of_the_fastest(plans))
+        (plain, _), (alone, _) = plans["plain"], plans["alone"]
         if choice:
             self._switch(PLAIN if choice == 1 else WHOLE, faster=(plain, alone)[choice - 1] < tried)
             self._trim_heap()  # NOTE [a trim where the plan changes]

@@ -875,7 +875,8 @@ def test_a_trial_that_changes_the_plan_mid_training_stays_bit_identical(
         decider._trial_left = recompute._TRIAL_STEPS + 1
         decider._trial_obs = dict(decider._obs)
         fast = {"plain": 0.0, "alone": math.inf} if to == "plain" else {"plain": math.inf}
-        decider._measured_walls = {"alone": 0.0, **fast}
+        walls = {"alone": 0.0, **fast}
+        decider._profiled_plans = {name: (wall, 0) for name, wall in walls.items()}
 
     monkeypatch.setattr(AutoDecider, "_make_plan", make_plan)
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)  # the plan checkpoints
