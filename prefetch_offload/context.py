@@ -300,7 +300,7 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
             engine.stats,
             engine.config.device_budget,  # type: ignore[arg-type]
             checkpoint_stats=stats,
-            trim_heap=engine._heap.trim_now,  # NOTE [a trim where the plan changes]
+            trim_heap=_release_at_plan_change(engine, config.model),
             peaks=_peak_sampler(engine, config.model),
         )
         engine._decider = decider
@@ -320,6 +320,25 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
 
     modes = decider if recompute == "auto" else None  # NOTE [block modes]
     return WrappedBlocks(blocks, context_fn, compiled=compiled, model=config.model, modes=modes)
+
+
+def _release_at_plan_change(engine: OffloadEngine, model: Any) -> Callable[[], None]:
+    """What a change of plan gives back (NOTE [a trim where the plan changes] in
+    recompute.py): the heap the steps before left resident and, for a CUDA model, the
+    free blocks the caching allocator keeps for them, whose reserved memory would
+    otherwise stay the peak a user reads."""
+    param = next(iter(model.parameters()), None)
+    if param is None or not param.is_cuda:
+        return engine._heap.trim_now
+
+    import torch
+
+    def release() -> None:
+        engine._heap.trim_now()
+        if not torch.cuda.is_current_stream_capturing():  # (a capture cannot free)
+            torch.cuda.empty_cache()
+
+    return release
 
 
 def _peak_sampler(engine: OffloadEngine, model: Any) -> Any:

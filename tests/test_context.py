@@ -374,3 +374,28 @@ def test_an_interrupt_while_exit_waits_for_writes_still_closes_the_engine(
     assert engine.closed and len(calls) == 1
     assert not [t for t in threading.enumerate() if t.name.startswith("prefetch_offload-")]
     del y
+
+
+def test_a_plan_change_empties_the_allocator_cache_only_for_a_cuda_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [a trim where the plan changes]: a CUDA model's plan change also empties the
+    caching allocator (never inside a graph capture); a CPU model's only trims the heap."""
+    from types import SimpleNamespace
+
+    from prefetch_offload.context import _release_at_plan_change
+
+    calls: list[str] = []
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    engine: Any = SimpleNamespace(_heap=SimpleNamespace(trim_now=lambda: calls.append("trim")))
+    on_cuda = SimpleNamespace(parameters=lambda: iter([SimpleNamespace(is_cuda=True)]))
+    release = _release_at_plan_change(engine, on_cuda)
+    release()
+    capturing[0] = True
+    release()
+    assert calls == ["trim", "empty", "trim"]
+    calls.clear()
+    _release_at_plan_change(engine, torch.nn.Linear(2, 2))()
+    assert calls == ["trim"]
