@@ -31,13 +31,14 @@ shape): each mode's process joins a cgroup-v1 blkio group that caps reads and
 writes of the scratch folder's disk at N MB/s (needs root; removed at the end).
 
 ``--gpu`` runs the same comparison on CUDA, in bf16, on a Llama-shaped model (Hugging
-Face's Llama where transformers is installed, else the benchmark transformer with
-SDPA attention), offloading to host RAM (``target="cpu"``): ``peak MiB`` is then
-``torch.cuda.max_memory_reserved()`` above the process's reserved memory before its
-first step, ``host MiB`` the peak RSS above its RSS, and each step ends with a
-synchronize. ``--twin`` runs that path on the CPU at toy sizes, three modes, on the
-benchmark transformer by default (no CUDA call; the GPU suite's twin mode and
-tests/test_bench_recompute.py use it).
+Face's Llama where transformers is installed, else the benchmark transformer) with
+eager attention (SDPA picks cuDNN's fused kernel on an H200, whose results vary from
+run to run, so the losses could not be compared bit for bit), offloading to host RAM
+(``target="cpu"``): ``peak MiB`` is then ``torch.cuda.max_memory_reserved()`` above
+the process's reserved memory before its first step, ``host MiB`` the peak RSS above
+its RSS, and each step ends with a synchronize. ``--twin`` runs that path on the CPU
+at toy sizes, three modes, on the benchmark transformer by default (no CUDA call; the
+GPU suite's twin mode and tests/test_bench_recompute.py use it).
 
     .venv/bin/python bench/recompute.py --json docs/results/recompute-transformer.json \\
         --plot docs/results/recompute-transformer.png
@@ -120,7 +121,7 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
     with ``--gpu`` in bf16 on the device (the CPU for ``--twin``)."""
     where = "cuda" if args.gpu and not args.twin else "cpu"
     if args.model == "transformer":
-        attention = "sdpa" if args.gpu else "explicit"
+        attention = "sdpa" if args.gpu and where == "cpu" else "explicit"
         shape = Shape(args.depth, args.width, args.heads, args.batch, args.seq, attention=attention)
         model, (batch,) = build(shape, 1)
         model, batch = _on(model, where, args), tuple(t.to(where) for t in batch)
@@ -131,7 +132,8 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
     sizes |= {"num_attention_heads": args.heads, "num_key_value_heads": args.heads}
     config = LlamaConfig(
         vocab_size=args.vocab, num_hidden_layers=args.depth, **sizes,
-        max_position_embeddings=max(args.seq, 128), attn_implementation="sdpa",
+        max_position_embeddings=max(args.seq, 128),
+        attn_implementation="eager" if where == "cuda" else "sdpa",
     )  # fmt: skip
     torch.manual_seed(0)
     model = _on(LlamaForCausalLM(config), where, args)

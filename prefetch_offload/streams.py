@@ -208,6 +208,47 @@ def _parts(fence: Fence) -> list[Fence]:
     return list(fence._fences) if isinstance(fence, _Joined) else [fence]
 
 
+# NOTE [lean CUDA calls]
+# The hooks run once per saved tensor, and a small model's step on a fast GPU
+# is bound by the host: on an H200, the 8-layer bf16 Llama of
+# ``bench/recompute.py --gpu`` ran 31 ms a step without offload, of which the
+# GPU was busy 17, and each pack hook took 174 us of host time under the
+# profiler, each unpack 114 us, over 333 saved tensors a step. Part of that was
+# the device and stream switches: ``torch.cuda.device(d)``,
+# ``torch.cuda.stream(s)`` and ``torch.cuda.current_stream(d)`` parse their
+# argument (1680 ``_get_device_index`` calls a step) and build a ``Stream``
+# object per call. So the copy streams switch with a device index
+# (``_OnDevice``: what ``torch.cuda.device`` does once its argument is an
+# index), read the current stream once per copy, and set the side stream and
+# back themselves (``_on_stream``), on the device the thread is already on.
+class _OnDevice:
+    """``with torch.cuda.device(index)`` for an int ``index``, without its argument
+    parsing (NOTE [lean CUDA calls]). One use per instance."""
+
+    __slots__ = ("_index", "_prev")
+
+    def __init__(self, index: int) -> None:
+        self._index = index
+        self._prev = -1
+
+    def __enter__(self) -> None:
+        self._prev = torch.cuda._exchange_device(self._index)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda._maybe_exchange_device(self._prev)
+
+
+@contextlib.contextmanager
+def _on_stream(stream: Any, current: Any) -> Iterator[None]:
+    """Make ``stream`` current on its device, which the thread is on and whose current
+    stream is ``current``, and ``current`` again after (NOTE [lean CUDA calls])."""
+    torch.cuda.set_stream(stream)
+    try:
+        yield
+    finally:
+        torch.cuda.set_stream(current)
+
+
 def devices_with_context() -> list[int] | None:
     """The CUDA devices that have their primary context; None where torch cannot tell
     (no query in this build, or the driver would not say)."""
@@ -308,20 +349,20 @@ class _CudaFence(Fence):
 
     def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
         self.event = event
-        self.device = device
+        self.device = device  # (with its index: CudaStreams names it)
         self._done = False
 
     def done(self) -> bool:
         if not self._done:
             # flush() may run in any thread: name the device (as wait() does below).
-            with torch.cuda.device(self.device):
+            with _OnDevice(self.device.index):
                 self._done = self.event.query()
         return self._done
 
     def wait(self) -> None:
         if not self._done:
             # Often on an IO thread: name the device, or CUDA makes a context on device 0.
-            with torch.cuda.device(self.device):
+            with _OnDevice(self.device.index):
                 self.event.synchronize()
             self._done = True
 
@@ -575,29 +616,31 @@ class CudaStreams(CopyStreams):
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        self._index: int = device.index  # type: ignore[assignment]
         self._d2h_stream, self._h2d_stream = _side_streams(device)
 
     # IO threads call these too: every CUDA call runs with the device named, or
-    # CUDA would make a context on device 0 for that thread.
+    # CUDA would make a context on device 0 for that thread (by index: NOTE [lean
+    # CUDA calls]).
 
     def mark(self) -> Fence | None:
-        with torch.cuda.device(self.device):
+        with _OnDevice(self._index):
             event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
+            event.record(torch.cuda.current_stream(self._index))
         return _CudaFence(event, self.device)
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Fence | None = None) -> Fence:
-        with torch.cuda.device(self.device):
+        with _OnDevice(self._index):
             return super().d2h(dst, src, after)
 
     def h2d(
         self, src: torch.Tensor, after: Fence | None, pad: int = 0
     ) -> tuple[torch.Tensor, Fence]:
-        with torch.cuda.device(self.device):
+        with _OnDevice(self._index):
             return super().h2d(src, after, pad)
 
     def poll(self) -> None:
-        with torch.cuda.device(self.device):
+        with _OnDevice(self._index):
             super().poll()
 
     def _joined(self, fences: list[Fence]) -> Fence:
@@ -607,13 +650,14 @@ class CudaStreams(CopyStreams):
 
     def _d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Fence | None) -> Fence:
         side = self._d2h_stream
+        current = torch.cuda.current_stream(self._index)  # read at every call
         if after is None:
-            side.wait_stream(torch.cuda.current_stream(self.device))  # read at every call
+            side.wait_stream(current)
         else:  # the stream that made the tensor (NOTE [copy streams]); no query: a wait
             for part in _parts(after):  # on a finished event costs the GPU nothing
                 assert isinstance(part, _CudaFence)
                 side.wait_event(part.event)
-        with torch.cuda.stream(side):
+        with _on_stream(side, current):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event(blocking=True)  # host waits sleep, not spin
             event.record(side)
@@ -621,7 +665,8 @@ class CudaStreams(CopyStreams):
 
     def _h2d(self, src: torch.Tensor, after: Fence | None, pad: int) -> tuple[torch.Tensor, Fence]:
         side = self._h2d_stream
-        with torch.cuda.stream(side):  # allocated on the side stream (NOTE [copy streams])
+        # allocated on the side stream (NOTE [copy streams])
+        with _on_stream(side, torch.cuda.current_stream(self._index)):
             if after is not None and not after.done():
                 if isinstance(after, _CudaFence):
                     side.wait_event(after.event)
@@ -634,7 +679,7 @@ class CudaStreams(CopyStreams):
         return out, _CudaFence(event, self.device)
 
     def use(self, t: torch.Tensor, fence: Fence | None) -> None:
-        current = torch.cuda.current_stream(t.device)
+        current = torch.cuda.current_stream(t.device.index)
         if fence is not None and not fence.done():
             assert isinstance(fence, _CudaFence)
             current.wait_event(fence.event)
