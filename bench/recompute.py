@@ -4,9 +4,10 @@ Every mode trains its own copy of one model (same weights, same batch) in a
 process of its own (its peak RSS is its own heap's), stepped one at a time, one
 step of each mode per round in a balanced Latin square's order (as ``bench/ab.py
 --isolate``); each mode's ``offload_context`` or checkpoint wrapping stays
-entered over all its steps. ``--warmup`` rounds (>= 12: ``recompute="auto"``
-profiles nine steps, then tries its plan for three, NOTE [trial steps]), then
-``--steps`` timed rounds.
+entered over all its steps. ``--warmup`` rounds (>= 13: ``recompute="auto"``
+profiles nine steps, tries its plan for three, and keeps or replaces it as the
+next step begins, which also releases what the steps before held: NOTE [trial
+steps], NOTE [a trim where the plan changes]), then ``--steps`` timed rounds.
 
 Per mode: ``peak MiB`` is the largest peak RSS (``VmHWM``, reset before each
 timed step) over the timed steps minus the process's RSS before its first
@@ -506,7 +507,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                                   "llama's vocabulary", "timed rounds"), strict=True):  # fmt: skip
         p.add_argument(f"--{name}", type=int, default=None, help=f"{what} (default: SIZES)")
     for name, default, what in (
-        ("warmup", 12, "uncounted rounds first (>= 12)"),
+        ("warmup", 13, "uncounted rounds first (>= 13)"),
         ("throttle-mbps", None, "cap the scratch disk's reads and writes at MB/s (root)"),
         ("chunk-bytes", None, "the engine's chunk_bytes (default: its own)"),
     ):
@@ -534,10 +535,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         hf = importlib.util.find_spec("transformers") is not None
         args.model = "llama" if kind == "gpu" and hf else "transformer"
     args.depth = args.depth or (24 if args.model == "transformer" else 8)
-    if args.warmup < 12 or args.steps < 1:
+    if args.warmup < 13 or args.steps < 1:
         p.error(
-            "--warmup must be >= 12 (auto profiles nine steps, then tries its plan for "
-            "three); --steps >= 1"
+            "--warmup must be >= 13 (auto profiles nine steps, tries its plan for three "
+            "and settles it as the next begins); --steps >= 1"
         )
     return args
 
