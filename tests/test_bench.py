@@ -407,3 +407,28 @@ def test_report_update_fills_the_marked_blocks(tmp_path: Path, cwd: Path) -> Non
     text = md.read_text()
     assert "stale table" not in text and text.startswith("intro\n\n") and text.endswith("outro\n")
     assert f"- Command: `{doc['command']}`" in text and "| auto10 |" in text
+
+
+def test_a_gpu_step_is_judged_against_the_link_floor_where_the_link_is_known() -> None:
+    """Moving every saved byte out and back at the pinned link's GB/s bounds a step: a
+    link-bound shape is held to that floor, a compute-bound one to no offload's step."""
+    step = _load("step")
+    doc = json.loads((RESULTS / "gpu-bf16.json").read_text())  # 4.6 GB saved, 41 ms
+
+    def verdict() -> str:
+        return next(t["verdict"] for t in step._targets(doc) if "step time" in t["target"])
+
+    doc.pop("link_gbps", None)
+    assert verdict() == "FAIL"  # 0.173 s: 4.3x no offload's step
+    doc["link_gbps"] = {"d2h": 55.0, "h2d": 55.0}
+    assert verdict() == "PASS"  # out and back at 55 GB/s: 0.169 s
+    doc["link_gbps"] = {"d2h": 550.0, "h2d": 550.0}
+    assert verdict() == "FAIL"  # a link ten times faster: no offload's step is the floor
+
+
+@pytest.mark.gpu_only
+def test_the_link_is_measured_on_a_gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    link = _load("step")._link_gbps(16 * MiB)
+    assert set(link) == {"d2h", "h2d"} and min(link.values()) > 0
