@@ -107,6 +107,7 @@ _COUNTERS = (
     "prefetch_misses",
     "stall_seconds",
     "pack_wait_seconds",
+    "copy_wait_seconds",
     "heap_trims",
     "heap_trim_seconds",
 )
