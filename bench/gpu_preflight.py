@@ -214,20 +214,26 @@ def check_pin(gib: int, deadline: float, pinned: Pinned) -> dict[str, Any]:
     }
 
 
-def check_link(pinned: Pinned) -> dict[str, Any]:
-    host = pinned.tensor[: 1 * GiB] if pinned.tensor is not None else None
+def pinned_link_gbps(nbytes: int, host: torch.Tensor | None = None) -> dict[str, float]:
+    """Pinned copies' GB/s each way (``d2h``, ``h2d``) on the current CUDA device over
+    ``nbytes`` (``host``: a pinned uint8 block of that size to use), the best of three."""
     if host is None:
-        host = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     out = {}
     for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
         best = min(
             _sync_seconds(lambda d=dst, s=src: d.copy_(s, non_blocking=True)) for _ in range(3)
         )
-        out[f"{name}_gbps"] = round(GiB / best / 1e9, 2)
-    del dev
-    torch.cuda.empty_cache()
+        out[name] = round(nbytes / best / 1e9, 2)
     return out
+
+
+def check_link(pinned: Pinned) -> dict[str, Any]:
+    host = pinned.tensor[: 1 * GiB] if pinned.tensor is not None else None
+    link = pinned_link_gbps(GiB, host)
+    torch.cuda.empty_cache()
+    return {f"{name}_gbps": gbps for name, gbps in link.items()}
 
 
 def _gpu_sleep_cycles(ms: float) -> int:

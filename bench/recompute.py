@@ -122,7 +122,7 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
     with ``--gpu`` in bf16 on the device (the CPU for ``--twin``)."""
     where = "cuda" if args.gpu and not args.twin else "cpu"
     if args.model == "transformer":
-        attention = "sdpa" if args.gpu and where == "cpu" else "explicit"
+        attention = "sdpa" if args.twin else "explicit"
         shape = Shape(args.depth, args.width, args.heads, args.batch, args.seq, attention=attention)
         model, (batch,) = build(shape, 1)
         model, batch = _on(model, where, args), tuple(t.to(where) for t in batch)

@@ -51,10 +51,8 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import statistics
 import sys
-import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
@@ -91,6 +89,7 @@ from _text import (
     progress,
     with_vs_io,
 )
+from gpu_preflight import pinned_link_gbps as _link_gbps
 
 from prefetch_offload.testing import warm_up_unary_ops
 
@@ -218,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     doc = {**header, "device": args.device, "shape": dataclasses.asdict(shape), **doc}
     if args.device == "cuda":
-        doc["link_gbps"] = _link_gbps()
+        doc["link_gbps"] = _link_gbps(256 * MB)
     doc.update(saved_bytes=saved, budget_fraction=args.budget_fraction, scratch_fs=fstype)
     doc["rows"] = summarize(doc)
     doc["targets"] = _targets(doc)
@@ -395,22 +394,6 @@ def _targets(doc: dict[str, Any]) -> list[dict[str, str]]:
                 b["peak"] <= limit,
                 f"{b['peak'] / MB:.1f} vs {limit / MB:.1f} MiB",
             )
-    return out
-
-
-def _link_gbps(nbytes: int = 256 * MB) -> dict[str, float]:
-    """Pinned copies' GB/s each way on the current CUDA device, the best of three."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev, out = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), {}
-    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
-        best = math.inf
-        for _ in range(3):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - start)
-        out[name] = round(nbytes / best / 1e9, 2)
     return out
 
 

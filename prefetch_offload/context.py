@@ -327,8 +327,7 @@ def _release_at_plan_change(engine: OffloadEngine, model: Any) -> Callable[[], N
     recompute.py): the heap the steps before left resident and, for a CUDA model, the
     free blocks the caching allocator keeps for them, whose reserved memory would
     otherwise stay the peak a user reads."""
-    param = next(iter(model.parameters()), None)
-    if param is None or not param.is_cuda:
+    if not _on_cuda(model):
         return engine._heap.trim_now
 
     import torch
@@ -350,11 +349,15 @@ def _peak_sampler(engine: OffloadEngine, model: Any) -> Any:
     keeps what earlier steps of other plans left."""
     from .peak import PeakSampler
 
-    param = next(iter(model.parameters()), None)
-    on_cuda = param is not None and param.is_cuda
-    if on_cuda or engine.config.target != "disk" or not engine._heap.enabled:
+    if _on_cuda(model) or engine.config.target != "disk" or not engine._heap.enabled:
         return None
     return PeakSampler()
+
+
+def _on_cuda(model: Any) -> bool:
+    """Whether ``model``'s first parameter is a CUDA tensor."""
+    param = next(iter(model.parameters()), None)
+    return param is not None and param.is_cuda
 
 
 def _saving_offloads(policy: Callable[..., Any]) -> Callable[..., Any]:
