@@ -18,6 +18,7 @@ __all__ = [
     "DEFAULT_INFLIGHT_COPY_BYTES",
     "IO_METHODS",
     "RECOMPUTE_MODES",
+    "RECOMPUTE_RANKS",
     "STAGE_WRITES",
     "TARGETS",
     "ByteSize",
@@ -28,6 +29,7 @@ __all__ = [
 
 TARGETS: tuple[str | None, ...] = (None, "cpu", "disk")
 RECOMPUTE_MODES: tuple[str, ...] = ("full", "auto")
+RECOMPUTE_RANKS: tuple[str, ...] = ("agree", "own")
 IO_METHODS: tuple[str, ...] = ("auto", "direct", "buffered", "mmap")
 STAGE_WRITES: tuple[str, ...] = ("auto", "always", "never")
 DEFAULT_CHUNK_BYTES = 8 << 20
@@ -221,6 +223,10 @@ class OffloadConfig:
     # The blocks to checkpoint: module classes or qualified names; None detects them
     # (NOTE [block detection] in blocks.py).
     recompute_blocks: tuple[Any, ...] | None = None
+    # NOTE [ranks agree] in agreement.py. With recompute="auto" in a distributed run:
+    # "agree" runs rank 0's plan on every rank of the default process group; "own" lets
+    # each rank decide from its own steps (ranks that run different steps or blocks).
+    recompute_ranks: Literal["agree", "own"] = "agree"
 
     def __post_init__(self) -> None:
         self._check_fields()
@@ -336,6 +342,12 @@ class OffloadConfig:
 
 def _check_recompute_fields(config: OffloadConfig) -> None:
     recompute, model, blocks = config.recompute, config.model, config.recompute_blocks
+    if config.recompute_ranks not in RECOMPUTE_RANKS:
+        raise ValueError(
+            f"prefetch_offload: recompute_ranks={config.recompute_ranks!r} is not a choice; "
+            "use 'agree' (every rank runs rank 0's recompute='auto' plan) or 'own' (each "
+            "rank decides from its own steps, e.g. under pipeline parallelism)."
+        )
     example = "e.g. offload_context('disk', save_dir=..., model=model, recompute='auto')"
     if recompute is not None and not callable(recompute):
         if not isinstance(recompute, str):

@@ -284,6 +284,7 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
     """Checkpoint the model's blocks as ``config.recompute`` says (blocks.py)."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+    from .agreement import RankAgreement
     from .blocks import SKIP, WrappedBlocks, find_blocks
     from .checkpointing import PlainCounts, plain_contexts, selective_contexts
     from .recompute import AutoDecider, RecordingDecider
@@ -302,6 +303,9 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
             checkpoint_stats=stats,
             trim_heap=_release_at_plan_change(engine, config.model),
             peaks=_peak_sampler(engine, config.model),
+            agreement=RankAgreement.of_default_group()
+            if config.recompute_ranks == "agree"
+            else None,
         )
         engine._decider = decider
         compiled = SKIP  # NOTE [compiled blocks]: the engine offloads what the graph saves
@@ -397,6 +401,7 @@ def offload_context(
     model: torch.nn.Module | None = None,
     recompute: str | Callable[..., Any] | None = None,
     recompute_blocks: Sequence[type[torch.nn.Module] | str] | None = None,
+    recompute_ranks: Literal["agree", "own"] = "agree",
 ) -> OffloadContext:
     """Offload the tensors autograd saves for backward while the block runs.
 
@@ -444,6 +449,11 @@ def offload_context(
         recompute_blocks: the blocks to checkpoint, as module classes or qualified
             names; None finds them (``_no_split_modules``, else the longest run of
             same-class children of an ``nn.ModuleList`` or ``nn.Sequential``).
+        recompute_ranks: with ``recompute="auto"`` in a distributed run, "agree"
+            (default) runs rank 0's plan on every rank of the default process group
+            (initialized before the context is entered), so ranks never recompute
+            different blocks (a hang where blocks run collectives); "own" lets each
+            rank decide from its own steps (pipeline parallelism).
 
     Returns:
         A context manager whose ``__enter__`` yields the engine (``engine.stats()``).
@@ -481,6 +491,7 @@ def offload_context(
         model=model,
         recompute=recompute,
         recompute_blocks=recompute_blocks,  # type: ignore[arg-type]  # checked, made a tuple
+        recompute_ranks=recompute_ranks,
     )
     if recompute is not None:
         from .blocks import find_blocks

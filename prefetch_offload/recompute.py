@@ -247,6 +247,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import math
 import statistics
 import threading
@@ -259,6 +260,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .agreement import AGREE_EVERY, RankAgreement
 from .blocks import PLAIN, SELECTIVE, WHOLE
 from .checkpointing import (
     OFFLOAD,
@@ -624,6 +626,8 @@ class AutoDecider:
         clock: time source (tests pass a fake one).
         checkpoint_stats: told when each step begins, and the bytes a plainly
             checkpointed block recomputes (its op outputs in the profile).
+        agreement: the ranks that decide together (NOTE [ranks agree] in
+            agreement.py); None decides alone.
     """
 
     def __init__(
@@ -635,8 +639,11 @@ class AutoDecider:
         checkpoint_stats: CheckpointStats | None = None,
         trim_heap: Callable[[], None] = lambda: None,
         peaks: PeakSampler | None = None,
+        agreement: RankAgreement | None = None,
     ) -> None:
         self._stats = stats
+        self._agreement = agreement
+        self._planned_steps = 0  # NOTE [ranks agree]: since the last plan, for the checks
         self._trim_heap = trim_heap  # NOTE [a trim where the plan changes]
         # NOTE [plans within the noise]: the most memory each profiling step held, and each
         # trial step; sampled while the plan is measured.
@@ -849,8 +856,9 @@ class AutoDecider:
 
     def _next_phase(self) -> int:
         """The kind of step _step_started will begin."""
-        if self._phase == _PLANNED:
-            return _PROFILE[0] if self._stale else _PLANNED
+        if self._phase == _PLANNED:  # (with ranks agreeing, this rank's view of a check)
+            checks = self._agreement is None or (self._planned_steps + 1) % AGREE_EVERY == 0
+            return _PROFILE[0] if self._stale and checks else _PLANNED
         following = self._step_no + 1
         return _PROFILE[following] if following < len(_PROFILE) else _PLANNED
 
@@ -869,10 +877,10 @@ class AutoDecider:
         if self._ckpt_stats is not None:
             self._ckpt_stats.step_began()
         if self._phase == _PLANNED:
-            if self._trial_left and not self._stale:
+            stale = self._agreed_stale()
+            if self._trial_left and not stale:
                 self._trial_step_ended(wall, peak)
-            if self._stale:
-                self._stale = False
+            if stale:
                 self._trial_left, self._trial_obs = 0, {}
                 self._reset_profile()
                 self._moved_by.clear()  # NOTE [profiling under trims]: a new profile
@@ -891,9 +899,22 @@ class AutoDecider:
             return
         self._make_plan()
         self._reset_profile()
-        self._phase = _PLANNED
+        self._phase, self._planned_steps = _PLANNED, 0
         if not self._trial_left:
             self._sample_peaks(False)
+
+    def _agreed_stale(self) -> bool:
+        """Whether the step that begins now profiles again: this rank saw a new structure
+        or, with ranks agreeing (NOTE [ranks agree] in agreement.py), some rank saw one
+        by a check. Called once per planned step."""
+        stale, self._stale = self._stale, False
+        if self._agreement is None:
+            return stale
+        self._planned_steps += 1
+        if self._planned_steps % AGREE_EVERY:
+            self._stale = stale  # (kept for the check)
+            return False
+        return self._agreement.any(stale)
 
     def _ended_peak(self) -> int:
         """The most memory the step that ends now held, from its first block's forward
@@ -1163,9 +1184,51 @@ class AutoDecider:
         }
         self._trial_left = _TRIAL_STEPS + 1 if TRIAL and tried else 0
         self._trial_walls, self._trial_peaks = [], []
+        if self._agreement is not None:
+            self._take_first_ranks_plan(self._agreement)
         self._trial_obs = dict(self._obs) if self._trial_left else {}
-        self._last = self._summarize(share, self._obs)
+        self._last = self._summarize(self._share, self._obs)
         self._warn_budget()
+
+    def _take_first_ranks_plan(self, agreement: RankAgreement) -> None:
+        """Run rank 0's plan (NOTE [ranks agree] in agreement.py): its block modes, its
+        choice per op position with its reasons, its figures, and whether it is tried."""
+        mine = {(kind, str(func), n): (kind, func, n) for kind, func, n in self._plan}
+        sent = agreement.first_rank(
+            json.dumps(
+                {
+                    "modes": sorted([*key, how] for key, how in self._modes.items()),
+                    "plan": sorted(
+                        [*name, self._plan[pos].name, *self._reasons[pos]]
+                        for name, pos in mine.items()
+                    ),
+                    "measured": self.measured,
+                    "share": self._share,
+                    "trial_left": self._trial_left,
+                }
+            ).encode()
+        )
+        if agreement.rank == 0:
+            return
+        got = json.loads(sent)
+        modes = {(kind, index): how for kind, index, how in got["modes"]}
+        if modes.keys() != self._modes.keys():
+            raise agreement.mismatch(
+                f"its blocks {sorted(modes)} are not this rank's {sorted(self._modes)}"
+            )
+        plan = {(kind, func, n): rest for kind, func, n, *rest in got["plan"]}
+        if plan.keys() != mine.keys():
+            raise agreement.mismatch(
+                f"its op positions ({len(plan)}) are not this rank's ({len(mine)}): "
+                f"{sorted(plan.keys() ^ mine.keys())[:4]} differ"
+            )
+        self._modes = modes
+        for name, (policy, why, seconds, move) in plan.items():
+            pos = mine[name]
+            self._plan[pos] = CheckpointPolicy[policy]
+            self._reasons[pos] = (why, seconds, move)
+        self.measured = {**got["measured"], "ranks_agreeing": float(agreement.world)}
+        self._share, self._trial_left = got["share"], got["trial_left"]
 
     def _wall(self, kind: int) -> float:
         """The shorter of the counted profiling steps of a kind (NOTE [trial steps])."""
@@ -1195,6 +1258,10 @@ class AutoDecider:
         plans = {"trial": (tried, trial_peak), **self._profiled_plans}
         choice = ("trial", "plain", "alone").index(_leanest_of_the_fastest(plans))
         (plain, _), (alone, _) = plans["plain"], plans["alone"]
+        if self._agreement is not None:  # NOTE [ranks agree] in agreement.py: rank 0's
+            mine = [choice, tried, plain, alone, trial_peak]
+            got = json.loads(self._agreement.first_rank(json.dumps(mine).encode()))
+            choice, tried, plain, alone, trial_peak = got
         if choice:
             self._switch(PLAIN if choice == 1 else WHOLE, faster=(plain, alone)[choice - 1] < tried)
             self._trim_heap()  # NOTE [a trim where the plan changes]

@@ -10,6 +10,7 @@ import mmap
 import os
 import random
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -192,3 +193,28 @@ def poison_freed_memory(monkeypatch: pytest.MonkeyPatch, *, jitter_s: float = 0.
     monkeypatch.setattr(slab._Slab, "give", poison_extent)
     monkeypatch.setattr(IOFuture, "run", late_run)
     return seen
+
+
+def on_ranks(world: int, body: Callable[[Any], Any], store: Any = None) -> list[Any]:
+    """``body(agreement)`` on ``world`` threads, each a rank sharing one store (NOTE
+    [ranks agree] in agreement.py); what each returned, or the exception it raised."""
+    import torch.distributed as dist
+
+    from prefetch_offload.agreement import RankAgreement
+
+    store = dist.HashStore() if store is None else store
+    results: list[Any] = [None] * world
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = body(RankAgreement(store, rank, world, name="t"))
+        except Exception as err:  # (returned, for the test to check)
+            results[rank] = err
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    return results

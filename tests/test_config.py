@@ -135,6 +135,7 @@ _usual_value: dict[str, Any] = {
     "model": st.one_of(st.none(), st.just(torch.nn.Sequential(torch.nn.Linear(2, 2)))),
     "recompute": st.sampled_from([None, "full", "auto"]),
     "recompute_blocks": st.one_of(st.none(), st.just(("0",)), st.just((torch.nn.Linear,))),
+    "recompute_ranks": st.sampled_from(["agree", "own"]),
 }
 
 
@@ -267,3 +268,28 @@ def test_a_home_folder_of_nobody_known_is_refused() -> None:
 def test_a_numbered_cuda_device_is_a_cuda_device() -> None:
     assert validate_offload_config("cpu", "transformers", "cuda:1") == []
     assert validate_offload_config("cpu", "transformers", "mps")  # still refused
+
+
+_M = torch.nn.Sequential(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        ({"recompute": "some"}, ValueError, "recompute='some' is not a mode"),
+        ({"recompute": 3, "model": _M}, TypeError, "recompute must be None, 'full', 'auto'"),
+        ({"recompute": "auto"}, ValueError, "needs the model whose blocks it checkpoints"),
+        ({"model": _M}, ValueError, "or drop model="),
+        (
+            {"recompute": "auto", "model": _M, "recompute_ranks": "all"},
+            ValueError,
+            "'agree'.*'own'",
+        ),
+        ({"recompute": "auto", "model": _M, "recompute_ranks": None}, ValueError, "not a choice"),
+    ],
+)
+def test_bad_recompute_settings_are_refused_with_a_fix(
+    kw: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        OffloadConfig(target="disk", save_dir="/tmp/x", **kw)

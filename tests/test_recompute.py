@@ -19,11 +19,14 @@ from typing import Any
 
 import pytest
 import torch
+from engine_helpers import on_ranks
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from prefetch_offload import OffloadFallbackWarning, OffloadStats, offload_context, recompute
+from prefetch_offload.agreement import AGREE_EVERY
 from prefetch_offload.blocks import PLAIN, SELECTIVE, WHOLE
+from prefetch_offload.errors import OffloadError
 from prefetch_offload.peak import PeakSampler
 from prefetch_offload.recompute import AutoDecider
 from prefetch_offload.testing import TinyTransformer, make_batch, warm_up_unary_ops
@@ -130,6 +133,7 @@ def _plan(
     checkpoint_stats: Any = None,
     trim_heap: Callable[[], None] = lambda: None,
     peaks: Any = None,
+    agreement: Any = None,
     **profile: float,
 ) -> AutoDecider:
     """The profiling steps (NOTE [keep, offload, recompute]), each block's share of
@@ -145,6 +149,7 @@ def _plan(
         checkpoint_stats=checkpoint_stats,
         trim_heap=trim_heap,
         peaks=peaks,
+        agreement=agreement,
     )
     per = {"blocks": blocks, "forward_s": 1.0 / blocks}
     whole = _step(decider, fake, ops, step_s=3.0 / blocks, saved=saved, **per)  # type: ignore[arg-type]
@@ -694,6 +699,62 @@ def test_an_unplanned_block_or_op_profiles_again_once() -> None:
     assert decider.mode("Block", 7) == PLAIN and decider._stale  # not profiled
     decider.backward("Block", 7)
     assert decider.mode("Block", 0) == WHOLE and decider.profiling  # the profile again
+
+
+# -- ranks agreeing (NOTE [ranks agree] in agreement.py) --------------------------------------
+
+
+def test_ranks_that_measured_differently_run_rank_0_s_plan_and_trial_verdict() -> None:
+    """Alone, rank 0 plans selective blocks (and tries them, and keeps them: its trial
+    ran 2 s against plain checkpointing's 2.455 s) while rank 1, whose dispatch modes
+    measured 50 times dearer, plans plain checkpointing; agreeing, rank 1 runs rank 0's
+    plan, its reasons and figures, and keeps it though its own trial ran 9 s."""
+    alone = _plan(3.0, 2.5, dispatch_s=0.5, **_SLOW_LINK)
+    assert alone.mode("Block", 0) == PLAIN
+
+    def rank(agreement: Any) -> tuple[Any, ...]:
+        dispatch_s = 0.01 if agreement.rank == 0 else 0.5
+        d = _plan(3.0, 2.5, dispatch_s=dispatch_s, agreement=agreement, **_SLOW_LINK)
+        planned = (d.mode("Block", 0), dict(d.decisions))  # type: ignore[attr-defined]
+        for wall in (2.0, 2.5) if agreement.rank == 0 else (9.0, 9.5):  # the trial's
+            _step(d, d.fake, _OPS, step_s=wall)  # type: ignore[attr-defined]
+        return (*planned, d.mode("Block", 0), d.plan().measured)
+
+    (mode0, dec0, after0, m0), (mode1, dec1, after1, m1) = on_ranks(2, rank)
+    assert mode0 == mode1 == SELECTIVE and dec0 == dec1
+    assert after0 == after1 == SELECTIVE  # kept, as rank 0 judged
+    assert m0["trial_choice"] == m1["trial_choice"] == 0
+    assert m1["trial_step_s"] == pytest.approx(2.0) and m1["ranks_agreeing"] == 2.0
+    assert m0["dispatch_s_per_block"] == m1["dispatch_s_per_block"] == pytest.approx(0.015)
+
+
+def test_a_new_structure_one_rank_saw_profiles_every_rank_again_at_the_check() -> None:
+    """Rank 1 meets a block the profile did not see in the second planned step; alone
+    it would profile again at the next step. Agreeing, both ranks run the plan until
+    the check, every AGREE_EVERY planned steps, then both profile again."""
+
+    def rank(agreement: Any) -> list[bool]:
+        d = _plan(3.0, 2.5, dispatch_s=0.5, agreement=agreement, **_SLOW_LINK)
+        profiling = []
+        for step in range(1, AGREE_EVERY + 1):
+            _step(d, d.fake, _OPS, step_s=3.0)  # type: ignore[attr-defined]
+            profiling.append(d.profiling)
+            if step == 2 and agreement.rank == 1:
+                assert d.mode("Block", 7) == PLAIN  # (unplanned: plainly, as alone)
+        return profiling
+
+    expected = [False] * (AGREE_EVERY - 1) + [True]
+    assert on_ranks(2, rank) == [expected, expected]
+
+
+def test_a_rank_whose_blocks_differ_from_rank_0_s_is_told_what_to_pass() -> None:
+    def rank(agreement: Any) -> Any:
+        return _plan(3.0, 2.5, blocks=3 - agreement.rank, agreement=agreement, **_SLOW_LINK)
+
+    first, second = on_ranks(2, rank)
+    assert isinstance(first, AutoDecider)
+    assert isinstance(second, OffloadError) and 'recompute_ranks="own"' in str(second)
+    assert "its blocks" in str(second)
 
 
 def test_a_step_s_peak_ends_with_its_backward() -> None:

@@ -10,6 +10,7 @@ import copy
 import os
 import shutil
 import socket
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -257,7 +258,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _dist_train(rank: int, wrap: str, save_dir: str | None) -> dict[str, torch.Tensor]:
+def _dist_train(rank: int, wrap: str, save_dir: str | None) -> dict[str, Any]:
     torch.manual_seed(0)
     model: torch.nn.Module = TinyTransformer(vocab=64, width=32, depth=3, heads=2)
     if wrap == "fsdp2":
@@ -282,12 +283,16 @@ def _dist_train(rank: int, wrap: str, save_dir: str | None) -> dict[str, torch.T
             engine.flush()
             loss.backward()
             opt.step()
-    if save_dir is not None:
-        plan = engine.recompute_plan()
-        assert plan is not None and plan.plans_made == 1 and plan.bytes_recomputed > 0
     state = model.state_dict()
     full = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in state.items()}
-    return {k: v.detach().clone() for k, v in full.items()}
+    params = {k: v.detach().clone() for k, v in full.items()}
+    if save_dir is None:
+        return params
+    plan = engine.recompute_plan()
+    assert plan is not None and plan.plans_made == 1 and plan.bytes_recomputed > 0
+    # NOTE [ranks agree]: what each rank runs, to compare across ranks.
+    choices = sorted((op.op, op.choice, op.reason) for op in plan.ops)
+    return {"params": params, "choices": choices, "agreeing": plan.measured.get("ranks_agreeing")}
 
 
 def _dist_rank(rank: int, world: int, port: int, wrap: str, save_dir: str, out: str) -> None:
@@ -298,8 +303,7 @@ def _dist_rank(rank: int, world: int, port: int, wrap: str, save_dir: str, out: 
     try:
         plain = _dist_train(rank, wrap, None)
         recomputed = _dist_train(rank, wrap, save_dir)
-        if rank == 0:
-            torch.save({"plain": plain, "recomputed": recomputed}, out)
+        torch.save({"plain": plain, **recomputed}, f"{out}.{rank}")
         dist.barrier()  # both ranks done before gloo is torn down
     finally:
         dist.destroy_process_group()
@@ -324,9 +328,84 @@ def test_recompute_auto_with_two_ranks_is_bit_identical(tmp_path: Path, wrap: st
         join=True,
         start_method="spawn",
     )
-    result = torch.load(out, weights_only=True)
-    plain, recomputed = result["plain"], result["recomputed"]
+    result, other = (torch.load(f"{out}.{rank}", weights_only=True) for rank in (0, 1))
+    plain, recomputed = result["plain"], result["params"]
+    # NOTE [ranks agree]: rank 1 runs rank 0's plan.
+    assert result["choices"] == other["choices"] and other["agreeing"] == 2.0
     assert plain.keys() == recomputed.keys() and len(plain) > 0
     for k in plain:
         assert torch.equal(plain[k], recomputed[k]), k
     assert list(shared.iterdir()) == []
+
+
+class _ParallelBlock(torch.nn.Module):
+    """A block that runs a collective in its forward (and its backward), as a
+    tensor-parallel block does: ranks must recompute it alike."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_reduce
+
+        h = all_reduce(self.up(x)) / dist.get_world_size()
+        return x + self.down(torch.nn.functional.gelu(h))
+
+
+def _collective_rank(rank: int, world: int, port: int, save_dir: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", "torch.distributed.nn.functional", FutureWarning)
+    # Alone, rank 0 would checkpoint every block and rank 1 would run them whole: rank
+    # 1's recomputes would meet no all-reduce on rank 0.
+    recompute_module.OFFLOAD_ALONE = rank == 1
+    if rank == 1:
+        recompute_module._leanest_of_the_fastest = lambda plans: "alone"  # type: ignore[assignment]
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = {}
+        for target in (None, "disk"):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*[_ParallelBlock(32) for _ in range(4)])
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            kwargs: dict[str, Any] = {"model": model, "recompute": "auto"} if target else {}
+            with offload_context(target, save_dir, min_offload_bytes=0, **kwargs) as engine:
+                for step in range(len(recompute_module._PROFILE) + 4):
+                    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step))
+                    opt.zero_grad(set_to_none=True)
+                    model(x).square().mean().backward()
+                    opt.step()
+            results[str(target)] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            if target:
+                plan = engine.recompute_plan()
+                assert plan is not None
+                blocks = ("blocks_whole", "blocks_plain", "blocks_selective")
+                results["modes"] = {k: plan.measured[k] for k in blocks}  # type: ignore[misc]
+        torch.save(results, f"{out}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@_distributed
+@pytest.mark.slow
+def test_blocks_that_run_collectives_are_recomputed_alike_on_every_rank(tmp_path: Path) -> None:
+    """NOTE [ranks agree]: rank 1 runs rank 0's plan (checkpointed blocks, plain or
+    selective); every all-reduce meets its pair and the parameters match training
+    without offload, bit for bit."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    out = tmp_path / "result.pt"
+    mp.start_processes(
+        _collective_rank,
+        args=(2, _free_port(), str(shared), str(out)),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
+    got = [torch.load(f"{out}.{rank}", weights_only=True) for rank in (0, 1)]
+    assert got[0]["modes"] == got[1]["modes"] and got[0]["modes"]["blocks_whole"] == 0
+    for rank in (0, 1):
+        for k, v in got[rank]["None"].items():
+            assert torch.equal(v, got[rank]["disk"][k]), (rank, k)
