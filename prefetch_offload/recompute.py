@@ -109,8 +109,8 @@
 #   (step 2) count as recomputed in the engine's per-step stats, which see none
 #   of its ops.
 # - A ``device_budget`` below what one block's recompute holds at once (what it
-#   saves for backward, step 1) cannot be met by any plan: one warning says the
-#   smallest reachable.
+#   saves for backward, step 1) cannot be met by any plan: NOTE [a budget no plan
+#   reaches].
 # - Trial: a plan the profile did not run as it is, selective blocks or whole
 #   blocks beside checkpointed ones, runs three steps, and yields to a profiled
 #   plan that ran faster, unless the trial, within 5% of it, held at least 5%
@@ -165,6 +165,24 @@
 # from 13% below to 17% above their median (eight rounds of checkpointing
 # without the engine in the run above), so plans closer than that may go either
 # way; the trial catches a plan clearly slower than one the profile ran.
+#
+# NOTE [a budget no plan reaches]
+# A ``device_budget`` below what one block's recompute holds at once is met by no
+# plan, and the plan that comes closest is every block checkpointed plainly: its
+# block inputs move (or stay, where the budget keeps them), and backward holds one
+# block's recompute at a time. Offload alone holds the budget plus the engine's
+# working window (write batches in flight, the prefetch window), and a selective
+# block its stored outputs as well. So such a budget gets that plan (whole blocks
+# only where a smaller block fits the budget), whatever the profile measured
+# faster, and one warning says the smallest peak reachable: the user asked for
+# memory, and the fastest plan would spend it. A budget of 0 (the default) asks
+# for none: the engine moves what it can, and the fastest plan runs. Measured on
+# the 8-layer Llama of ``bench/recompute.py --model llama`` at 10% of the saved
+# bytes (35 MiB; a layer's recompute holds 43 MiB), one run: the profile measured
+# offload alone faster (1.12 s a step against 1.32 s), and every layer plain ran
+# 1.25 s at a peak of 180 MiB, the least of every mode in the run
+# (``full_offload``, the same plan at a budget of 0: 184 MiB, 1.24 s;
+# ``offload10``, offload alone at this budget: 221 MiB, 1.12 s), moving nothing.
 #
 # NOTE [profiling under trims]
 # The default trim bound follows the bytes the last step moved (NOTE [heap trim]
@@ -1092,12 +1110,19 @@ class AutoDecider:
                 plan[pos] = CheckpointPolicy.PREFER_CPU_OFFLOAD
                 reasons[pos] = ("moving is cheaper than recompute", seconds, move)
                 gain += seconds - move
+        # NOTE [a budget no plan reaches]: then the leanest plan, every block plain.
+        lean = self._unreachable() is not None
         # Selective only where its offloads save more than its dispatch modes cost.
-        selective = gain > overhead * rest
+        selective = not lean and gain > overhead * rest
         if not selective:
-            plain = "block checkpointed plainly: selective would save less than its dispatch costs"
+            plain = (
+                "block checkpointed plainly: device_budget is below what one block's "
+                "recompute holds, and this is the plan that holds least"
+                if lean
+                else "block checkpointed plainly: selective would save less than its dispatch costs"
+            )
             for pos in plan:
-                if plan[pos] in OFFLOAD:
+                if plan[pos] in OFFLOAD or lean:
                     plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
                     reasons[pos] = (plain, reasons[pos][1], reasons[pos][2])
         # Per block the budget does not keep: what the chosen way is expected to take,
@@ -1121,6 +1146,7 @@ class AutoDecider:
         tried = selective or 0 < len(whole) < len(profiled)
         offload_alone = (
             OFFLOAD_ALONE
+            and not lean
             and rest > 0
             and not tried
             and _leanest_of_the_fastest(
@@ -1180,7 +1206,7 @@ class AutoDecider:
         self._profiled, self._share = profiled, share
         self._profiled_plans = {
             "plain": (wall_plain, peak_plain),
-            "alone": (wall_alone if OFFLOAD_ALONE else math.inf, peak_alone),
+            "alone": (wall_alone if OFFLOAD_ALONE and not lean else math.inf, peak_alone),
         }
         self._trial_left = _TRIAL_STEPS + 1 if TRIAL and tried else 0
         self._trial_walls, self._trial_peaks = [], []
@@ -1304,25 +1330,33 @@ class AutoDecider:
         )
         self._share = 1.0 if how == PLAIN else 0.0
 
-    def _warn_budget(self) -> None:
-        if self._warned or self._budget <= 0 or not self._block_bytes:
-            return
-        # What one block's recompute holds at once: what it saves for backward (the
-        # whole-block step), else (nothing reached the engine's tiers) its op outputs.
+    def _unreachable(self) -> tuple[int, str] | None:
+        """What one block's recompute holds at once, and what that is, where it is more
+        than a ``device_budget`` given (NOTE [a budget no plan reaches]); else None."""
+        if self._budget <= 0 or not self._block_bytes:
+            return None  # (0: no budget given; the engine moves what it can)
+        # What it saves for backward (the whole-block step), else (nothing reached the
+        # engine's tiers) its op outputs.
         saved = [s.saved for s in self._spans.get(_WHOLE_ALL_STEP, {}).values() if s.saved > 0]
         floor, what = (
             (max(saved), "what the largest block saves for backward")
             if saved
             else (max(self._block_bytes.values()), "the largest block's op outputs")
         )
-        if floor > self._budget:
+        return (floor, what) if floor > self._budget else None
+
+    def _warn_budget(self) -> None:
+        unreachable = None if self._warned else self._unreachable()
+        if unreachable is not None:
+            floor, what = unreachable
             self._warned = True
             warnings.warn(
                 f"prefetch_offload: device_budget={self._budget} bytes is below what one "
                 f"block's recompute holds at once ({floor} bytes, {what}): no plan reaches "
                 f"it; the smallest reachable is about {floor} bytes plus the tensors saved "
-                "outside the blocks. Raise device_budget to at least that, or split the "
-                "blocks (recompute_blocks=) finer.",
+                "outside the blocks, which every block checkpointed plainly comes closest "
+                "to, and runs. Raise device_budget to at least that, or split the blocks "
+                "(recompute_blocks=) finer.",
                 OffloadFallbackWarning,
                 stacklevel=2,
             )

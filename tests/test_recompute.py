@@ -396,6 +396,26 @@ def test_offload_alone_runs_every_block_whole_where_it_measured_fastest() -> Non
     assert not decider.plan().measured["offload_alone"]
 
 
+def test_a_budget_no_plan_reaches_runs_the_leanest_plan_whatever_ran_faster() -> None:
+    """NOTE [a budget no plan reaches]: each block saves 100 bytes and the budget is
+    50. Offload alone measured fastest, and selective blocks would gain more than
+    their dispatch costs (both plans at a budget of 0, the first lines); under the
+    budget every block is checkpointed plainly, nothing is tried, and one warning says
+    what is reachable."""
+    cheap = [(MM, GB // 2, 0.01), (GELU, GB // 2, 0.01), (VIEW, GB // 2, 0.0)]
+    assert _plan(3.0, 2.5, blocks=2, whole_s=2.0, ops=cheap, **_SLOW_LINK).mode("Block", 0) == WHOLE
+    assert _plan(3.0, 2.5, **_SLOW_LINK).mode("Block", 0) == SELECTIVE
+    for kw in ({"blocks": 2, "whole_s": 2.0, "ops": cheap}, {}):
+        with pytest.warns(OffloadFallbackWarning, match="smallest reachable is about 100 bytes"):
+            decider = _plan(3.0, 2.5, budget=50, saved=100, **kw, **_SLOW_LINK)  # type: ignore[arg-type]
+        blocks = int(kw.get("blocks", 1))  # type: ignore[call-overload]
+        assert [decider.mode("Block", b) for b in range(blocks)] == [PLAIN] * blocks
+        plan = decider.plan()
+        assert not plan.measured["offload_alone"] and plan.bytes_offloaded == 0
+        assert "this is the plan that holds least" in str(plan)
+        assert _planned_steps(decider, [9.0, 9.0, 9.0], blocks) == [PLAIN] * blocks
+
+
 def test_offload_alone_or_plain_is_decided_by_whole_steps_not_block_medians() -> None:
     """Every block whole: two blocks of three took 0.5 s, one 5 s (its reads stalled),
     so the median block (0.5 s) beats a checkpointed one (1 s, less the dispatch modes'
