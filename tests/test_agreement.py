@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from engine_helpers import on_ranks
 
+from prefetch_offload import offload_context
 from prefetch_offload.agreement import RankAgreement
 from prefetch_offload.errors import OffloadError
 
@@ -63,3 +66,28 @@ def test_an_agreement_needs_two_ranks_and_a_rank_among_them(rank: int, world: in
 def test_without_a_process_group_each_rank_decides_alone() -> None:
     assert not dist.is_initialized()
     assert RankAgreement.of_default_group() is None
+
+
+def test_a_torch_without_the_default_store_warns_and_decides_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.delattr(dist.distributed_c10d, "_get_default_store")
+    with pytest.warns(UserWarning, match="each rank decides recompute='auto' alone"):
+        assert RankAgreement.of_default_group() is None
+
+
+@pytest.mark.parametrize("ranks", ["agree", "own"])
+def test_only_agree_asks_for_the_default_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ranks: str
+) -> None:
+    asked: list[int] = []
+    monkeypatch.setattr(RankAgreement, "of_default_group", lambda: asked.append(1))
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
+    with offload_context(
+        "disk", str(tmp_path), model=model, recompute="auto", recompute_ranks=ranks
+    ) as engine:
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert asked == ([1] if ranks == "agree" else [])
+    assert engine.recompute_plan() is not None
