@@ -836,6 +836,15 @@ def _grads(model: nn.Module, steps: int, seq: int | list[int] = 16) -> list[list
     return out
 
 
+def _exact(ref: list[list[torch.Tensor]], got: list[list[torch.Tensor]]) -> bool:
+    """Every step's every gradient bit for bit the same."""
+    return all(
+        torch.equal(a, b)
+        for ga, gb in zip(ref, got, strict=True)
+        for a, b in zip(ga, gb, strict=True)
+    )
+
+
 def _model(depth: int = 4) -> TinyTransformer:
     torch.manual_seed(0)
     return TinyTransformer(vocab=64, width=32, depth=depth, heads=2)
@@ -879,11 +888,7 @@ def test_auto_is_bit_identical_and_plans_once(
     assert not [t for t in threading.enumerate() if t.name == "prefetch_offload-peak"]
     if target == "disk":  # (CPU tensors under target "cpu" stay: no trims, no bound)
         assert len(bases) == steps - 1 and bases[1] == 0  # the first recompute-all step: floor
-    assert all(
-        torch.equal(a, b)
-        for ga, gb in zip(ref, got, strict=True)
-        for a, b in zip(ga, gb, strict=True)
-    )
+    assert _exact(ref, got)
     assert plan is not None and plan.mode == "auto" and plan.plans_made == 1
     if plan.measured["offload_alone"]:  # every block whole: nothing checkpointed
         assert alone and plan.bytes_recomputed == stats.step_bytes_recomputed == 0
@@ -975,11 +980,7 @@ def test_a_trial_that_changes_the_plan_mid_training_stays_bit_identical(
     assert (stats.step_bytes_recomputed > 0) == (to == "plain")
     whole = {"plain": 0, "alone": 4}[to]
     assert plan.measured["blocks_whole"] == whole and plan.plans_made == 1
-    assert all(
-        torch.equal(a, b)
-        for ga, gb in zip(ref, got, strict=True)
-        for a, b in zip(ga, gb, strict=True)
-    )
+    assert _exact(ref, got)
 
 
 class _DropBlock(nn.Module):
@@ -1046,11 +1047,7 @@ def test_blocks_inside_the_model_s_own_checkpoint_replay_their_forward(
     ) as engine:
         got = grads(model)
         plan = engine.recompute_plan()
-    assert all(
-        torch.equal(a, b)
-        for ga, gb in zip(ref, got, strict=True)
-        for a, b in zip(ga, gb, strict=True)
-    )
+    assert _exact(ref, got)
     if how != "full":
         assert plan is not None and plan.plans_made == 1
         assert "3 whole" not in str(plan)  # checkpointed blocks planned
@@ -1103,16 +1100,26 @@ def test_a_new_structure_is_planned_once_more_then_kept(tmp_path: Path) -> None:
         assert plan.plans_made == 2
 
 
-def test_a_budget_no_plan_can_reach_warns_once(tmp_path: Path) -> None:
+def test_a_budget_no_plan_can_reach_warns_once_and_runs_every_block_plain(
+    tmp_path: Path,
+) -> None:
+    """NOTE [a budget no plan reaches]: exact at every step, one warning, and every
+    block checkpointed plainly from the first planned step on."""
     model = _model()
+    steps = len(recompute._PROFILE) + 3
+    ref = _grads(copy.deepcopy(model), steps)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with offload_context(
             "disk", str(tmp_path), model=model, recompute="auto", device_budget=1024
-        ):
-            _grads(model, len(recompute._PROFILE) + 1)
+        ) as engine:
+            got = _grads(model, steps)
     hits = [w for w in caught if issubclass(w.category, OffloadFallbackWarning)]
     assert len(hits) == 1 and "smallest reachable" in str(hits[0].message)
+    plan = engine.recompute_plan()
+    assert plan is not None and plan.measured["blocks_plain"] == 4
+    assert plan.measured["offload_alone"] == 0 and plan.bytes_offloaded == 0
+    assert _exact(ref, got)
 
 
 def test_the_dispatch_cost_is_the_median_block_s_own_time_in_the_modes() -> None:
