@@ -6,6 +6,7 @@ Nothing here imports torch, so that ``bench/report.py`` can use it too.
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import sys
@@ -107,11 +108,14 @@ def machine_line(prog: str, machine: dict[str, Any]) -> str:
 
 def json_header(script: str, words: Sequence[str], machine: dict[str, Any]) -> dict[str, Any]:
     """The keys every benchmark's JSON begins with: the script (``"step.py"``), the command
-    that ran it with ``words`` as its arguments, the machine and its :func:`machine_line`."""
+    that ran it with ``words`` as its arguments (after the allocator's settings, where the
+    environment has them: they change every figure), the machine and its
+    :func:`machine_line`."""
     prog = f"bench/{script}"
+    env = [f"{k}={os.environ[k]}" for k in ("GLIBC_TUNABLES", "LD_PRELOAD") if os.environ.get(k)]
     return {
         "bench": script,
-        "command": shlex.join(["python", prog, *words]),
+        "command": shlex.join([*env, "python", prog, *words]),
         "machine": machine,
         "machine_line": machine_line(prog, machine),
     }

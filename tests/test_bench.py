@@ -432,3 +432,20 @@ def test_the_link_is_measured_on_a_gpu() -> None:
         pytest.skip("no CUDA device")
     link = _load("step")._link_gbps(16 * MiB)
     assert set(link) == {"d2h", "h2d"} and min(link.values()) > 0
+
+
+def test_a_json_s_command_names_the_allocator_settings_it_ran_under(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    text = _load("_text")
+    monkeypatch.setattr(text, "machine_line", lambda prog, machine: "")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    plain = text.json_header("step.py", ["--steps", "2"], {})
+    assert plain["command"] == "python bench/step.py --steps 2"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")
+    tuned = text.json_header("step.py", ["--steps", "2"], {})
+    assert (
+        tuned["command"]
+        == "GLIBC_TUNABLES=glibc.malloc.tcache_count=0 python bench/step.py --steps 2"
+    )
