@@ -3,9 +3,8 @@
 # NOTE [ranks agree]
 # Each rank measures its own steps, and two ranks' steps differ by more than the
 # plans often do, so ranks that decide alone may choose different plans. Under
-# DDP and FSDP2 that costs only time (the slowest rank's plan sets the step;
-# a block's recompute runs no collective: FSDP2 skips its pre-forward unshard
-# while backward has the block unsharded). Where a block runs collectives of
+# DDP, where a block's recompute runs no collective, that costs time (the
+# slowest rank's plan sets the step). Where a block runs collectives of
 # its own (tensor parallelism: a row-parallel linear's all-reduce), a rank that
 # recomputes the block runs them again in backward, and a rank that does not
 # never joins them. In ``test_blocks_that_run_collectives_are_recomputed_alike_on_
@@ -21,7 +20,7 @@
 #   one plan, not a better one.
 # - a new structure (a block or an op position the profile did not see) makes
 #   the ranks profile again only when some rank saw one at a check, every
-#   _AGREE_EVERY planned steps; until then a rank runs an unseen block plainly
+#   AGREE_EVERY planned steps; until then a rank runs an unseen block plainly
 #   and stores an unseen op's output, as a rank deciding alone does in the step
 #   that finds it.
 #
@@ -32,8 +31,9 @@
 # rank whose steps differ) ends in an OffloadError after the store's timeout
 # (``init_process_group(timeout=)``) with what to pass, where a collective would
 # hang for good. The exchanges come at the first block forward of a step, which
-# every rank reaches once every collective of the step before has run on every
-# rank, so waiting there cannot deadlock with the training's own collectives.
+# a rank reaches only once its step before has finished, and in synchronous
+# training that needs every rank to have joined that step's collectives: waiting
+# there cannot deadlock with the training's own collectives.
 # Rank 0 posts and never waits for a plan; the other ranks wait for it. A
 # check of new structures is a barrier: each rank adds its flag and its
 # arrival, and the last to arrive releases the others. Rank 0 deletes the keys
