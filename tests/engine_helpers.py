@@ -9,6 +9,7 @@ import copy
 import mmap
 import os
 import random
+import socket
 import subprocess
 import threading
 import time
@@ -218,3 +219,14 @@ def on_ranks(world: int, body: Callable[[Any], Any], store: Any = None) -> list[
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads)
     return results
+
+
+def on_two_processes(target: Callable[..., None], *args: Any) -> None:
+    """``target(rank, 2, port, *args)`` in two spawned processes, ``port`` a free local
+    one for their process group; raises what either raised."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    mp.start_processes(target, args=(2, port, *args), nprocs=2, join=True, start_method="spawn")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from engine_helpers import on_two_processes
 
 from prefetch_offload import offload_context
 from prefetch_offload.testing import TinyTransformer, make_batch
@@ -23,12 +22,6 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, world: int, port: int, save_dir: str | None, out: str) -> None:
@@ -67,9 +60,7 @@ def _rank(rank: int, world: int, port: int, save_dir: str | None, out: str) -> N
 
 def _train(tmp_path: Path, save_dir: str | None, name: str) -> dict[str, torch.Tensor]:
     out = str(tmp_path / f"{name}.pt")
-    mp.start_processes(
-        _rank, args=(2, _free_port(), save_dir, out), nprocs=2, join=True, start_method="spawn"
-    )
+    on_two_processes(_rank, save_dir, out)
     return torch.load(out, weights_only=True)
 
 
@@ -145,13 +136,7 @@ def test_fsdp2_two_ranks_sharing_one_save_dir(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
     out = tmp_path / "fsdp.pt"
-    mp.start_processes(
-        _fsdp_rank,
-        args=(2, _free_port(), str(shared), str(out)),
-        nprocs=2,
-        join=True,
-        start_method="spawn",
-    )
+    on_two_processes(_fsdp_rank, str(shared), str(out))
     result = torch.load(out, weights_only=True)
     plain, offloaded = result["plain"], result["offloaded"]
     assert plain.keys() == offloaded.keys() and len(plain) > 0

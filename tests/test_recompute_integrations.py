@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import socket
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from engine_helpers import on_two_processes
 from torch.utils.checkpoint import CheckpointPolicy
 
 from prefetch_offload import OffloadError, offload_context
@@ -252,12 +251,6 @@ _distributed = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _dist_train(rank: int, wrap: str, save_dir: str | None) -> dict[str, Any]:
     torch.manual_seed(0)
     model: torch.nn.Module = TinyTransformer(vocab=64, width=32, depth=3, heads=2)
@@ -321,13 +314,7 @@ def test_recompute_auto_with_two_ranks_is_bit_identical(tmp_path: Path, wrap: st
     shared = tmp_path / "shared"
     shared.mkdir()
     out = tmp_path / "result.pt"
-    mp.start_processes(
-        _dist_rank,
-        args=(2, _free_port(), wrap, str(shared), str(out)),
-        nprocs=2,
-        join=True,
-        start_method="spawn",
-    )
+    on_two_processes(_dist_rank, wrap, str(shared), str(out))
     result, other = (torch.load(f"{out}.{rank}", weights_only=True) for rank in (0, 1))
     plain, recomputed = result["plain"], result["params"]
     # NOTE [ranks agree]: rank 1 runs rank 0's plan.
@@ -397,13 +384,7 @@ def test_blocks_that_run_collectives_are_recomputed_alike_on_every_rank(tmp_path
     shared = tmp_path / "shared"
     shared.mkdir()
     out = tmp_path / "result.pt"
-    mp.start_processes(
-        _collective_rank,
-        args=(2, _free_port(), str(shared), str(out)),
-        nprocs=2,
-        join=True,
-        start_method="spawn",
-    )
+    on_two_processes(_collective_rank, str(shared), str(out))
     got = [torch.load(f"{out}.{rank}", weights_only=True) for rank in (0, 1)]
     assert got[0]["modes"] == got[1]["modes"] and got[0]["modes"]["blocks_whole"] == 0
     for rank in (0, 1):
