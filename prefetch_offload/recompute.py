@@ -875,7 +875,7 @@ class AutoDecider:
     def _next_phase(self) -> int:
         """The kind of step _step_started will begin."""
         if self._phase == _PLANNED:  # (with ranks agreeing, this rank's view of a check)
-            checks = self._agreement is None or (self._planned_steps + 1) % AGREE_EVERY == 0
+            checks = self._checks(self._planned_steps + 1)
             return _PROFILE[0] if self._stale and checks else _PLANNED
         following = self._step_no + 1
         return _PROFILE[following] if following < len(_PROFILE) else _PLANNED
@@ -925,14 +925,16 @@ class AutoDecider:
         """Whether the step that begins now profiles again: this rank saw a new structure
         or, with ranks agreeing (NOTE [ranks agree] in agreement.py), some rank saw one
         by a check. Called once per planned step."""
-        stale, self._stale = self._stale, False
-        if self._agreement is None:
-            return stale
         self._planned_steps += 1
-        if self._planned_steps % AGREE_EVERY:
-            self._stale = stale  # (kept for the check)
-            return False
-        return self._agreement.any(stale)
+        if not self._checks(self._planned_steps):
+            return False  # (this rank's new structure waits for the check)
+        stale, self._stale = self._stale, False
+        return stale if self._agreement is None else self._agreement.any(stale)
+
+    def _checks(self, planned_steps: int) -> bool:
+        """Whether the planned step of this number acts on a new structure: every one
+        deciding alone, every AGREE_EVERY-th with ranks agreeing (NOTE [ranks agree])."""
+        return self._agreement is None or planned_steps % AGREE_EVERY == 0
 
     def _ended_peak(self) -> int:
         """The most memory the step that ends now held, from its first block's forward
@@ -1111,7 +1113,8 @@ class AutoDecider:
                 reasons[pos] = ("moving is cheaper than recompute", seconds, move)
                 gain += seconds - move
         # NOTE [a budget no plan reaches]: then the leanest plan, every block plain.
-        lean = self._unreachable() is not None
+        unreachable = self._unreachable()
+        lean = unreachable is not None
         # Selective only where its offloads save more than its dispatch modes cost.
         selective = not lean and gain > overhead * rest
         if not selective:
@@ -1214,7 +1217,7 @@ class AutoDecider:
             self._take_first_ranks_plan(self._agreement)
         self._trial_obs = dict(self._obs) if self._trial_left else {}
         self._last = self._summarize(self._share, self._obs)
-        self._warn_budget()
+        self._warn_budget(unreachable)
 
     def _take_first_ranks_plan(self, agreement: RankAgreement) -> None:
         """Run rank 0's plan (NOTE [ranks agree] in agreement.py): its block modes, its
@@ -1345,9 +1348,9 @@ class AutoDecider:
         )
         return (floor, what) if floor > self._budget else None
 
-    def _warn_budget(self) -> None:
-        unreachable = None if self._warned else self._unreachable()
-        if unreachable is not None:
+    def _warn_budget(self, unreachable: tuple[int, str] | None) -> None:
+        """Warn once where a budget no plan reaches (what :meth:`_unreachable` said)."""
+        if unreachable is not None and not self._warned:
             floor, what = unreachable
             self._warned = True
             warnings.warn(

@@ -299,3 +299,17 @@ def test_capturing_asks_the_named_device(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not streams_module.capturing(torch.device("cpu"))
     assert streams_module.capturing(torch.device("cuda", 1))
     assert current[0] == 0
+
+
+def test_the_side_stream_is_current_inside_and_the_caller_s_after_even_on_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [lean CUDA calls]: _OnStream sets the stream directly (no GPU needed: the
+    setter is recorded)."""
+    seen: list[str] = []
+    monkeypatch.setattr(torch.cuda, "set_stream", seen.append)
+    with streams_module._OnStream("side", "current"):
+        assert seen == ["side"]
+    with pytest.raises(ValueError), streams_module._OnStream("side", "current"):
+        raise ValueError
+    assert seen == ["side", "current", "side", "current"]
