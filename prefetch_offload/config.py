@@ -105,6 +105,13 @@ class _Default:
 _TARGET_DEFAULT: Any = _Default()
 
 
+class _FromTarget(int):
+    """``host_budget`` as target "disk" sets it when none was given (0): an int, and
+    still the target's default to a ``dataclasses.replace`` that changes the target."""
+
+    __slots__ = ()
+
+
 def normalise_save_dir(save_dir: object) -> str | None:
     """The folder a ``save_dir`` names, as the configuration stores it.
 
@@ -200,7 +207,9 @@ class OffloadConfig:
     device_budget: ByteSize = 0
     # Bytes of host RAM that copies of CUDA tensors may hold. Target "cpu": None (no
     # limit) by default; target "disk": 0 by default (host memory only as staging),
-    # and a positive value makes RAM the middle tier before disk.
+    # and a positive value makes RAM the middle tier before disk. A
+    # ``dataclasses.replace`` to target "cpu" of a "disk" configuration that took the
+    # default takes the "cpu" default.
     host_budget: ByteSize | None = _TARGET_DEFAULT
     # Cap on the bytes one prefetch window reads ahead (NOTE [lookahead] in plan.py);
     # None derives it from the measured read bandwidth. An int or "256MiB".
@@ -305,15 +314,17 @@ class OffloadConfig:
                 )
         object.__setattr__(self, "device_budget", parse_bytes("device_budget", self.device_budget))
         host_budget = self.host_budget
-        if host_budget is _TARGET_DEFAULT:
-            host_budget = 0 if self.target == "disk" else None
+        if host_budget is _TARGET_DEFAULT or type(host_budget) is _FromTarget:
+            host_budget = _FromTarget(0) if self.target == "disk" else None
         elif host_budget is None and self.target == "disk":
             raise ValueError(
                 "prefetch_offload: host_budget=None (no limit) needs target 'cpu'; with target "
                 "'disk' give the bytes of RAM host copies may hold before disk, e.g. "
-                'host_budget="32GiB", or 0 to use RAM only as staging.'
+                'host_budget="32GiB", or 0 to use RAM only as staging (a target "cpu" '
+                "configuration's default is None: pass host_budget= to dataclasses.replace "
+                "with the new target)."
             )
-        if host_budget is not None:
+        elif host_budget is not None:
             host_budget = parse_bytes("host_budget", host_budget)
         object.__setattr__(self, "host_budget", host_budget)
         if self.prefetch_bytes is not None:

@@ -158,7 +158,8 @@ def test_a_built_config_rebuilds_from_its_own_fields(kwargs: dict[str, Any]) -> 
     for name in ("device_budget", "host_budget", "prefetch_bytes", "heap_trim_bytes"):
         value = getattr(cfg, name)
         auto = name == "heap_trim_bytes" and value == "auto"
-        assert value is None or type(value) is int or auto, (name, value)
+        whole = isinstance(value, int) and not isinstance(value, bool)  # (a default may
+        assert value is None or whole or auto, (name, value)  # be an int subclass)
     assert cfg.save_dir is None or not cfg.save_dir.startswith("~")
 
 
@@ -293,3 +294,20 @@ def test_bad_recompute_settings_are_refused_with_a_fix(
 ) -> None:
     with pytest.raises(error, match=match):
         OffloadConfig(target="disk", save_dir="/tmp/x", **kw)
+
+
+def test_replacing_the_target_resolves_a_default_host_budget_for_the_new_target(
+    tmp_path: Path,
+) -> None:
+    """A default host_budget follows the target through dataclasses.replace (0 for disk,
+    no limit for cpu); one the user gave stays, and None carried to disk says what to
+    pass."""
+    disk = OffloadConfig(target="disk", save_dir=str(tmp_path))
+    assert disk.host_budget == 0
+    cpu = dataclasses.replace(disk, target="cpu", save_dir=None)
+    assert cpu.host_budget is None
+    assert dataclasses.replace(cpu, target="disk", save_dir=str(tmp_path), host_budget=0) == disk
+    given = OffloadConfig(target="disk", save_dir=str(tmp_path), host_budget=0)
+    assert dataclasses.replace(given, target="cpu", save_dir=None).host_budget == 0
+    with pytest.raises(ValueError, match=r"pass host_budget= to dataclasses\.replace"):
+        dataclasses.replace(cpu, target="disk", save_dir=str(tmp_path))
