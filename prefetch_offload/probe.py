@@ -261,8 +261,8 @@ def probe_bandwidth(
     Raises:
         ValueError: ``save_dir`` is missing, unreachable, not a folder or not
             writable; a size, count or ``repeats`` is not positive; ``total_bytes``
-            is too small for a request per worker; the disk has no room for
-            ``total_bytes``.
+            is too small for a request per worker; the disk (or a file there) has no
+            room for ``total_bytes``.
         TypeError: a size, count or ``repeats`` is not an int.
         OSError: a read or write failed during the measurement.
     """
@@ -292,8 +292,13 @@ def probe_bandwidth(
                 samples[(request, workers)].append(
                     raw_bandwidth(folder, total_bytes, request, workers)
                 )
+            except OverflowError as exc:  # past what a file offset holds
+                raise ValueError(
+                    f"prefetch_offload: total_bytes ({total_bytes}) is larger than a file "
+                    "can be; lower total_bytes."
+                ) from exc
             except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                     raise ValueError(
                         f"prefetch_offload: no room for {total_bytes} bytes in save_dir "
                         f"{folder!r} ({exc.strerror}); lower total_bytes or free space."

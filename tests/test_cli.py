@@ -87,6 +87,20 @@ def test_probe_bad_save_dir(
     assert not (tmp_path / "missing").exists()  # the probe does not create folders
 
 
+@pytest.mark.parametrize("total_mib", [1 << 45, 1 << 30])
+def test_probe_a_size_no_file_can_hold_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], total_mib: int
+) -> None:
+    """Past what a file offset holds (OverflowError) or what the filesystem allows in one
+    file (EFBIG), or more than the disk has (ENOSPC): a usage error saying to lower it,
+    not a traceback or an IO error."""
+    argv = ["probe", "--save-dir", str(tmp_path), "--total-mib", str(total_mib)]
+    assert cli.main([*argv, "--requests", "1", "--workers", "1", "--repeats", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "lower total_bytes" in err
+    assert not list(tmp_path.iterdir())  # no scratch file left
+
+
 @pytest.mark.parametrize(
     "extra",
     [["--requests", "0"], ["--workers", "1,x"], ["--total-mib", "-1"], ["--repeats", "0"]],
