@@ -29,7 +29,13 @@
 # grew the same heap beside its copies (steps 3-6): 610-667 MiB, against 133-222
 # with both off: any offloader that frees activations during forward meets it. A
 # running process can turn off only the fastbins (``mallopt(M_MXFAST, 0)``:
-# 447-761 MiB, no gain); glibc reads the cache's size once, at start. Freeing
+# 447-761 MiB, no gain); glibc reads the cache's size once, at start, and
+# even one cached chunk of each size keeps the holes apart (steps 5-7 of one
+# run each, fastbins off by ``mallopt``, no trims: 583-750 MiB with
+# ``tcache_count=1`` or 3, 263-305 with 0). Emptying the forward thread's cache
+# at the end of each step (taking seven chunks of every cached size and
+# freeing them on a thread whose own cache is full, so that they merge) held
+# 657-802 MiB, against 618-708 with glibc as it starts. Freeing
 # the activations on the forward thread instead of the IO threads changed
 # nothing (543-667), nor did emptying the IO threads' caches into the forward
 # thread (558-724), nor free 96 KiB chunks kept for small requests to split
