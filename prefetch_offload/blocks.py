@@ -46,6 +46,30 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 # on inside ``train()``, after the context is entered, so the check runs at
 # forward time, not at enter.
 #
+# NOTE [reparametrized blocks]
+# ``torch.func.functional_call(model, params, ...)`` puts other tensors in the
+# modules' parameter and buffer slots for the call and the originals back as it
+# returns, before backward. A checkpoint's recompute runs the block again in
+# backward, and would read the originals: a wrong gradient, unseen (as with
+# ``torch.utils.checkpoint`` inside a functional call, but here the wrapping
+# chose the checkpoint). So each checkpointed call notes the tensor in every
+# slot of the block, and a recompute that finds another one there runs with the
+# noted ones put back for its duration, as autograd without a checkpoint would
+# use the forward's own. (FSDP2 puts the same unsharded parameter objects back
+# for backward, so nothing is swapped there.) Not while compiling: the noting
+# would be traced.
+#
+# NOTE [cached prompts]
+# A block called with a key/value cache (``past_key_values`` given to a
+# forward with grad: a cached prompt scored in training) appends its keys to
+# that cache in forward, and a recompute would append them again (a shape
+# error in backward, or attention over twice the keys). Hugging Face's own
+# checkpointing drops such a cache, which changes the result; here the block
+# runs whole instead (not checkpointed: what it saves goes through the hooks
+# as without ``recompute``), and the gradients are those of training without
+# the library. NOTE [kv cache] in kv_cache.py turns the cache off where the
+# caller only asks for one (``use_cache``).
+#
 # NOTE [compiled blocks]
 # A block compiled on its own (``block.compile()``, regional compilation) runs
 # its forward inside the compiled graph, where ops are fused and no dispatch
@@ -62,8 +86,10 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 # without a ``context_fn``: the block is recomputed whole, with no Python per
 # op) or ``WHOLE`` (not checkpointed: autograd saves what it saves, through
 # whatever saved-tensor hooks are active). It is told when each block's forward
-# starts and ends, and, through a gradient hook on the block's first output
-# that requires grad, when backward reaches the block (before its recompute).
+# starts and ends, and, through gradient hooks on the block's outputs that
+# require grad, when backward reaches the block (before its recompute): once a
+# pass, at the first of them that gets a gradient (one the loss does not use,
+# such as router logits with the auxiliary loss off, gets none).
 # A block forward that runs inside a backward replays one: the recompute of a
 # checkpoint the user put around several blocks. It must save what that
 # forward saved, so it runs in the mode the block's last forward outside
@@ -379,7 +405,7 @@ def _checkpointed(
                 "TrainingArguments / do not call gradient_checkpointing_enable(), or pass "
                 "recompute=None to keep Hugging Face's (its block inputs are offloaded)."
             )
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or _holds_cache(args, kwargs):  # NOTE [cached prompts]
             return inner(*args, **kwargs)
         fn = context_fn
         how = SELECTIVE
@@ -419,9 +445,12 @@ def _checkpointed(
                 # positional tensors only, and saves (through the hooks, with their
                 # version check) only tensors passed directly, not inside a container.
                 names = tuple(kwargs)
+                # NOTE [reparametrized blocks]
+                state = None if torch.compiler.is_compiling() else _slots(module)
                 out = checkpoint(
                     _call,
                     inner,
+                    state,
                     len(args),
                     names,
                     *args,
@@ -441,9 +470,64 @@ def _checkpointed(
     return _BlockForward(forward, module, own)
 
 
-def _call(fn: Callable[..., Any], positional: int, names: tuple[str, ...], *flat: Any) -> Any:
-    """``fn`` called with ``flat``'s first ``positional`` values, then the rest by name."""
-    return fn(*flat[:positional], **dict(zip(names, flat[positional:], strict=True)))
+_Slots = list[tuple[dict[str, Any], str, Any]]
+
+
+def _slots(module: nn.Module) -> _Slots:
+    """Every parameter and buffer slot of ``module`` and the tensor in it now (NOTE
+    [reparametrized blocks])."""
+    return [
+        (slots, key, value)
+        for m in module.modules()
+        for slots in (m._parameters, m._buffers)
+        for key, value in slots.items()
+    ]
+
+
+def _call(
+    fn: Callable[..., Any],
+    state: _Slots | None,
+    positional: int,
+    names: tuple[str, ...],
+    *flat: Any,
+) -> Any:
+    """``fn`` called with ``flat``'s first ``positional`` values, then the rest by name;
+    in a recompute, with the forward's tensors in the block's slots (NOTE
+    [reparametrized blocks])."""
+    changed = (
+        []
+        if state is None or not in_backward()
+        else [(slots, key, value) for slots, key, value in state if slots.get(key) is not value]
+    )
+    theirs = [(slots, key, slots.get(key, _MISSING)) for slots, key, _ in changed]
+    try:
+        for slots, key, value in changed:
+            slots[key] = value
+        return fn(*flat[:positional], **dict(zip(names, flat[positional:], strict=True)))
+    finally:
+        for slots, key, value in theirs:
+            if value is _MISSING:
+                slots.pop(key, None)
+            else:
+                slots[key] = value
+
+
+_MISSING = object()
+_CACHE_NAMES = ("past_key_values", "past_key_value", "layer_past")
+
+
+def _holds_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a block call carries a key/value cache (NOTE [cached prompts]): a
+    Hugging Face ``Cache``, or anything under one of its names."""
+    if any(kwargs.get(name) is not None for name in _CACHE_NAMES):
+        return True
+    return any(_is_cache(x) for x in (*args, *kwargs.values()))
+
+
+def _is_cache(x: Any) -> bool:
+    return any(
+        c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(x).__mro__
+    )
 
 
 class _BlockForward:
@@ -478,13 +562,16 @@ class _BlockForward:
 
 
 def _hook_backward(out: Any, call: Callable[[], None]) -> None:
-    """Call ``call`` when backward reaches the first tensor of ``out`` that requires
-    grad (NOTE [block modes])."""
+    """Call ``call`` once per backward pass, when it reaches the first tensor of
+    ``out`` that requires grad and gets a gradient (NOTE [block modes])."""
+    last = [-2]  # the graph task ``call`` ran in last
+
+    def hook(grad: torch.Tensor) -> None:
+        task = _graph_task_id()
+        if task < 0 or task != last[0]:
+            last[0] = task
+            call()
+
     for x in torch.utils._pytree.tree_leaves(out):
         if isinstance(x, torch.Tensor) and x.requires_grad:
-
-            def hook(grad: torch.Tensor) -> None:
-                call()
-
             x.register_hook(hook)
-            return

@@ -27,9 +27,21 @@ learned prefetch order brings it back ahead of the recompute that needs it.
 # does not draw when its ``dropout_p`` is 0, and is treated as any other op.
 #
 # NOTE [cache entry mutation]
-# As in torch's modes, a stored output that is modified in place before the
-# recompute uses it raises (the engine's version check for offloaded outputs,
-# a version counter for saved ones), unless allow_cache_entry_mutation=True.
+# A stored output that is modified in place before the recompute uses it is
+# made again instead where the choice was a ``PREFER_*`` one (every choice of
+# the automatic plan) of an op that writes no input: the recompute replays the
+# block's ops in order, so the op's inputs there are the forward's. A
+# ``MUST_*`` one, or the output of an op that writes its inputs (a buffer's
+# count: running it again would count twice; NOTE [ops that write their
+# inputs]), raises, as in torch's modes. allow_cache_entry_mutation=True hands
+# the stored value out as it is, unchecked (the engine's own version check of
+# an offloaded one too). Its version counter sees a write after the block
+# returned: the saved value's, or, for an offloaded one, a probe's
+# (``_Packed``). Both, and every tensor the engine keeps of the output, are
+# detached inside ``__torch_dispatch__``, where a ``detach()`` shares the
+# counter only under ``_sharing_counters``; without it the engine read a
+# counter of its own, and a write after the block returned reached the
+# recompute unseen.
 # A version counter misses a change made through another tensor over the same
 # memory that does not share it: ``matmul`` on a 3-d input runs ``mm`` and
 # then ``_unsafe_view`` of its output, which has a counter of its own, so a
@@ -120,6 +132,7 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 from .blocks import current_block, current_call, in_backward
 from .errors import OffloadError
 from .packed import view_span
+from .records import version_probe
 from .streams import capturing
 
 __all__ = [
@@ -231,11 +244,18 @@ def _cached_cast(func: Any, args: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.is_leaf and x.requires_grad
 
 
+def _sharing_counters() -> Any:
+    """Inside ``__torch_dispatch__``, a ``detach()`` shares the version counter only
+    under this guard (as torch's modes detach): the engine's detaches too, or its
+    version check would read a counter of its own (NOTE [version check] in records.py)."""
+    return torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False)
+
+
 def _detach(x: Any) -> Any:
     # A view op's output is detached beneath autograd so that the recompute's as_view
     # sees no autograd metadata and the version counter is shared (as torch's modes).
     if isinstance(x, torch.Tensor):
-        with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        with _sharing_counters():
             return x.detach()
     return x
 
@@ -243,7 +263,7 @@ def _detach(x: Any) -> Any:
 class OffloadHooks(Protocol):
     """The engine's side: pack an output away, unpack it for the recompute."""
 
-    def pack_output(self, t: torch.Tensor, *, must: bool) -> Any: ...
+    def pack_output(self, t: torch.Tensor, *, must: bool, checked: bool = True) -> Any: ...
 
     def unpack_output(self, packed: Any) -> torch.Tensor: ...
 
@@ -509,8 +529,10 @@ class _Saving(_Mode):
         hooks: OffloadHooks | None,
         storage: dict[Any, Any],
         stats: CheckpointStats,
+        allow_cache_entry_mutation: bool = False,
     ) -> None:
         super().__init__(decider, hooks, storage, stats)
+        self.allow_mutation = allow_cache_entry_mutation
         self.block = current_block() or ("", -1)
         # NOTE [cache entry mutation]: storage address -> (the storage, weakly, the key
         # of a stored output over it).
@@ -598,15 +620,16 @@ class _Saving(_Mode):
             self.decider.observe(key, func, out, seconds, policy)
         if policy in OFFLOAD and self.hooks is not None:
             must = policy is CheckpointPolicy.MUST_CPU_OFFLOAD
-            hooks = self.hooks
-            value = tree_map(
-                lambda x: (
-                    _Packed(hooks.pack_output(_detach(x), must=must))
-                    if isinstance(x, torch.Tensor)
-                    else x
-                ),
-                out,
-            )
+            hooks, checked = self.hooks, not self.allow_mutation
+            with _sharing_counters():  # NOTE [cache entry mutation]: a later write is seen
+                value = tree_map(
+                    lambda x: (
+                        _Packed(hooks.pack_output(x.detach(), must=must, checked=checked), x)
+                        if isinstance(x, torch.Tensor)
+                        else x
+                    ),
+                    out,
+                )
             self.storage[(func, count)] = _Entry(1, value, None, must, nbytes)
             self._remember((func, count), out)
             self.stats.forward_op(1, nbytes)
@@ -685,8 +708,9 @@ class _Restoring(_Mode):
             # this one keeps the graph (retain_graph=True), as the engine's records do
         block = self.block()
         self.decider.consumed((block[0], block[1], func, count))
+        drawn = None
         if draws_random(func, args, kwargs):  # NOTE [random ops]
-            self._call(func, args, kwargs)
+            drawn = self._call(func, args, kwargs)
         if entry.changed and not self.allow_mutation:  # NOTE [cache entry mutation]
             raise OffloadError(
                 f"prefetch_offload: the output of {func} kept by a selective checkpoint "
@@ -697,10 +721,16 @@ class _Restoring(_Mode):
         if entry.mode == 1:
             hooks = self.hooks
             assert hooks is not None
-            return tree_map(
-                lambda x: hooks.unpack_output(x.handle) if isinstance(x, _Packed) else x,
-                entry.value,
-            )
+            leaves = torch.utils._pytree.tree_leaves(entry.value)
+            if not self.allow_mutation and any(  # NOTE [cache entry mutation]
+                isinstance(x, _Packed) and x.changed() for x in leaves
+            ):
+                return self._instead(func, args, kwargs, entry, drawn, "offloaded")
+            with _sharing_counters():
+                return tree_map(
+                    lambda x: hooks.unpack_output(x.handle) if isinstance(x, _Packed) else x,
+                    entry.value,
+                )
         if not self.allow_mutation:  # NOTE [cache entry mutation]
             for x, v in zip(
                 torch.utils._pytree.tree_leaves(entry.value),
@@ -708,12 +738,26 @@ class _Restoring(_Mode):
                 strict=False,
             ):
                 if isinstance(x, torch.Tensor) and x._version != v:
-                    raise OffloadError(
-                        f"prefetch_offload: the output of {func} saved by a selective "
-                        "checkpoint was modified in place before its recompute; do not "
-                        "modify it, or pass allow_cache_entry_mutation=True."
-                    )
+                    return self._instead(func, args, kwargs, entry, drawn, "saved")
         return entry.value
+
+    def _instead(
+        self, func: Any, args: Any, kwargs: dict[str, Any], entry: _Entry, drawn: Any, how: str
+    ) -> Any:
+        """A stored output changed since it was stored (written after its block
+        returned): made again where the choice was a ``PREFER_*`` one of an op that
+        writes no input, else the checkpoint raises (NOTE [cache entry mutation])."""
+        if entry.must or func._schema.is_mutable:
+            raise _modified(func, how)
+        return drawn if drawn is not None else self._call(func, args, kwargs)
+
+
+def _modified(func: Any, how: str) -> OffloadError:
+    return OffloadError(
+        f"prefetch_offload: the output of {func} {how} by a selective checkpoint was "
+        "modified in place before its recompute; do not modify it, or pass "
+        "allow_cache_entry_mutation=True."
+    )
 
 
 class PlainCounts:
@@ -824,12 +868,21 @@ def plain_contexts(
 
 
 class _Packed:
-    """An output tensor packed by the engine (a leaf of the stored output tree)."""
+    """An output tensor packed by the engine (a leaf of the stored output tree), and
+    its version then, read through a probe that shares its counter (NOTE [cache entry
+    mutation]; None where the tensor type refuses one)."""
 
-    __slots__ = ("handle",)
+    __slots__ = ("handle", "probe", "version")
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, t: torch.Tensor) -> None:
         self.handle = handle
+        # (under _sharing_counters; a wrapper's version the engine checks: NOTE
+        # [wrapper subclasses] in records.py)
+        self.probe = version_probe(t) if _plain(t) else None
+        self.version = t._version
+
+    def changed(self) -> bool:
+        return self.probe is not None and self.probe._version != self.version
 
 
 def selective_contexts(
@@ -841,7 +894,7 @@ def selective_contexts(
 ) -> tuple[TorchDispatchMode, TorchDispatchMode]:
     """The (forward, recompute) contexts for one ``torch.utils.checkpoint`` call."""
     storage: dict[Any, Any] = {}
-    saving = _Saving(decider, hooks, storage, stats)
+    saving = _Saving(decider, hooks, storage, stats, allow_cache_entry_mutation)
     restoring = _Restoring(
         decider, hooks, storage, stats, lambda: saving.block, allow_cache_entry_mutation
     )

@@ -454,6 +454,7 @@ class OffloadEngine:
                 # NOTE [copy streams]: what the copy to the host, now or later, waits for.
                 rec.held = (storage, start, self._device.mark(storage))
                 rec.restored = (weakref.ref(storage), start, None)
+                rec.own = rec.restored[0]  # NOTE [handouts]: its own memory, its counter
             self._seq += 1
             rec.align = (key + start) % 512
             # NOTE [checksums]: bytes no saved view holds, read from the tensor's memory.
@@ -695,8 +696,8 @@ class OffloadEngine:
             return False
         if t.is_cuda and capturing(t.device):
             return False  # side-stream copies and event queries are illegal in a capture
-        if t.is_conj() or t.is_neg() or torch.is_inference(t):
-            return False
+        if t.is_conj() or t.is_neg() or torch.is_inference(t) or t._is_zerotensor():
+            return False  # (a zero tensor, which forward-mode AD saves, has no memory)
         # Autograd hands over views of parameters (weight.t()), not the Parameter.
         base = t._base if t._base is not None else t
         if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
@@ -988,12 +989,16 @@ class OffloadEngine:
         decider = self._decider
         return None if decider is None else decider.plan()
 
-    def pack_output(self, t: torch.Tensor, *, must: bool) -> Any:
+    def pack_output(self, t: torch.Tensor, *, must: bool, checked: bool = True) -> Any:
         """Pack a checkpointed op's output (checkpointing.OffloadHooks); with ``must``
-        it leaves the device whatever ``device_budget`` allows (``MUST_CPU_OFFLOAD``)."""
+        it leaves the device whatever ``device_budget`` allows (``MUST_CPU_OFFLOAD``);
+        unless ``checked``, its unpack skips the version check (the checkpoint's
+        ``allow_cache_entry_mutation=True``: NOTE [cache entry mutation])."""
         packed = self.pack(t)
         if must and isinstance(packed, Handle):
             self._demote_own(packed.record, force=True)
+        if not checked:
+            packed.unchecked()
         return packed
 
     def unpack_output(self, packed: Any) -> torch.Tensor:

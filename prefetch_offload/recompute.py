@@ -1357,8 +1357,9 @@ class AutoDecider:
                 f"prefetch_offload: device_budget={self._budget} bytes is below what one "
                 f"block's recompute holds at once ({floor} bytes, {what}): no plan reaches "
                 f"it; the smallest reachable is about {floor} bytes plus the tensors saved "
-                "outside the blocks, which every block checkpointed plainly comes closest "
-                "to, and runs. Raise device_budget to at least that, or split the blocks "
+                "outside the blocks, which checkpointing every block plainly (but a smaller "
+                "one the budget keeps whole) comes closest to, and runs. Raise "
+                "device_budget to at least that, or split the blocks "
                 "(recompute_blocks=) finer.",
                 OffloadFallbackWarning,
                 stacklevel=2,

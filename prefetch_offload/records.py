@@ -89,13 +89,15 @@
 # counter) given the view's data (``.data =`` keeps the counter). An unpack over
 # the same memory first checks the sentinel's version and raises autograd's
 # error if it moved; memory read afresh gets a new sentinel (its bytes are the
-# written ones). A CPU record still in the saved tensor's own memory hands out
-# over that memory with the tensor's own counter (the record's version probe)
-# as the sentinel, as autograd without hooks would: other saved objects over the
-# same memory (a small view kept for its size, another record) share that
-# counter, and their unpacks see the change too. A write that lands after such
-# a change, or a copy of a device span to the host issued after it, taints the
-# record. The sentinel holds no memory, so it lives as long as the record.
+# written ones). A record still in the saved tensor's own memory (a CPU
+# record's, or a device record's while its device memory is held or still
+# alive) hands out over that memory with the tensor's own counter (the record's
+# version probe) as the sentinel, as autograd without hooks would: other saved
+# objects over the same memory (a small view kept for its size, another record)
+# share that counter, and their unpacks see the change too. A write that lands
+# after such a change, or a copy of a device span to the host issued after it,
+# taints the record. The sentinel holds no memory, so it lives as long as the
+# record.
 #
 # NOTE [no cycles]
 # When an op saves its own output, the tensor handed to pack holds the op's
@@ -196,6 +198,10 @@ class Kept:
         self.version = -1 if torch.is_inference(t) else t._version
         self.step = self.spos = -1
 
+    def unchecked(self) -> None:
+        """Skip the version check at unpack (NOTE [version check])."""
+        self.version = -1
+
     def unpack(self) -> torch.Tensor:
         t = self.tensor
         if self.version >= 0 and t._version != self.version:
@@ -238,10 +244,15 @@ class Wrapped:
         self.owner = weakref.ref(t)
         self.version = t._version
 
+    def unchecked(self) -> None:
+        """Skip the version checks at unpack (NOTE [version check])."""
+        self.version = -1
+        self.inner.unchecked()  # type: ignore[attr-defined]
+
     def check_version(self) -> None:
         """Raise autograd's in-place error if the DTensor changed since it was saved."""
         owner = self.owner()
-        if owner is not None and owner._version != self.version:
+        if owner is not None and self.version >= 0 and owner._version != self.version:
             what = f"a {self.cls.__name__} of shape {list(self.shape)}"
             raise version_error(what, owner._version, self.version)
 
@@ -280,17 +291,23 @@ def version_probe(t: torch.Tensor) -> torch.Tensor | None:
 class Handle:
     """What autograd stores for an offloaded tensor: a view of a record's span."""
 
-    __slots__ = ("pass_no", "record", "view")
+    __slots__ = ("checked", "pass_no", "record", "view")
 
     def __init__(self, record: Record, view: ViewMeta) -> None:
         self.record = record
         self.view = view
         self.pass_no = -1  # NOTE [backward passes]
+        self.checked = True
+
+    def unchecked(self) -> None:
+        """Skip the version check at unpack (NOTE [version check])."""
+        self.checked = False
 
     def check_version(self) -> None:
         """NOTE [version check]: a view shares its record only at the record's version
         (NOTE [dedup]), so the record's check is the view's."""
-        self.record.check_version()
+        if self.checked:
+            self.record.check_version()
 
     def __repr__(self) -> str:
         return f"<prefetch_offload handle {self.record.describe()}>"
@@ -380,7 +397,8 @@ class Record:
         # Whether the device's memory is host memory (CPU tensors): no copies either way.
         self.host_only = engine._device.identity(device)
         # NOTE [handouts]: the saved tensor's own storage, which a read may hand out
-        # after the write has landed and ``source`` has let it go.
+        # after the write has landed and ``source`` has let it go (a device record's
+        # is set by pack, with ``held``).
         self.own = weakref.ref(source[0]) if self.host_only and source is not None else None
         self.seq = seq
         self.pos = self.step = self.spos = -1  # NOTE [lookahead] in plan.py

@@ -30,6 +30,37 @@ from prefetch_offload.testing import TinyTransformer
 Grads = list[torch.Tensor]
 
 
+class ZeroesItsSaved(torch.autograd.Function):
+    """A backward that changes its saved tensor in place (illegal where another node
+    still needs that tensor: autograd without hooks raises at that node's unpack)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        x.zero_()
+        return grad * 2
+
+
+class ReturnsLogits(torch.nn.Module):
+    """Returns an op output (the logits) beside its result, which the block computes
+    from them: a recompute reads the logits, and code after the block may write them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.a(x)
+        z = logits.sum(-1, keepdim=True)  # saves nothing: legal to write logits later
+        return logits, x + self.b(torch.tanh(x)) * z
+
+
 def tiny_model(dtype: torch.dtype = torch.float32, *, seed: int = 0) -> TinyTransformer:
     """A 2-block, width-32 transformer with seeded weights."""
     torch.manual_seed(seed)

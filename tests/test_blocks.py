@@ -369,3 +369,38 @@ def test_each_checkpointed_block_s_inputs_reach_the_engine(
             x.mul_(1)  # a block input changed in place after it was saved
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             h.sum().backward()
+
+
+@pytest.mark.parametrize("recompute", ["full", "auto"])
+def test_a_functional_call_recomputes_with_the_tensors_its_forward_used(
+    tmp_path: Path, recompute: str
+) -> None:
+    """NOTE [reparametrized blocks]: ``torch.func.functional_call`` puts the module's own
+    parameters back before backward; the checkpoint's recompute runs with the call's
+    tensors put back in the block for its duration, and the module keeps its own."""
+    from prefetch_offload import recompute as recompute_module
+    from prefetch_offload.testing import make_batch
+
+    torch.manual_seed(0)
+    base = TinyTransformer(vocab=64, width=32, depth=2, heads=2)
+    steps = len(recompute_module._PROFILE) + 2 if recompute == "auto" else 2
+
+    def run(model: nn.Module) -> list[list[torch.Tensor]]:
+        out = []
+        for step in range(steps):
+            tokens, targets = make_batch(2, 16, vocab=64, seed=step)
+            params = {k: (v.detach() * 1.5).requires_grad_() for k, v in model.named_parameters()}
+            torch.func.functional_call(model, params, (tokens, targets)).backward()
+            out.append([p.grad for p in params.values()])
+        return out
+
+    ref = run(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    own = dict(model.named_parameters())
+    with offload_context(
+        "disk", str(tmp_path), model=model, recompute=recompute, min_offload_bytes=0
+    ):
+        got = run(model)
+    pairs = [(a, b) for ga, gb in zip(ref, got, strict=True) for a, b in zip(ga, gb, strict=True)]
+    assert all(torch.equal(a, b) for a, b in pairs)
+    assert all(p is own[k] for k, p in model.named_parameters())  # the module's own, back

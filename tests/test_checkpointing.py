@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_helpers import ReturnsLogits
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
@@ -377,22 +378,24 @@ class _CountsCalls(nn.Module):
         return self.lin(x).relu()
 
 
+@pytest.mark.parametrize("stored", [P.PREFER_SAVE, P.PREFER_CPU_OFFLOAD])
 @pytest.mark.parametrize("allow", [False, True])
 def test_a_write_to_memory_the_block_did_not_make_follows_the_policy(
-    tmp_path: Path, allow: bool
+    tmp_path: Path, allow: bool, stored: CheckpointPolicy
 ) -> None:
     """NOTE [ops that write their inputs]: a buffer's in-place count is not forced to run
-    again (it would count twice). Stored, its version moved with the write itself: the
-    recompute raises, unless allow_cache_entry_mutation=True, which returns it as it is."""
+    again (it would count twice). Stored, kept or offloaded, its version moved with the
+    write itself: the recompute raises, unless allow_cache_entry_mutation=True, which
+    returns it as it is (an offloaded one unchecked by the engine too)."""
 
     def saves_writes(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return P.PREFER_SAVE if op._schema.is_mutable else P.PREFER_RECOMPUTE
+        return stored if op._schema.is_mutable else P.PREFER_RECOMPUTE
 
     torch.manual_seed(0)
     ref_model = nn.Sequential(_CountsCalls(), _CountsCalls())
     mods = [copy.deepcopy(m) for m in ref_model]
     ref = _mutating_grads(ref_model, 2)
-    with offload_context("disk", str(tmp_path)) as engine:
+    with offload_context("disk", str(tmp_path), min_offload_bytes=0) as engine:
         context_fn = functools.partial(
             engine.checkpoint_context_fn, saves_writes, allow_cache_entry_mutation=allow
         )
@@ -418,6 +421,45 @@ def test_a_write_to_memory_the_block_did_not_make_follows_the_policy(
         got = grads(2)
     assert _same(ref, got)
     assert [int(m.calls) for m in mods] == [2, 2]  # once a step, not again in the recompute
+
+
+@pytest.mark.parametrize("min_offload_bytes", [0, None])
+@pytest.mark.parametrize("stored", [P.PREFER_SAVE, P.PREFER_CPU_OFFLOAD, P.MUST_CPU_OFFLOAD])
+def test_a_stored_output_written_after_the_block_returned_is_made_again(
+    tmp_path: Path, stored: CheckpointPolicy, min_offload_bytes: int | None
+) -> None:
+    """NOTE [cache entry mutation]: the logits, stored and then halved in place by the
+    code after the block (legal without checkpointing), would reach the recompute of
+    the sum halved. Kept in memory or offloaded (the engine's version probe made inside
+    the dispatch mode shares their counter), the change is seen: a ``PREFER_*`` choice
+    makes them again (the gradients are exact), a ``MUST_*`` one raises."""
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return stored if op is torch.ops.aten.addmm.default else P.PREFER_RECOMPUTE
+
+    def step(block: nn.Module, x: torch.Tensor, context_fn: Any = None) -> list[torch.Tensor]:
+        if context_fn is None:
+            logits, y = block(x)
+        else:
+            logits, y = checkpoint(block, x, use_reentrant=False, context_fn=context_fn)
+        logits.mul_(0.5)
+        (y.square().sum() + logits.sum()).backward()
+        return [x.grad, *(p.grad for p in block.parameters())]
+
+    torch.manual_seed(0)
+    block = ReturnsLogits()
+    ref_block = copy.deepcopy(block)
+    x = torch.randn(4, 16)
+    ref = step(ref_block, x.clone().requires_grad_())
+    tuning = {} if min_offload_bytes is None else {"min_offload_bytes": min_offload_bytes}
+    with offload_context("disk", str(tmp_path), **tuning) as engine:
+        context_fn = functools.partial(engine.checkpoint_context_fn, policy)
+        if stored is P.MUST_CPU_OFFLOAD:
+            with pytest.raises(OffloadError, match="modified in place before its recompute"):
+                step(block, x.clone().requires_grad_(), context_fn)
+            return
+        got = step(block, x.clone().requires_grad_(), context_fn)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
 
 
 @pytest.mark.parametrize("must", [P.MUST_CPU_OFFLOAD, P.MUST_SAVE])

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import poison_freed_memory
+from engine_helpers import ZeroesItsSaved, poison_freed_memory
 from torch.utils.checkpoint import checkpoint
 
 from prefetch_offload import OffloadConfig, OffloadEngine, OffloadStats, offload_context
@@ -614,3 +614,27 @@ def test_cuda_recompute_auto_is_exact_and_releases_the_cache_where_the_plan_chan
         plan = engine.recompute_plan()
     assert plan is not None and plan.mode == "auto" and plan.plans_made == 1
     assert emptied
+
+
+@pytest.mark.parametrize("target", ["cpu", "disk"])
+def test_cuda_a_change_in_backward_is_seen_by_a_small_view_kept_before_the_record(
+    save_dir: Path, target: str
+) -> None:
+    """NOTE [handouts]: a record kept in the device tier hands its own device memory out
+    with the saved tensor's version counter, which the small view kept before it shares:
+    the view's unpack raises, as autograd does, instead of reading the zeroed bytes."""
+    x = torch.randn(1 << 14, device="cuda", requires_grad=True)
+    w = torch.randn(8, device="cuda", requires_grad=True)
+
+    def loss() -> torch.Tensor:
+        h = x * 1.5
+        return (h[:8] * w).sum() + ZeroesItsSaved.apply(h).sum()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss().backward()
+    with offload_context(
+        target, min_offload_bytes=4096, device_budget="1GiB", **_kw(target, save_dir)
+    ):
+        y = loss()
+        with pytest.raises(RuntimeError, match=r"inplace|in place"):
+            y.backward()

@@ -3,11 +3,13 @@ double backward, checkpointing with real writes, nested engines, failed forwards
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import pytest
 import torch
 from engine_helpers import (
     Grads,
+    ZeroesItsSaved,
     assert_same_grads,
     engine_with_hooks,
     grads_of,
@@ -466,22 +469,6 @@ def test_requeued_write_that_cannot_create_a_slab_is_an_offload_io_error(
     assert x.grad is not None and torch.equal(x.grad, ref.grad)
 
 
-class _ZeroesItsSaved(torch.autograd.Function):
-    """A backward that changes its saved tensor in place (illegal where another node
-    still needs that tensor: autograd without hooks raises at that node's unpack)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        return x * 2
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors
-        x.zero_()
-        return grad * 2
-
-
 @pytest.mark.parametrize("flush", [False, True], ids=["in-memory", "read-back"])
 def test_a_saved_tensor_changed_in_place_during_backward_raises(
     save_dir: Path, flush: bool
@@ -491,12 +478,12 @@ def test_a_saved_tensor_changed_in_place_during_backward_raises(
     w = torch.randn(4096, requires_grad=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         h = w * 1.5
-        (h.cos() + _ZeroesItsSaved.apply(h)).sum().backward()  # plain autograd raises
+        (h.cos() + ZeroesItsSaved.apply(h)).sum().backward()  # plain autograd raises
     w.grad = None
     with engine_with_hooks(save_dir, min_offload_bytes=0) as engine:
         h = w * 1.5
         z = h.cos()  # saves h
-        y = _ZeroesItsSaved.apply(h)  # saves h again: the same record
+        y = ZeroesItsSaved.apply(h)  # saves h again: the same record
         del h
         if flush:
             engine.flush()
@@ -504,23 +491,76 @@ def test_a_saved_tensor_changed_in_place_during_backward_raises(
             (z + y).sum().backward()  # the zeroing node runs first
 
 
+@contextlib.contextmanager
+def _hooks_on(kind: str, save_dir: Path, **kw: Any) -> Iterator[None]:
+    """Offload hooks on the CPU ("disk") or on the CUDA path's twin ("twin-<target>")."""
+    if kind == "disk":
+        with engine_with_hooks(save_dir, **kw):
+            yield
+    else:
+        with twin_with_hooks(kind.removeprefix("twin-"), save_dir, **kw):
+            yield
+
+
+@pytest.mark.parametrize("kind", ["disk", "twin-cpu", "twin-disk"])
 def test_a_change_in_backward_is_seen_by_a_small_view_kept_before_the_record(
-    save_dir: Path,
+    save_dir: Path, kind: str
 ) -> None:
     """NOTE [handouts]: a small view of h saved (and kept for its size) before h had a
     record shares h's version counter, not the record's sentinel: the handout of h's
-    own memory carries h's counter, so the view's unpack sees the backward's change."""
+    own memory (a CPU record's, or a device record's kept in the device tier) carries
+    h's counter, so the view's unpack sees the backward's change."""
     x = torch.randn(1 << 14, requires_grad=True)
     w = torch.randn(8, requires_grad=True)
 
     def loss() -> torch.Tensor:
         h = x * 1.5
         a = (h[:8] * w).sum()  # saves the 32-byte view h[:8]: kept for its size
-        return a + _ZeroesItsSaved.apply(h).sum()  # its backward runs first
+        return a + ZeroesItsSaved.apply(h).sum()  # its backward runs first
 
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss().backward()  # plain autograd raises at the view's unpack
-    with engine_with_hooks(save_dir, min_offload_bytes=4096, device_budget="1GiB"):
+    with _hooks_on(kind, save_dir, min_offload_bytes=4096, device_budget="1GiB"):
+        y = loss()
+        with pytest.raises(RuntimeError, match=r"inplace|in place"):
+            y.backward()
+
+
+class _UsesItsSaved(torch.autograd.Function):
+    """Saves ``s`` and scales the gradient by its sum in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (s,) = ctx.saved_tensors
+        return grad * s.sum(), None
+
+
+@pytest.mark.parametrize("kind", ["disk", "twin-cpu", "twin-disk"])
+def test_a_change_in_backward_is_seen_by_another_record_over_the_same_memory(
+    save_dir: Path, kind: str
+) -> None:
+    """NOTE [handouts]: two overlapping views of h, neither inside the other and each
+    under half of it, are two records over one memory. Kept in memory (the device tier
+    on the twin), the first one's handout carries h's counter, so the zeroing of its
+    view is seen at the second one's unpack, which would otherwise read the zeroed
+    overlap into a wrong gradient."""
+    w = torch.randn(4, requires_grad=True)
+    x = torch.randn(10000, requires_grad=True)
+
+    def loss() -> torch.Tensor:
+        h = x * 1
+        a, b = h[0:4000], h[3000:7000]
+        out = _UsesItsSaved.apply(w * 1, b)  # b's node runs last
+        return out.sum() + ZeroesItsSaved.apply(a).sum()  # zeroes a, and b's overlap
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss().backward()  # plain autograd
+    with _hooks_on(kind, save_dir, min_offload_bytes=0, device_budget="1GiB"):
         y = loss()
         with pytest.raises(RuntimeError, match=r"inplace|in place"):
             y.backward()
@@ -534,14 +574,14 @@ def test_a_device_span_changed_in_backward_then_demoted_raises_in_the_next_pass(
     autograd raises in the second pass too)."""
     w = torch.randn(4096, requires_grad=True)
     h = w * 1.5
-    y = _ZeroesItsSaved.apply(h)
+    y = ZeroesItsSaved.apply(h)
     y.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()  # plain autograd: the first pass changed h
     nbytes = 4096 * 4
     with twin_with_hooks("cpu", save_dir, device_budget=nbytes) as (engine, _):
         h = w * 1.5
-        y = _ZeroesItsSaved.apply(h)  # h kept on the (twin) device within the budget
+        y = ZeroesItsSaved.apply(h)  # h kept on the (twin) device within the budget
         del h
         y.sum().backward(retain_graph=True)  # changes the span it unpacked
         assert engine.stats().bytes_demoted_to_host == 0

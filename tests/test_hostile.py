@@ -43,6 +43,7 @@ def _make_odd_tensors() -> dict[str, torch.Tensor]:
             bytearray(4 * 4097), dtype=torch.float32, offset=2, count=4096
         ),
         "inference": None,  # filled below
+        "zero_tensor": torch._efficientzerotensor(64, 64),  # no memory (forward-mode AD)
     }
     with torch.inference_mode():
         out["inference"] = torch.randn(64, 64)
@@ -70,6 +71,31 @@ def test_odd_tensors_are_kept_and_returned_unchanged(save_dir: Path, name: str) 
         assert out.data_ptr() == t.data_ptr() and out.stride() == t.stride()
     assert engine.stats().tensors_kept == 1
     assert engine.stats().tensors_offloaded == 0
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_a_step_with_forward_mode_ad_trains_exactly(save_dir: Path) -> None:
+    """Forward-mode AD saves memoryless zero tensors for backward (layer norm's): they
+    stay in memory, and the tangent and gradients match training without offload."""
+    import torch.autograd.forward_ad as fwad
+
+    def step() -> tuple[torch.Tensor, ...]:
+        torch.manual_seed(0)
+        x = torch.randn(4, 8, 32)
+        w = torch.ones(32, requires_grad=True)
+        lin = torch.nn.Linear(32, 32)
+        with fwad.dual_level():
+            dual = fwad.make_dual(x, torch.ones_like(x))
+            out = lin(torch.nn.functional.layer_norm(dual, (32,), w))
+            primal, tangent = fwad.unpack_dual(out)
+        primal.square().sum().backward()
+        assert w.grad is not None and lin.weight.grad is not None
+        return tangent, w.grad, lin.weight.grad
+
+    ref = step()
+    with offload_context("disk", str(save_dir), min_offload_bytes=0):
+        got = step()
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
 
 
 def test_sparse_training_under_offload(save_dir: Path) -> None:

@@ -1145,3 +1145,55 @@ def test_the_dispatch_cost_is_the_median_block_s_own_time_in_the_modes() -> None
     assert measured["dispatch_in_modes_s"] == pytest.approx(0.25)
     assert measured["dispatch_s_per_block"] == pytest.approx(0.375)
     assert "dispatch_paired_s" not in measured
+
+
+class _RoutedBlock(nn.Module):
+    """Returns router logits first, then its result: with the auxiliary loss off, the
+    logits get no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 4)
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.router(x), x + self.b(torch.tanh(self.a(x)))
+
+
+class _Routed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_RoutedBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            _, x = layer(x)  # the router logits unused
+        return x.square().mean()
+
+
+def test_auto_plans_when_a_blocks_first_output_gets_no_gradient(tmp_path: Path) -> None:
+    """NOTE [block modes]: backward reaching a block is heard at whichever output that
+    requires grad gets a gradient first, so the steps still end and the plan is made."""
+    steps = len(recompute._PROFILE) + 2
+
+    def grads(model: nn.Module) -> list[list[torch.Tensor]]:
+        out = []
+        for step in range(steps):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+            model.zero_grad(set_to_none=True)
+            model(x).backward()
+            out.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        return out
+
+    torch.manual_seed(0)
+    ref_model = _Routed()
+    model = copy.deepcopy(ref_model)
+    ref = grads(ref_model)
+    with offload_context(
+        "disk", str(tmp_path), model=model, recompute="auto", min_offload_bytes=0
+    ) as engine:
+        got = grads(model)
+        plan = engine.recompute_plan()
+    assert _exact(ref, got)
+    assert plan is not None and plan.plans_made == 1

@@ -7,6 +7,7 @@ offload or checkpointing.
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import shutil
 import warnings
@@ -123,6 +124,37 @@ def _small_llama(transformers: Any, *, width: int, heads: int) -> Any:
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("recompute", ["full", "auto"])
+def test_a_cached_prompt_scored_with_grad_runs_its_blocks_whole(
+    tmp_path: Path, recompute: str
+) -> None:
+    """NOTE [cached prompts]: a prefix cache filled without grad and passed to a forward
+    with grad would get its keys appended again by a recompute (a shape error in
+    backward); the blocks called with it run whole, and the gradients are exact."""
+    transformers = pytest.importorskip("transformers")
+    base = _small_llama(transformers, width=32, heads=2)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    # transformers 5 names the argument ``cache``, earlier versions ``past_key_values``
+    name = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+    def run(model: Any) -> list[torch.Tensor]:
+        with torch.no_grad():
+            cache = model(input_ids=ids[:, :8], use_cache=True).past_key_values
+        model(input_ids=ids[:, 8:], labels=ids[:, 8:], **{name: cache}).loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    ref = run(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    with offload_context(
+        "disk", str(tmp_path), model=model, recompute=recompute, min_offload_bytes=0
+    ) as engine:
+        got = run(model)
+        recomputed = engine.stats().step_bytes_recomputed
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+    assert recomputed == 0  # every block ran whole
 
 
 @pytest.mark.parametrize("recompute", ["full", "policy"])
