@@ -17,7 +17,7 @@ import os
 import queue
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,19 +79,27 @@ Seen = tuple[torch.Tensor, torch.Size, tuple[int, ...], torch.dtype]
 _STASHED: list[list[Seen]] = []
 
 
-class _Stash(torch.autograd.Function):
-    """Saves any tensors; backward appends copies of what it unpacked to ``_STASHED``."""
+class _Unpacked(torch.autograd.Function):
+    """Saves any tensors; backward hands what it unpacked to ``sink``."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, *saved: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, sink: Callable[[tuple[torch.Tensor, ...]], None], *saved: Any
+    ) -> torch.Tensor:
         ctx.save_for_backward(*saved)
+        ctx.sink = sink
         return x.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         ts = ctx.saved_tensors
-        _STASHED.append([(t.clone(), t.shape, t.stride(), t.dtype) for t in ts])
-        return (grad,) + (None,) * len(ts)
+        ctx.sink(ts)
+        return (grad, None) + (None,) * len(ts)
+
+
+def _stash(ts: tuple[torch.Tensor, ...]) -> None:
+    """Appends copies of what a node unpacked to ``_STASHED``."""
+    _STASHED.append([(t.clone(), t.shape, t.stride(), t.dtype) for t in ts])
 
 
 def _view_family(seed: int) -> list[torch.Tensor]:
@@ -157,7 +165,7 @@ def test_views_saved_in_random_order_with_flushes_come_back_exact(
         i = 0
         while i < len(order):  # nodes of 1 to 5 views, flushes between some of them
             n = rng.randint(1, 5)
-            out = _Stash.apply(out, *(views[k] for k in order[i : i + n]))
+            out = _Unpacked.apply(out, _stash, *(views[k] for k in order[i : i + n]))
             i += n
             if i >= cut and rng.random() < 0.5:
                 engine.flush()
@@ -732,21 +740,6 @@ def test_forwards_on_one_thread_backwards_on_another(
 _KEPT: list[torch.Tensor] = []
 
 
-class _Keep(torch.autograd.Function):
-    """Saves tensors; backward appends what it unpacked (not copies) to ``_KEPT``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, *saved: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(*saved)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        ts = ctx.saved_tensors
-        _KEPT.extend(ts)
-        return (grad,) + (None,) * len(ts)
-
-
 @pytest.mark.parametrize("kind", ["disk", "twin-cpu", "twin-disk"])
 def test_unpacked_tensors_kept_by_the_user_survive_later_steps(
     save_dir: Path, kind: str, monkeypatch: pytest.MonkeyPatch
@@ -766,7 +759,7 @@ def test_unpacked_tensors_kept_by_the_user_survive_later_steps(
             expect += [x.clone() for x in reversed(xs)]  # nodes run in reverse
             out = w * 1
             for x in xs:
-                out = _Keep.apply(out, x)
+                out = _Unpacked.apply(out, _KEPT.extend, x)
             y = (w.sum() * torch.randn(4096)).exp()  # exp saves its output
             loss = out.sum() + y.sum()
             del xs
