@@ -87,9 +87,11 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 # op) or ``WHOLE`` (not checkpointed: autograd saves what it saves, through
 # whatever saved-tensor hooks are active). It is told when each block's forward
 # starts and ends, and, through gradient hooks on the block's outputs that
-# require grad, when backward reaches the block (before its recompute): once a
-# pass, at the first of them that gets a gradient (one the loss does not use,
-# such as router logits with the auxiliary loss off, gets none).
+# require grad (in a pytree or a dataclass; not a leaf such as a parameter the
+# block returns, whose hook would outlive the step), when backward reaches the
+# block (before its recompute): once a pass, at the first of them that gets a
+# gradient (one the loss does not use, such as router logits with the
+# auxiliary loss off, gets none).
 # A block forward that runs inside a backward replays one: the recompute of a
 # checkpoint the user put around several blocks. It must save what that
 # forward saved, so it runs in the mode the block's last forward outside
@@ -102,8 +104,9 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -563,7 +566,7 @@ class _BlockForward:
 
 def _hook_backward(out: Any, call: Callable[[], None]) -> None:
     """Call ``call`` once per backward pass, when it reaches the first tensor of
-    ``out`` that requires grad and gets a gradient (NOTE [block modes])."""
+    ``out`` that the block computed and gets a gradient (NOTE [block modes])."""
     last = [-2]  # the graph task ``call`` ran in last
 
     def hook(grad: torch.Tensor) -> None:
@@ -572,6 +575,17 @@ def _hook_backward(out: Any, call: Callable[[], None]) -> None:
             last[0] = task
             call()
 
-    for x in torch.utils._pytree.tree_leaves(out):
-        if isinstance(x, torch.Tensor) and x.requires_grad:
+    for x in _output_tensors(out):
+        # Not a leaf (a parameter the block returns): a hook on one outlives the step.
+        if x.requires_grad and x.grad_fn is not None:
             x.register_hook(hook)
+
+
+def _output_tensors(out: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a block's output: a pytree's leaves, and a dataclass's fields."""
+    for x in torch.utils._pytree.tree_leaves(out):
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            for field in dataclasses.fields(x):
+                yield from _output_tensors(getattr(x, field.name, None))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -635,6 +636,52 @@ def test_hugging_face_style_keywords_tuples_and_dicts(
         return [x.grad]
 
     _train_alike(tmp_path, monkeypatch, _model(HFModel), step, mode)
+
+
+@dataclasses.dataclass
+class HiddenOut:
+    hidden: torch.Tensor
+    note: str = "a field that is not a tensor"
+
+
+class DataclassBlock(nn.Module):
+    """Returns a dataclass (not a pytree) holding its output, and one of its parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.pos = nn.Parameter(torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> tuple[HiddenOut, torch.Tensor]:
+        return HiddenOut(x + torch.tanh(self.lin(x))), self.pos
+
+
+class DataclassModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(DataclassBlock() for _ in range(3))
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        extra = x.new_zeros(())
+        for layer in self.layers:
+            out, pos = layer(x)
+            x, extra = out.hidden, extra + pos.sum()
+        return self.out(x).square().mean() + extra
+
+
+@pytest.mark.parametrize("mode", [*QUICK, "auto"])
+def test_blocks_returning_a_dataclass_and_a_parameter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """NOTE [block modes] in blocks.py: "auto" hears backward reach a block through the
+    tensors of a dataclass it returns (so it plans), and hooks no parameter a block
+    hands back (that hook would outlive the step, and the context)."""
+    trained = _train_alike(
+        tmp_path, monkeypatch, _model(DataclassModel), _square_mean_step(4, 16), mode
+    )
+    # Each step's forward would have hooked each parameter once more, for good.
+    assert all(not layer.pos._backward_hooks for layer in trained.model.layers)
 
 
 class IntBlock(nn.Module):
