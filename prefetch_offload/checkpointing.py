@@ -25,6 +25,12 @@ learned prefetch order brings it back ahead of the recompute that needs it.
 # offloaded therefore still runs in the recompute; its result is dropped and
 # the stored output returned. An attention kernel tagged so for its dropout
 # does not draw when its ``dropout_p`` is 0, and is treated as any other op.
+# Nor does an op given a ``torch.Generator`` of the caller's own: the checkpoint
+# restores the default generators only, so running it again would advance the
+# caller's generator a second time (and change every later draw from it); its
+# stored output is returned without running it. Recomputing such an op draws
+# other numbers, as it does under torch's own checkpoint: the automatic policy
+# stores it in every plan (NOTE [keep, offload, recompute] in recompute.py).
 #
 # NOTE [cache entry mutation]
 # A stored output that is modified in place before the recompute uses it is
@@ -145,6 +151,7 @@ __all__ = [
     "PlainCounts",
     "PolicyDecider",
     "as_policy",
+    "draws_own_generator",
     "draws_random",
     "graph_kept",
     "op_kind",
@@ -202,16 +209,29 @@ def op_kind(func: Any) -> str:
 
 
 def draws_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether this call of ``func`` draws from the RNG (NOTE [random ops]): tagged
-    ``nondeterministic_seeded``, and not an op whose ``dropout_p`` is 0 (attention
-    kernels carry the tag for their dropout)."""
+    """Whether this call of ``func`` draws from the RNG the checkpoint restores (NOTE
+    [random ops]): tagged ``nondeterministic_seeded``, given no ``generator`` of the
+    caller's own, and not an op whose ``dropout_p`` is 0 (attention kernels carry the
+    tag for their dropout)."""
     if _SEEDED not in func.tags:
         return False
     for i, arg in enumerate(func._schema.arguments):
         if arg.name == "dropout_p":
-            value = kwargs.get("dropout_p", args[i] if i < len(args) else arg.default_value)
-            return bool(value)
+            return bool(kwargs.get(arg.name, args[i] if i < len(args) else arg.default_value))
+        if arg.name == "generator":
+            return kwargs.get(arg.name, args[i] if i < len(args) else None) is None
     return True
+
+
+def draws_own_generator(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this call of ``func`` draws from a ``torch.Generator`` given to it, whose
+    state no checkpoint restores (NOTE [random ops])."""
+    if _SEEDED not in func.tags:
+        return False
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "generator":
+            return kwargs.get("generator", args[i] if i < len(args) else None) is not None
+    return False
 
 
 def output_bytes(out: Any) -> int:

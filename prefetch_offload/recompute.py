@@ -67,7 +67,8 @@
 #   (its output is its input's memory, though its schema marks no alias) and
 #   in-place ops: recomputed (storing one would keep another tensor alive, or
 #   move its bytes twice). Random ops: recomputed (NOTE [random ops] in
-#   checkpointing.py). An output a later op of the forward writes is
+#   checkpointing.py); one given a generator of the caller's own: stored, and
+#   its block never runs plainly (its recompute would draw anew). An output a later op of the forward writes is
 #   recomputed whatever the plan said (NOTE [cache entry mutation]).
 # - Plain or selective: selective only when its offloads save more (compute
 #   time less move cost, summed) than the dispatch modes cost the blocks; else
@@ -286,6 +287,7 @@ from .checkpointing import (
     CheckpointStats,
     OpKey,
     PolicyDecider,
+    draws_own_generator,
     draws_random,
     op_kind,
     output_bytes,
@@ -528,7 +530,8 @@ class _Obs:
     calls: int = 0  # calls in the offload-all step (one per block)
     seconds: list[float] = dataclasses.field(default_factory=list)  # per call, both steps
     consumed: int = 0
-    fixed: str | None = None  # "alias" or "random": recomputed whatever the cost
+    # "alias" or "random": recomputed whatever the cost; "generator": stored whatever it is
+    fixed: str | None = None
 
     @property
     def total_s(self) -> float:
@@ -679,9 +682,13 @@ class AutoDecider:
         self._reasons: dict[Position, tuple[str, float, float]] = {}
         self._modes: dict[tuple[str, int], str] = {}  # per block, once planned
         self._obs: dict[Position, _Obs] = {}
-        # Positions recomputed whatever they cost: "alias" or "random" (decide() sees
-        # the arguments that tell an attention kernel's dropout_p).
+        # Positions recomputed whatever they cost, "alias" or "random" (decide() sees
+        # the arguments that tell an attention kernel's dropout_p), or stored whatever
+        # they cost, "generator" (NOTE [random ops] in checkpointing.py).
         self._fixed: dict[Position, str] = {}
+        # Block classes with an op that draws from a generator of the caller's own: their
+        # blocks never run plainly (their recompute would draw again).
+        self._own_rng: set[str] = set()
         # Per profiling step (its index in _PROFILE): each block's span, and the step's
         # end (the next one's start).
         self._spans: dict[int, dict[tuple[str, int], _Span]] = {}
@@ -730,8 +737,10 @@ class AutoDecider:
             how = self._modes.get((kind, index))
             if how is None:  # a block the profile did not see: profile again
                 self._stale = True
-                return PLAIN
-            if how == PLAIN and self._ckpt_stats is not None:
+                how = PLAIN
+            if how == PLAIN and kind in self._own_rng:  # NOTE [random ops] in
+                return SELECTIVE  # checkpointing.py: its draws are stored
+            if how == PLAIN and (kind, index) in self._modes and self._ckpt_stats is not None:
                 self._ckpt_stats.forward_op(2, self._plain_bytes.get((kind, index), 0))
             return how
 
@@ -789,6 +798,11 @@ class AutoDecider:
     def decide(self, key: OpKey, func: Any, args: Any, kwargs: Any, out: Any) -> CheckpointPolicy:
         with self._lock:
             pos: Position = (key[0], func, key[3])
+            if draws_own_generator(func, args, kwargs):  # NOTE [random ops]
+                self._own_rng.add(key[0])
+                if self._phase == _OFFLOAD_ALL:
+                    self._fixed[pos] = "generator"
+                return CheckpointPolicy.PREFER_CPU_OFFLOAD
             random = draws_random(func, args, kwargs)
             fixed = random or _aliases(func)
             if fixed and self._phase == _OFFLOAD_ALL:
@@ -1087,7 +1101,11 @@ class AutoDecider:
         free = []
         candidates = []
         for pos, obs in self._obs.items():
-            if obs.fixed is not None:
+            if obs.fixed == "generator":  # NOTE [random ops] in checkpointing.py
+                plan[pos] = CheckpointPolicy.PREFER_CPU_OFFLOAD
+                why = "draws from a generator of the caller's own, which no recompute restores"
+                reasons[pos] = (why, obs.total_s, 0.0)
+            elif obs.fixed is not None:
                 plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
                 why = "aliases another tensor" if obs.fixed == "alias" else "draws random numbers"
                 reasons[pos] = (why, obs.total_s, 0.0)
@@ -1125,7 +1143,7 @@ class AutoDecider:
                 else "block checkpointed plainly: selective would save less than its dispatch costs"
             )
             for pos in plan:
-                if plan[pos] in OFFLOAD or lean:
+                if (plan[pos] in OFFLOAD or lean) and self._fixed.get(pos) != "generator":
                     plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
                     reasons[pos] = (plain, reasons[pos][1], reasons[pos][2])
         # Per block the budget does not keep: what the chosen way is expected to take,
@@ -1315,7 +1333,11 @@ class AutoDecider:
         )
         if how == PLAIN:
             why = f"plain checkpointing of every block {than}"
-            moved = [pos for pos, policy in self._plan.items() if policy in OFFLOAD]
+            moved = [
+                pos
+                for pos, policy in self._plan.items()
+                if policy in OFFLOAD and self._fixed.get(pos) != "generator"
+            ]
         else:
             why = f"offload alone {than}"
             moved = list(self._plan)

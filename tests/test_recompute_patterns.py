@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -24,7 +25,7 @@ import torch
 from engine_helpers import ReturnsLogits
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from prefetch_offload import (
     OffloadEngine,
@@ -1165,6 +1166,74 @@ def test_out_of_place_random_ops_draw_alike(
 
     base = _model(lambda: nn.Sequential(*(RandomBlock() for _ in range(3))))
     _train_alike(tmp_path, monkeypatch, base, step, mode)
+
+
+class OwnGeneratorBlock(nn.Module):
+    """Noise from a generator of the block's own, beside dropout from the default one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.g = torch.Generator().manual_seed(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(torch.tanh(self.a(x)), 0.2)
+        return x + h * torch.rand(h.shape, generator=self.g)
+
+
+@pytest.mark.parametrize("mode", ["selective", "plain", "all-saved", "all-offloaded", "auto"])
+def test_random_ops_on_a_generator_of_the_block_s_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """NOTE [random ops] in checkpointing.py: a stored draw from a generator the block
+    owns is not drawn again in the recompute (the checkpoint does not restore that
+    generator), and "auto" stores it in every plan, so every step and the generator's
+    state after it are those of training without checkpointing. (A policy that
+    recomputes it draws anew, as under torch's own checkpoint.)"""
+
+    def step(m: nn.Module, s: int) -> StepResult:
+        x = _seeded(s, 4, 16)
+        m(x).square().mean().backward()
+        return [x.grad, torch.rand(2, generator=m[0].g)]
+
+    base = _model(lambda: nn.Sequential(*(OwnGeneratorBlock() for _ in range(3))))
+    if mode == "plain":  # "auto" planning every block plain: these run selective
+        monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
+        monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", 1e9)
+        monkeypatch.setattr(recompute, "TRIAL", False)
+    trained = _train_alike(tmp_path, monkeypatch, base, step, "auto" if mode == "plain" else mode)
+    if mode in ("selective", "plain"):  # ("auto" runs these toys whole)
+        assert "generator of the caller's own" in str(trained.plan)
+
+
+def _own_draws_saved(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return P.MUST_SAVE if kwargs.get("generator") is not None else P.PREFER_RECOMPUTE
+
+
+def test_a_checkpoint_context_fn_stores_a_draw_from_an_own_generator(tmp_path: Path) -> None:
+    """The same through ``engine.checkpoint_context_fn`` in the user's own checkpoint."""
+    base = _model(lambda: nn.Sequential(*(OwnGeneratorBlock() for _ in range(2))))
+
+    def train(model: nn.Module, wrap: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> list:
+        out = []
+        for s in range(3):
+            model.zero_grad()
+            torch.manual_seed(s)
+            h = _seeded(s, 4, 16)
+            for block in model:
+                h = wrap(block, h)
+            h.square().mean().backward()
+            out.append(_snapshot(model, [torch.rand(2, generator=model[0].g)]))
+        return out
+
+    ref = train(copy.deepcopy(base), lambda b, h: b(h))
+    with offload_context("disk", str(tmp_path), min_offload_bytes=0) as engine:
+        fn = functools.partial(engine.checkpoint_context_fn, _own_draws_saved)
+        got = train(
+            copy.deepcopy(base),
+            lambda b, h: checkpoint(b, h, use_reentrant=False, context_fn=fn),
+        )
+    _assert_same_steps(ref, got)
 
 
 @pytest.mark.parametrize("mode", QUICK)
