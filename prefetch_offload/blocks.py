@@ -94,15 +94,22 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 # auxiliary loss off, gets none).
 # A block forward that runs inside a backward replays one: the recompute of a
 # checkpoint the user put around several blocks. It must save what that
-# forward saved, so it runs in the mode the block's last forward outside
-# backward had, and the caller is neither asked nor told (its steps and
-# timings are the forward's). Under a reentrant checkpoint the forward runs
+# forward saved, so it runs in the mode that forward had, and the caller is
+# neither asked nor told (its steps and timings are the forward's). Which
+# forward: with micro-batches in flight (a pipeline's one forward, one backward)
+# the block's last forward may be a later micro-batch's, run after the plan
+# moved on. The recompute runs inside the backward of a node that forward made
+# (its first saved tensor that backward unpacks), so the block keeps the
+# autograd sequence number each recent forward began at, and a replay takes
+# the latest forward that began before that node was made (the last one where
+# no node runs, or none began before it). Under a reentrant checkpoint the forward runs
 # without grad and so is not seen: its recompute is the block's first run with
 # grad, asked and told as a forward.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import threading
@@ -364,6 +371,8 @@ class WrappedBlocks:
 # (NOTE [op keys] in checkpointing.py): its class name and position.
 _local = threading.local()
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+# The autograd sequence number the next node made on this thread gets.
+_sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
 
 
 def in_backward() -> bool:
@@ -396,8 +405,10 @@ def _checkpointed(
     inner = own if own is not None else type(module).forward.__get__(module)
     kind = type(module).__name__
     # NOTE [block modes]: the mode of the last forward outside backward (None: no such
-    # forward yet, as under a reentrant checkpoint, whose forward runs without grad).
+    # forward yet, as under a reentrant checkpoint, whose forward runs without grad),
+    # and of the recent ones, each with the autograd sequence number it began at.
     last: list[str | None] = [None]
+    history: collections.deque[tuple[int, str]] = collections.deque(maxlen=_HISTORY)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if getattr(module, "gradient_checkpointing", False):  # NOTE [double checkpointing]
@@ -421,12 +432,13 @@ def _checkpointed(
             backward = in_backward()
             replay = backward and last[0] is not None
             if replay:
-                how = last[0]  # type: ignore[assignment]
+                how = _replayed(history, last[0])  # type: ignore[arg-type]
             else:
                 how = modes.mode(kind, index)
                 modes.entered(kind, index)
                 if not backward:
                     last[0] = how
+                    history.append((_sequence_nr(), how))
         extra: dict[str, Any] = {}
         if fn is not None and how == SELECTIVE:
             extra["context_fn"] = fn
@@ -562,6 +574,24 @@ class _BlockForward:
         if self._own is None:
             return type(self._module).forward.__get__(clone)  # the class's forward
         return copy.deepcopy(self._own, memo)  # a forward of the block's own (a wrapper)
+
+
+# NOTE [block modes]: the forwards of a block whose modes a replay looks up (micro-batches
+# a pipeline schedule has in flight at once).
+_HISTORY = 64
+
+
+def _replayed(history: collections.deque[tuple[int, str]], last: str) -> str:
+    """The mode of the forward that a replay inside backward runs again (NOTE [block
+    modes]): the latest one that began before the node backward runs now was made."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return last
+    made = node._sequence_nr()
+    for began, how in reversed(history):
+        if began <= made:
+            return how
+    return last
 
 
 def _hook_backward(out: Any, call: Callable[[], None]) -> None:

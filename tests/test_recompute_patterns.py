@@ -420,6 +420,51 @@ def test_gradient_accumulation(
     _train_alike(tmp_path, monkeypatch, _model(Stack), step, mode)
 
 
+class ChecksPairs(nn.Module):
+    """Puts its own non-reentrant checkpoint around each pair of its blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MLPBlock(p=0.2) for _ in range(4))
+        self.out = nn.Linear(16, 1)
+
+    def _pair(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        return self.layers[i + 1](self.layers[i](x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in (0, 2):
+            x = checkpoint(self._pair, x, i, use_reentrant=False)
+        return self.out(x).square().mean()
+
+
+@pytest.mark.parametrize("mode", ["auto", "full", "all-offloaded"])
+@pytest.mark.parametrize("schedule", ["one-forward-one-backward", "reversed"])
+def test_micro_batches_in_flight_through_the_model_s_own_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, schedule: str
+) -> None:
+    """NOTE [block modes] in blocks.py: with several micro-batches in flight (a
+    pipeline's one forward, one backward; or every forward, then the backwards in
+    reverse), the model's own checkpoint replays each block as the forward of its own
+    micro-batch ran it, though the plan moved on between that forward and the replay."""
+
+    def step(m: nn.Module, s: int) -> StepResult:
+        xs = [_seeded(10 * s + i, 4, 16) for i in range(4)]
+        if schedule == "reversed":
+            losses = [m(x) for x in xs]
+            for loss in reversed(losses):
+                loss.backward()
+        else:
+            losses = [m(xs[0]), m(xs[1])]
+            for i in range(2, 4):
+                losses[i - 2].backward()
+                losses.append(m(xs[i]))
+            losses[2].backward()
+            losses[3].backward()
+        return [x.grad for x in xs]
+
+    _train_alike(tmp_path, monkeypatch, _model(ChecksPairs), step, mode)
+
+
 @pytest.mark.parametrize("mode", [*QUICK, "auto"])
 @pytest.mark.parametrize("how", ["no-grad", "inference-mode", "grad-kept-then-dropped"])
 def test_an_evaluation_forward_between_steps(
