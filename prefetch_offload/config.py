@@ -145,6 +145,11 @@ def normalise_save_dir(save_dir: object) -> str | None:
     return save_dir
 
 
+# The most IO threads a context starts, and the largest file offset (a slab's size).
+_MAX_IO_WORKERS = 1024
+_MAX_FILE_BYTES = (1 << 63) - 1
+
+
 def _check_int(name: str, value: object, minimum: int, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
@@ -260,6 +265,11 @@ class OffloadConfig:
             "Use 0 for synchronous reads or a small lookahead such as 4.",
         )
         _check_int("io_workers", self.io_workers, 1, "Use at least 1 IO thread, e.g. 2.")
+        if self.io_workers > _MAX_IO_WORKERS:
+            raise ValueError(
+                f"prefetch_offload: io_workers must be at most {_MAX_IO_WORKERS} (one thread "
+                f"each), got {self.io_workers}; a few per disk suffice, e.g. 2 to 8."
+            )
         _check_int(
             "min_offload_bytes",
             self.min_offload_bytes,
@@ -281,6 +291,12 @@ class OffloadConfig:
         for name in ("chunk_bytes", "slab_bytes"):
             value = getattr(self, name)
             _check_int(name, value, _ALIGN, f"Use a multiple of {_ALIGN} bytes.")
+            if value > _MAX_FILE_BYTES:
+                raise ValueError(
+                    f"prefetch_offload: {name} must be at most {_MAX_FILE_BYTES} (what a "
+                    f"file offset holds), got {value}; the default is "
+                    f"{getattr(OffloadConfig, name)}."
+                )
             if value % _ALIGN:
                 raise ValueError(
                     f"prefetch_offload: {name} must be a multiple of {_ALIGN}, got {value}; "

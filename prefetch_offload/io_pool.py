@@ -186,12 +186,15 @@ class ThreadIOPool(IOPool):
         self._heap: list[tuple[int, int, IOFuture[object]]] = []
         self._seq = itertools.count()
         self._stopping = False
-        self._threads = [
-            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-            for i in range(workers)
-        ]
-        for t in self._threads:
-            t.start()
+        self._threads: list[threading.Thread] = []
+        try:
+            for i in range(workers):
+                t = threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                t.start()  # (may fail: a limit on threads)
+                self._threads.append(t)
+        except BaseException:
+            self.shutdown()  # the threads already started stop
+            raise
 
     def submit(self, fn: Callable[[], T], priority: int) -> IOFuture[T]:
         fut: IOFuture[T] = IOFuture(fn)

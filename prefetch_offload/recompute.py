@@ -68,8 +68,9 @@
 #   in-place ops: recomputed (storing one would keep another tensor alive, or
 #   move its bytes twice). Random ops: recomputed (NOTE [random ops] in
 #   checkpointing.py); one given a generator of the caller's own: stored, and
-#   its block never runs plainly (its recompute would draw anew). An output a later op of the forward writes is
-#   recomputed whatever the plan said (NOTE [cache entry mutation]).
+#   its block never runs plainly (its recompute would draw anew). An output a
+#   later op of the forward writes is recomputed whatever the plan said (NOTE
+#   [cache entry mutation]).
 # - Plain or selective: selective only when its offloads save more (compute
 #   time less move cost, summed) than the dispatch modes cost the blocks; else
 #   every non-whole block is checkpointed plainly and its ops all recompute.

@@ -476,9 +476,15 @@ class WritePath:
         try:
             extent = self._store.allocate(nbytes)
         except OSError as exc:
+            fix = (
+                f"Lower slab_bytes ({self.config.slab_bytes}): the folder's filesystem holds "
+                "no file that large."
+                if exc.errno == errno.EFBIG
+                else "Check the folder's permissions and space."
+            )
             raise OffloadIOError(
                 f"prefetch_offload: could not create a slab file in "
-                f"{self.config.save_dir!r}: {exc}. Check the folder's permissions and space."
+                f"{self.config.save_dir!r}: {exc}. {fix}"
             ) from exc
         if extent is None:
             self.note_no_space("the slab reservation failed")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import gc
 import os
 import threading
@@ -467,6 +468,24 @@ def test_requeued_write_that_cannot_create_a_slab_is_an_offload_io_error(
     ref = x.detach().clone().requires_grad_()
     sum((ref * (i + 2)).sin().sum() for i in range(4)).backward()
     assert x.grad is not None and torch.equal(x.grad, ref.grad)
+
+
+def test_a_slab_larger_than_a_file_can_be_says_to_lower_slab_bytes(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EFBIG from the slab's reservation (slab_bytes past the filesystem's largest
+    file): the OffloadIOError names slab_bytes, not the folder's permissions."""
+    x = torch.randn(1 << 14, requires_grad=True)
+    with engine_with_hooks(save_dir) as engine:
+        assert engine._store is not None
+
+        def too_large(n: int) -> None:
+            raise OSError(errno.EFBIG, "File too large")
+
+        monkeypatch.setattr(engine._store, "allocate", too_large)
+        with pytest.raises(OffloadIOError, match="Lower slab_bytes") as info:
+            (x * 7).sin()
+        assert info.value.__cause__.errno == errno.EFBIG  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("flush", [False, True], ids=["in-memory", "read-back"])

@@ -141,3 +141,25 @@ def test_shutdown_finishes_queued_jobs_and_stops_threads() -> None:
     assert not any(t.is_alive() for t in pool.threads)
     with pytest.raises(RuntimeError, match="after shutdown"):
         pool.submit(lambda: None, READ)
+
+
+def test_a_thread_that_cannot_start_stops_those_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A limit on threads met part way: the error goes up, and the threads already
+    started stop (none is left waiting for jobs for good)."""
+    start = threading.Thread.start
+    started: list[threading.Thread] = []
+
+    def limited(self: threading.Thread) -> None:
+        if len(started) == 2:
+            raise RuntimeError("can't start new thread")
+        start(self)
+        started.append(self)
+
+    monkeypatch.setattr(threading.Thread, "start", limited)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        ThreadIOPool(4)
+    monkeypatch.undo()
+    assert len(started) == 2
+    for t in started:
+        t.join(5)
+    assert not any(t.is_alive() for t in started)
