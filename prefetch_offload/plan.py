@@ -360,9 +360,10 @@ class PrefetchPlan:
         logger.warning(
             "prefetch_offload: one autograd node unpacked %d of the %d saved tensors of a step "
             "at once, so backward needs them all before it computes anything and no prefetch "
-            "can overlap their reads with compute. This is what compiling the whole model as "
-            "one graph does. Compile each block instead (for block in model.layers: "
-            "block.compile()), so that each block's reads overlap the next block's backward.",
+            "can overlap their reads with compute. Compiling the whole model as one graph does "
+            "this (so does one custom autograd Function saving most of a step). Compile each "
+            "block instead (for block in model.layers: block.compile()), so that each block's "
+            "reads overlap the next block's backward.",
             biggest,
             total,
         )
