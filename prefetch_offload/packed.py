@@ -41,6 +41,7 @@ __all__ = [
     "is_dense",
     "make_view",
     "new_read_buffer",
+    "source_address",
     "source_buffer",
     "span_bytes",
     "span_part",
@@ -107,13 +108,19 @@ class Span:
         return _round_up(self.pad + self.nbytes, ALIGN)
 
 
+def source_address(storage: torch.UntypedStorage, base: int, span: Span) -> int:
+    """Where the whole pages holding ``span`` (at ``base`` in ``storage``) begin now."""
+    return storage.data_ptr() + base - span.pad
+
+
 def source_buffer(storage: torch.UntypedStorage, base: int, span: Span) -> memoryview:
     """A read-only byte view of the whole pages holding ``span`` (at ``base`` in ``storage``).
 
-    The view aliases the storage's memory: the caller keeps ``storage`` alive until
-    every request reading from the view has finished.
+    The view aliases the storage's memory: the caller keeps ``storage`` alive, and
+    at that address, until every request reading from the view has finished (NOTE
+    [moved storages] in writer.py).
     """
-    start = storage.data_ptr() + base - span.pad
+    start = source_address(storage, base, span)
     raw = (ctypes.c_char * span.extent_bytes).from_address(start)
     return memoryview(raw).cast("B").toreadonly()
 

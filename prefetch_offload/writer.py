@@ -69,6 +69,20 @@
 # once for the write, could differ, and a good tensor would fail its read. Such
 # a record (``exposed``) is written staged (NOTE [write staging]) and checksummed
 # from the staging copy, which is exactly what reaches the disk.
+#
+# NOTE [moved storages]
+# A CPU record's write reads its bytes from the saved tensor's own storage, at
+# the address that storage had when the record was queued. A storage can move
+# without a new version: ``untyped_storage().resize_()`` (or ``resize_`` of a
+# tensor sharing it, ``x.data``) reallocates it and copies its bytes, and
+# autograd without hooks reads the saved tensor through the storage, wherever
+# it now is. Read at the old address, the write would copy freed memory. So a
+# write job first compares each record's storage address with the one queued,
+# and a record whose storage moved is not written: it stays in memory, as a
+# record whose write the tail skipped (NOTE [write tail]), and comes back
+# through its storage, as autograd's would. A storage that moves while its
+# write runs makes the record tainted (NOTE [version check] in records.py): its
+# unpack raises, never returns the bytes read.
 """
 
 from __future__ import annotations
@@ -92,7 +106,7 @@ from .buffers import HostBufferPool
 from .config import OffloadConfig
 from .errors import OffloadFallbackWarning, OffloadIOError
 from .io_pool import WRITE, IOFuture, IOPool
-from .packed import source_buffer, span_part
+from .packed import source_address, source_buffer, span_part
 from .policy import DEVICE, HOST, TierPolicy
 from .profiling import profiler_range
 from .slab import Extent, SlabStore
@@ -109,7 +123,17 @@ _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _STAGE_BYTES = 2 << 20
 
 # A record queued for writing: its pieces (views of its host bytes) and its copy's fence.
-_Pending = tuple["_Record", list[memoryview], Fence | None]
+# A record queued for writing: its pieces, the fence its host copy waits on, and the
+# address its pieces read from (NOTE [moved storages]).
+_Pending = tuple["_Record", list[memoryview], Fence | None, int]
+
+
+def _moved(item: _Pending) -> bool:
+    """Whether the storage a queued record's pieces read from has moved since (NOTE
+    [moved storages])."""
+    rec, _, _, address = item
+    source = rec.source
+    return source is not None and source_address(source[0], source[1], rec.span) != address
 
 
 class _Job:
@@ -249,7 +273,7 @@ class WritePath:
             if self.config.verify:  # NOTE [checksums]
                 rec.crcs = [(lo, hi, 0) for lo, hi in itertools.pairwise(pieces)]
             views = [src[lo:hi] for lo, hi in itertools.pairwise(pieces)]
-            self._open.append((rec, views, fence))
+            self._open.append((rec, views, fence, source_address(host, base, rec.span)))
             self._open_bytes += nbytes
             # NOTE [write batches]: full, unless the record's other views may come next.
             batch = self._take_batch() if self._open_bytes >= target and not rec.exposed else None
@@ -275,7 +299,7 @@ class WritePath:
                 if not job.started:
                     job.void = True
                     self._open[:0] = batch
-                    self._open_bytes += sum(rec.span.extent_bytes for rec, _, _ in batch)
+                    self._open_bytes += sum(rec.span.extent_bytes for rec, *_ in batch)
                     self._writes_idle.notify_all()  # a pack waiting at the cap submits it
                 else:  # running with no future kept: wait() waits for it by its event
                     self._unfollowed.append(job)
@@ -288,7 +312,7 @@ class WritePath:
             tail = self._tail  # NOTE [write tail]
             while tail and tail[0][0].done():
                 tail.popleft()
-            tail.append((fut, [weakref.ref(rec) for rec, _, _ in batch]))
+            tail.append((fut, [weakref.ref(rec) for rec, *_ in batch]))
 
     def _write_batch(self, job: _Job) -> None:
         """IO job: write a batch (NOTE [write batches]); ``job.done`` is set as it ends."""
@@ -303,7 +327,7 @@ class WritePath:
             if job.void:
                 return  # its submit was interrupted after queueing it: the batch went back
             job.started = True
-        batch = job.batch
+        batch = self._moved_kept(job.batch)  # NOTE [moved storages]
         store = self._store
         runs: list[list[_Pending]] = []
         for item in batch:
@@ -320,16 +344,16 @@ class WritePath:
             exc: BaseException | None = None
             culprit = run[0][0]  # the record to name if the run fails
             with self._lock:  # NOTE [dedup]: the bytes are read from here on
-                for rec, _, _ in run:
+                for rec, *_ in run:
                     rec.frozen = rec.host_only
             # NOTE [checksums]: an exposed record is checksummed from its staged copy.
             staged = (self.staging and store.io_method == "direct") or any(
-                rec.exposed and rec.crcs is not None for rec, _, _ in run
+                rec.exposed and rec.crcs is not None for rec, *_ in run
             )
             try:
                 views: list[memoryview] = []
                 sums: list[_Sum | None] = []  # staged runs: checksums over the staged copy
-                for rec, pieces, fence in run:
+                for rec, pieces, fence, _ in run:
                     culprit = rec
                     if fence is not None:
                         fence.wait()  # the host copy must be complete (NOTE [copy streams])
@@ -352,16 +376,50 @@ class WritePath:
             except BaseException as e:  # every failure must reach the bookkeeping below
                 exc = e
             finally:
-                for _, pieces, _ in run:
+                for _, pieces, *_ in run:
                     for view in pieces:
                         view.release()
-            for rec, _, _ in run:
+            for item in run:
+                rec = item[0]
+                if exc is None and _moved(item):  # NOTE [moved storages]: during the write
+                    rec.tainted = True
                 try:
                     self._write_done(rec, exc, culprit)
                 except BaseException as failure:  # NOTE [errors from workers]
                     # (a warning made an error by the user's filters): the other records
                     # of the batch are still settled, and the user hears of it.
                     self._report(failure)
+
+    def _moved_kept(self, batch: list[_Pending]) -> list[_Pending]:
+        """The batch less the records whose storage moved since they were queued (NOTE
+        [moved storages]); those stay in memory, as records whose write was skipped."""
+        moved = [item for item in batch if _moved(item)]
+        if not moved:
+            return batch
+        freed: list[Extent] = []
+        skipped: list[_Record] = []
+        with self._lock:
+            for rec, pieces, *_ in moved:
+                for view in pieces:
+                    view.release()
+                if not rec.writes_left:
+                    continue  # skipped meanwhile (NOTE [write tail])
+                rec.writes_left = 0
+                rec.skipped = True
+                self.pending_bytes -= rec.span.extent_bytes
+                skipped.append(rec)
+                if rec.extent is not None:
+                    freed.append(rec.extent)
+                    rec.extent = None
+            self._writes_idle.notify_all()
+            self._policy.readmit([r for r in skipped if r.host_only], DEVICE)
+            self._policy.readmit([r for r in skipped if not r.host_only], HOST)
+        for extent in freed:
+            self._store.free(extent)
+        if skipped:
+            self._stats.add(writes_skipped=len(skipped))
+        gone = {id(item) for item in moved}
+        return [item for item in batch if id(item) not in gone]
 
     def _staged_write(
         self, first: Extent, views: list[memoryview], sums: list[_Sum | None]
@@ -443,7 +501,7 @@ class WritePath:
                 rec.extent = None
 
         with self._lock:
-            for rec, pieces, _ in self._take_batch():  # never submitted
+            for rec, pieces, *_ in self._take_batch():  # never submitted
                 for view in pieces:
                     view.release()
                 skip(rec)
