@@ -929,27 +929,50 @@ class OffloadEngine:
 
     def _drain_dead(self) -> None:
         """Return dead records' extents to the allocator (NOTE [record lifetime])."""
-        dead = self._dead
-        if not dead:
+        if not self._dead:
             return
         store = self._store
         with self._lock:
-            keys = set()
-            while dead:
-                extent, key, tier, nbytes, seq = dead.popleft()
-                self._plan.forget()
-                self._policy.died(tier, nbytes, seq)
-                keys.add(key)
-                if extent is not None and store is not None:
-                    store.free(extent)
-            for key in keys:
-                live = [e for e in self._dedup.get(key, ()) if e.record() is not None]
-                if live:
-                    self._dedup[key] = live
-                else:
-                    self._dedup.pop(key, None)
+            self._drain_locked(store.free if store is not None else None)
         if self._closed and store is not None:
             store.trim()  # a graph used after exit: give its space back as it goes
+
+    def drain_now(self) -> None:
+        """From a record's death after close (NOTE [record lifetime]): return the dead
+        records' space and close emptied slabs now, if no thread holds the engine's or
+        the store's lock (never waits for one: it may run inside any code, as a
+        ``__del__``); else the next drain does."""
+        store = self._store
+        if store is None or not self._lock.acquire(blocking=False):
+            return
+        try:
+            if not store.lock.acquire(blocking=False):
+                return
+            try:
+                self._drain_locked(store.free_locked)
+                store.trim_locked()
+            finally:
+                store.lock.release()
+        finally:
+            self._lock.release()
+
+    def _drain_locked(self, free: Callable[[Extent], None] | None) -> None:
+        """Under the engine's lock: forget the dead records; ``free`` their extents."""
+        dead = self._dead
+        keys = set()
+        while dead:
+            extent, key, tier, nbytes, seq = dead.popleft()
+            self._plan.forget()
+            self._policy.died(tier, nbytes, seq)
+            keys.add(key)
+            if extent is not None and free is not None:
+                free(extent)
+        for key in keys:
+            live = [e for e in self._dedup.get(key, ()) if e.record() is not None]
+            if live:
+                self._dedup[key] = live
+            else:
+                self._dedup.pop(key, None)
 
     # -- selective checkpointing (checkpointing.py, recompute.py) ---------------------------
 
@@ -1062,6 +1085,8 @@ class OffloadEngine:
         # buffer pool]: nothing idle is kept after exit; a late return is released).
         self._reader.read_pool.close()
         if self._writer is not None:
+            # A batch an interrupt left open (close() above): its records stay in memory.
+            self._writer.skip_tail()
             self._writer.close()
         self._drain_dead()
         if self._store is not None:

@@ -4,18 +4,23 @@
 # Autograd owns the handles. A handle is one saved view (ViewMeta); it points at
 # the Record holding its storage span, shared by every view of that span (NOTE
 # [dedup]). A record lives while any handle, or a write job still reading its
-# source, references it. The engine and the scheduler
-# hold records only weakly. When a record dies, its extent is queued for release
-# with a deque append (safe from any thread, including inside the garbage
-# collector) and returned to the allocator at the next pack or unpack,
-# ``stats()`` call, or context exit (after exit, unpack and stats also unmap
-# slabs that hold nothing any more). So slab space is freed when autograd releases the
-# saved tensor, not at unpack, and ``backward(retain_graph=True)`` can read it
-# again. Records hold the engine strongly: a graph built inside the context
-# stays usable after it exits, and the slab files close when the last record
-# and the last user reference to the engine are gone. A record still in the open
-# write batch (NOTE [write batches]) is held by the batch until it is submitted
-# or skipped, even if its graph was dropped: at most one batch of bytes.
+# source, references it. The engine and the scheduler hold records only weakly.
+# When a record dies, its extent is queued for release with a deque append (safe
+# from any thread, including inside the garbage collector) and returned to the
+# allocator at the next pack or unpack, ``stats()`` call, or context exit (after
+# exit, unpack and stats also unmap slabs that hold nothing any more). A graph
+# that outlives the context and is dropped without a backward calls none of
+# these: so from exit on, a dead record with an extent drains at once, where it
+# can without waiting (no other code holds the engine's lock or the store's, so
+# none is midway through what the drain changes, the same thread included), and
+# closes the slabs emptied; where one is held, the holder's next drain does it.
+# So slab space is freed when autograd releases the saved
+# tensor, not at unpack, and ``backward(retain_graph=True)`` can read it again.
+# Records hold the engine strongly: a graph built inside the context stays
+# usable after it exits, and the slab files close when the last record and the
+# last user reference to the engine are gone. A record still in the open write
+# batch (NOTE [write batches]) is held by the batch until it is submitted or
+# skipped, even if its graph was dropped: at most one batch of bytes.
 #
 # NOTE [dedup]
 # The same storage is often saved several times: one tensor by several ops (a
@@ -499,9 +504,12 @@ class Record:
             fut.cancel()
 
     def __del__(self) -> None:
-        # NOTE [record lifetime]: never take a lock here.
+        # NOTE [record lifetime]: never wait for a lock here.
         try:
-            self.engine._dead.append((self.extent, self.key, self.tier, self.span.nbytes, self.seq))
+            engine = self.engine
+            engine._dead.append((self.extent, self.key, self.tier, self.span.nbytes, self.seq))
+            if self.extent is not None and engine.closed:
+                engine.drain_now()
         except Exception:  # interpreter shutdown
             pass
 

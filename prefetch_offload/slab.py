@@ -394,23 +394,36 @@ class SlabStore:
             return (0, 0)
         return (st.f_bavail * st.f_frsize, st.f_favail)
 
+    @property
+    def lock(self) -> threading.Lock:
+        """The store's lock, for :meth:`free_locked` and :meth:`trim_locked`."""
+        return self._lock
+
     def free(self, extent: Extent) -> None:
         """Return an extent's space to the allocator."""
         with self._lock:
-            slab = self._slabs.get(extent.slab)
-            if slab is None:  # store already closed
-                return
-            slab.give(extent.offset, extent.length)
-            self.used_bytes -= extent.length
+            self.free_locked(extent)
+
+    def free_locked(self, extent: Extent) -> None:
+        """:meth:`free`, with :attr:`lock` held."""
+        slab = self._slabs.get(extent.slab)
+        if slab is None:  # store already closed
+            return
+        slab.give(extent.offset, extent.length)
+        self.used_bytes -= extent.length
 
     def trim(self) -> None:
         """Close slabs that hold no live extent, returning their disk space."""
         with self._lock:
-            for sid in [sid for sid, s in self._slabs.items() if s.used == 0]:
-                slab = self._slabs.pop(sid)
-                self.reserved_bytes -= slab.size
-                _close_slab(slab)
-                self._failed_size = None  # NOTE [slab sizes on a full disk]
+            self.trim_locked()
+
+    def trim_locked(self) -> None:
+        """:meth:`trim`, with :attr:`lock` held."""
+        for sid in [sid for sid, s in self._slabs.items() if s.used == 0]:
+            slab = self._slabs.pop(sid)
+            self.reserved_bytes -= slab.size
+            _close_slab(slab)
+            self._failed_size = None  # NOTE [slab sizes on a full disk]
 
     def close(self) -> None:
         """Close every slab. Idempotent."""

@@ -1244,6 +1244,27 @@ def test_a_backward_after_exit_gives_the_slab_space_back_as_it_ends(save_dir: Pa
     assert store.used_bytes == 0 and store.reserved_bytes == 0
 
 
+@pytest.mark.parametrize("how", ["dropped", "raised"])
+def test_a_graph_dropped_after_exit_gives_the_slab_space_back(save_dir: Path, how: str) -> None:
+    """NOTE [record lifetime]: a graph that outlives the context (kept, or held by an
+    exception's traceback) and is dropped without a backward returns its slab space and
+    closes the slab files, with the engine object still held and nothing called on it."""
+    x = torch.randn(1 << 18, requires_grad=True)
+    graphs: list[torch.Tensor] = []
+    with contextlib.suppress(RuntimeError):
+        with offload_context("disk", str(save_dir), min_offload_bytes=0) as engine:
+            graphs.append((x * 2).sin().sum())
+            engine.flush()
+            if how == "raised":
+                raise RuntimeError("forward failed")
+    store = engine._store
+    assert store is not None and store.used_bytes > 0
+    graphs.clear()
+    gc.collect()  # (the exception's traceback holds the frame in a cycle)
+    assert store.used_bytes == 0 and store.reserved_bytes == 0
+    assert _fd_targets(save_dir) == []
+
+
 def test_the_first_pack_after_a_backward_that_raised_ends_it(save_dir: Path) -> None:
     """Autograd runs no final callback for a backward that raised: the next forward's
     first pack turns write staging off and lets the restored spans go, as the end of

@@ -1030,8 +1030,10 @@ def test_a_saved_tensor_whose_storage_moves_before_its_write(
         else:
             keep = h.detach().clone()
             st.resize_(0)
+            taken = torch.empty_like(keep)  # takes the memory just freed: it moves
             st.resize_(keep.untyped_storage().nbytes())
             h.data.copy_(keep)
+            del taken
         if engine is not None:
             engine.flush()  # the record was in the open batch: its write comes now
         y.sum().backward()
