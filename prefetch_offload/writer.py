@@ -396,28 +396,15 @@ class WritePath:
         moved = [item for item in batch if _moved(item)]
         if not moved:
             return batch
-        freed: list[Extent] = []
         skipped: list[_Record] = []
         with self._lock:
             for rec, pieces, *_ in moved:
                 for view in pieces:
                     view.release()
-                if not rec.writes_left:
-                    continue  # skipped meanwhile (NOTE [write tail])
-                rec.writes_left = 0
-                rec.skipped = True
-                self.pending_bytes -= rec.span.extent_bytes
-                skipped.append(rec)
-                if rec.extent is not None:
-                    freed.append(rec.extent)
-                    rec.extent = None
-            self._writes_idle.notify_all()
-            self._policy.readmit([r for r in skipped if r.host_only], DEVICE)
-            self._policy.readmit([r for r in skipped if not r.host_only], HOST)
-        for extent in freed:
-            self._store.free(extent)
-        if skipped:
-            self._stats.add(writes_skipped=len(skipped))
+                if rec.writes_left:  # (else skipped meanwhile: NOTE [write tail])
+                    skipped.append(rec)
+            freed = self._skip(skipped)
+        self._skipped(len(skipped), freed)
         gone = {id(item) for item in moved}
         return [item for item in batch if id(item) not in gone]
 
@@ -488,23 +475,12 @@ class WritePath:
 
     def skip_tail(self) -> None:
         """Drop writes that backward would read right back (NOTE [write tail])."""
-        freed: list[Extent] = []
         skipped: list[_Record] = []
-
-        def skip(rec: _Record) -> None:
-            rec.writes_left = 0
-            rec.skipped = True
-            self.pending_bytes -= rec.span.extent_bytes
-            skipped.append(rec)
-            if rec.extent is not None:
-                freed.append(rec.extent)
-                rec.extent = None
-
         with self._lock:
             for rec, pieces, *_ in self._take_batch():  # never submitted
                 for view in pieces:
                     view.release()
-                skip(rec)
+                skipped.append(rec)
             tail = self._tail
             while tail:
                 fut, refs = tail.pop()  # newest first
@@ -514,20 +490,35 @@ class WritePath:
                 if not fut.claim():
                     break  # a worker started it; writes run in order: older ones too
                 fut.abandon()
-                for rec in recs:
-                    if rec is not None and rec.writes_left:
-                        skip(rec)
+                skipped += [rec for rec in recs if rec is not None and rec.writes_left]
                 del recs
             tail.clear()  # older writes have started: none left to skip
-            self._writes_idle.notify_all()
-            # NOTE [tiers]: cancelled demotions return to their memory tier.
-            self._policy.readmit([r for r in skipped if r.host_only], DEVICE)
-            self._policy.readmit([r for r in skipped if not r.host_only], HOST)
-        if freed:
-            for extent in freed:
-                self._store.free(extent)
-        if skipped:
-            self._stats.add(writes_skipped=len(skipped))
+            freed = self._skip(skipped)
+        self._skipped(len(skipped), freed)
+
+    def _skip(self, skipped: list[_Record]) -> list[Extent]:
+        """Under the lock: ``skipped``'s writes will not happen, and the records stay in
+        their memory tier (NOTE [tiers]: cancelled demotions). Returns their extents,
+        for :meth:`_skipped` to free once the lock is let go."""
+        freed: list[Extent] = []
+        for rec in skipped:
+            rec.writes_left = 0
+            rec.skipped = True
+            self.pending_bytes -= rec.span.extent_bytes
+            if rec.extent is not None:
+                freed.append(rec.extent)
+                rec.extent = None
+        self._writes_idle.notify_all()
+        self._policy.readmit([r for r in skipped if r.host_only], DEVICE)
+        self._policy.readmit([r for r in skipped if not r.host_only], HOST)
+        return freed
+
+    def _skipped(self, count: int, freed: list[Extent]) -> None:
+        """After :meth:`_skip`, without the lock: free the extents, count the skips."""
+        for extent in freed:
+            self._store.free(extent)
+        if count:
+            self._stats.add(writes_skipped=count)
 
     def allocate(self, nbytes: int) -> Extent | None:
         """Slab space for a record, or None (counted and warned) where none is left."""
