@@ -128,7 +128,7 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="NAME:JSON",
-        help="a lane with these OffloadConfig keywords (repeatable; see above)",
+        help="a lane with these OffloadConfig keywords (repeatable)",
     )
     p.add_argument(
         "--knobs",

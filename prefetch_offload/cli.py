@@ -162,6 +162,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# probe_bandwidth's arguments, as the probe command's flags name them (its errors).
+_PROBE_FLAGS = {
+    "total_bytes": "--total-mib",
+    "request_sizes": "--requests",
+    "worker_counts": "--workers",
+    "repeats": "--repeats",
+}
+
+
 def _run_probe(args: argparse.Namespace) -> int:
     from .probe import combined_gbps, probe_bandwidth, recommend
     from .slab import direct_io_supported
@@ -180,6 +189,8 @@ def _run_probe(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         message = str(exc).removeprefix("prefetch_offload: ")
+        for name, flag in _PROBE_FLAGS.items():  # the flags this command was given
+            message = message.replace(name, flag)
         print(f"{PROG} probe: error: {message}", file=sys.stderr)
         return 2
     except OSError as exc:

@@ -145,6 +145,15 @@ def normalise_save_dir(save_dir: object) -> str | None:
     return save_dir
 
 
+# Byte sizes besides the budgets: each an int, or a str with a unit ("8MiB").
+_SIZES = (
+    "min_offload_bytes",
+    "max_pending_write_bytes",
+    "max_inflight_copy_bytes",
+    "chunk_bytes",
+    "slab_bytes",
+    "disk_bytes_limit",
+)
 # The most IO threads a context starts, and the largest file offset (a slab's size).
 _MAX_IO_WORKERS = 1024
 _MAX_FILE_BYTES = (1 << 63) - 1
@@ -180,19 +189,19 @@ class OffloadConfig:
     # Background IO threads that write and prefetch.
     io_workers: int = 2
     # Saved tensors smaller than this many bytes stay in memory.
-    min_offload_bytes: int = 1 << 16
+    min_offload_bytes: ByteSize = 1 << 16
     # Cap on bytes queued for writing; pack waits when it is reached. Trades memory for speed.
-    max_pending_write_bytes: int = 64 << 20
+    max_pending_write_bytes: ByteSize = 64 << 20
     # Cap on device-to-host copy bytes in flight (CUDA tensors): past it, pack waits for
     # the oldest copy. Bounds the device memory copies hold when the link is slower than
     # compute; too low a cap keeps the host from running ahead of the GPU.
-    max_inflight_copy_bytes: int = DEFAULT_INFLIGHT_COPY_BYTES
+    max_inflight_copy_bytes: ByteSize = DEFAULT_INFLIGHT_COPY_BYTES
     # Request size, in bytes (multiple of 4096): writes gather queued tensors into
     # batches of about this size (at most half of max_pending_write_bytes), written with
     # one vectored write per run of adjacent extents; reads use requests of at most this.
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    chunk_bytes: ByteSize = DEFAULT_CHUNK_BYTES
     # Size of each preallocated slab file, in bytes (multiple of 4096).
-    slab_bytes: int = 256 << 20
+    slab_bytes: ByteSize = 256 << 20
     # How bytes move into the slabs: "direct" (O_DIRECT pread/pwrite), "buffered"
     # (pread/pwrite through the page cache), "mmap" (memcpy into a mapping, the
     # simple reference path), or "auto" (direct where the filesystem allows it).
@@ -202,7 +211,7 @@ class OffloadConfig:
     # the write cap (the writes are the bottleneck), "always", or "never".
     stage_writes: StageWrites = "auto"
     # Cap on slab bytes on disk; past it tensors stay in memory (None: no cap).
-    disk_bytes_limit: int | None = None
+    disk_bytes_limit: ByteSize | None = None
     # CRC-32 of every packed span, checked when it is read back: a corrupted byte
     # raises OffloadIOError instead of giving a wrong gradient. Costs CPU time.
     verify: bool = False
@@ -253,6 +262,10 @@ class OffloadConfig:
                 "Expected None, 'cpu', or 'disk'."
             )
         object.__setattr__(self, "save_dir", normalise_save_dir(self.save_dir))
+        for name in _SIZES:  # a str with a unit, as the budgets take; stored as an int
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, parse_bytes(name, value))
         if self.target == "disk" and not self.save_dir:
             raise ValueError(
                 "activation_offloading='disk' requires save_dir: pass a scratch folder, "

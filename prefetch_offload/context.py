@@ -440,7 +440,7 @@ def offload_context(
             context is entered (restored exactly on exit); required with ``recompute``.
         recompute: None checkpoints nothing. "full" checkpoints each block
             (non-reentrant); its input goes through the engine. "auto" decides per
-            op, from a profiled step, whether to keep, offload or recompute its
+            op, from nine profiled steps, whether to keep, offload or recompute its
             output (``engine.recompute_plan()`` says what and why). A callable is a
             selective-checkpoint policy ``policy(ctx, op, *args, **kwargs) ->
             CheckpointPolicy``: ``*_SAVE`` keeps the output in device memory,

@@ -1005,7 +1005,8 @@ class OffloadEngine:
         )
 
     def recompute_plan(self) -> RecomputePlan | None:
-        """What ``recompute=`` decided per op kind, and why; None without ``recompute``.
+        """What ``recompute=`` decided per op kind, and why; None without ``recompute``
+        or with ``recompute="full"``.
 
         ``print(engine.recompute_plan())`` shows a table (NOTE [keep, offload, recompute]).
         """

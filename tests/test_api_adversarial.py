@@ -307,7 +307,7 @@ def test_probe_without_space_is_a_clear_error(
     argv = ["probe", "--save-dir", str(tmp_path), "--total-mib", "1", "--requests", "1"]
     assert cli.main([*argv, "--workers", "1"]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and "no room for" in err and "lower total_bytes" in err
+    assert out == "" and "no room for" in err and "lower --total-mib" in err
     assert "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
 

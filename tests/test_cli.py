@@ -97,7 +97,7 @@ def test_probe_a_size_no_file_can_hold_is_a_usage_error(
     argv = ["probe", "--save-dir", str(tmp_path), "--total-mib", str(total_mib)]
     assert cli.main([*argv, "--requests", "1", "--workers", "1", "--repeats", "1"]) == 2
     err = capsys.readouterr().err
-    assert "error:" in err and "lower total_bytes" in err
+    assert "error:" in err and "lower --total-mib" in err
     assert not list(tmp_path.iterdir())  # no scratch file left
 
 

@@ -314,3 +314,24 @@ def test_replacing_the_target_resolves_a_default_host_budget_for_the_new_target(
     assert dataclasses.replace(given, target="cpu", save_dir=None).host_budget == 0
     with pytest.raises(ValueError, match=r"pass host_budget= to dataclasses\.replace"):
         dataclasses.replace(cpu, target="disk", save_dir=str(tmp_path))
+
+
+def test_every_byte_size_takes_a_unit_string_and_is_stored_as_an_int() -> None:
+    """The knobs that are byte sizes take "8MiB" as the budgets do; checks see the int."""
+    cfg = OffloadConfig(
+        target="disk",
+        save_dir="/tmp/x",
+        min_offload_bytes="64KiB",
+        max_pending_write_bytes="64MiB",
+        max_inflight_copy_bytes="1GiB",
+        chunk_bytes="8MiB",
+        slab_bytes="256MiB",
+        disk_bytes_limit="20GB",
+    )
+    assert (cfg.min_offload_bytes, cfg.chunk_bytes, cfg.slab_bytes) == (1 << 16, 8 << 20, 256 << 20)
+    assert (cfg.max_pending_write_bytes, cfg.max_inflight_copy_bytes) == (64 << 20, 1 << 30)
+    assert cfg.disk_bytes_limit == 20 * 10**9
+    with pytest.raises(ValueError, match="chunk_bytes must be a multiple of 4096"):
+        OffloadConfig(target="disk", save_dir="/tmp/x", chunk_bytes="5000B")
+    with pytest.raises(ValueError, match="disk_bytes_limit='lots' is not a byte size"):
+        OffloadConfig(target="disk", save_dir="/tmp/x", disk_bytes_limit="lots")
