@@ -93,18 +93,18 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 # gradient (one the loss does not use, such as router logits with the
 # auxiliary loss off, gets none).
 # A block forward that runs inside a backward replays one: the recompute of a
-# checkpoint the user put around several blocks. It must save what that
-# forward saved, so it runs in the mode that forward had, and the caller is
-# neither asked nor told (its steps and timings are the forward's). Which
-# forward: with micro-batches in flight (a pipeline's one forward, one backward)
-# the block's last forward may be a later micro-batch's, run after the plan
-# moved on. The recompute runs inside the backward of a node that forward made
-# (its first saved tensor that backward unpacks), so the block keeps the
-# autograd sequence number each recent forward began at, and a replay takes
-# the latest forward that began before that node was made (the last one where
-# no node runs, or none began before it). Under a reentrant checkpoint the forward runs
-# without grad and so is not seen: its recompute is the block's first run with
-# grad, asked and told as a forward.
+# checkpoint the user put around several blocks. It must save what that forward
+# saved, so it runs in the mode that forward had, and the caller is neither
+# asked nor told (its steps and timings are the forward's). Which forward: with
+# micro-batches in flight (a pipeline's one forward, one backward) the block's
+# last forward may be a later micro-batch's, run after the plan moved on. The
+# recompute runs inside the backward of a node that forward made (its first
+# saved tensor that backward unpacks), so the block keeps the autograd sequence
+# number each recent forward began at, and a replay takes the latest forward
+# that began before that node was made (the last one where no node runs, or none
+# began before it). Under a reentrant checkpoint the forward runs without grad
+# and so is not seen: its recompute is the block's first run with grad, asked
+# and told as a forward.
 """
 
 from __future__ import annotations
