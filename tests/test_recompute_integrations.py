@@ -221,6 +221,40 @@ def test_a_cache_asked_for_in_a_forward_with_grad_is_not_made(
         assert torch.equal(a, p.grad)
 
 
+@pytest.mark.parametrize("recompute", ["full", "auto"])
+def test_packed_sequences_train_as_without_the_cache(tmp_path: Path, recompute: str) -> None:
+    """NOTE [kv cache]: sequences packed into one row (``position_ids`` that restart, no
+    mask), whose attention mask transformers 5 builds from the positions only where no
+    cache is made: under recompute= the gradients are those of training with
+    ``use_cache=False``, as under Hugging Face's own checkpointing (docs/guarantees.md,
+    "Not promised", says where that differs from the default)."""
+    transformers = pytest.importorskip("transformers")
+    base = _small_llama(transformers, width=32, heads=2)
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(2))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]])
+
+    def run(model: Any, steps: int) -> list[list[torch.Tensor]]:
+        out = []
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=ids, position_ids=pos, use_cache=False).loss
+            loss.backward()
+            out.append([p.grad.clone() for p in model.parameters()])
+        return out
+
+    steps = len(recompute_module._PROFILE) + 2 if recompute == "auto" else 2
+    ref = run(copy.deepcopy(base), steps)
+    model = copy.deepcopy(base)
+    with offload_context("disk", str(tmp_path), model=model, recompute=recompute):
+        got = []
+        for _ in range(steps):  # the caller's default use_cache, which recompute turns off
+            model.zero_grad(set_to_none=True)
+            model(input_ids=ids, labels=ids, position_ids=pos).loss.backward()
+            got.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(ref, got, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 # -- regional torch.compile -------------------------------------------------------------------
 
 
