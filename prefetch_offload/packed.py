@@ -113,14 +113,14 @@ def source_address(storage: torch.UntypedStorage, base: int, span: Span) -> int:
     return storage.data_ptr() + base - span.pad
 
 
-def source_buffer(storage: torch.UntypedStorage, base: int, span: Span) -> memoryview:
-    """A read-only byte view of the whole pages holding ``span`` (at ``base`` in ``storage``).
+def source_buffer(start: int, span: Span) -> memoryview:
+    """A read-only byte view of the whole pages holding ``span``, from ``start`` (its
+    :func:`source_address`).
 
-    The view aliases the storage's memory: the caller keeps ``storage`` alive, and
+    The view aliases the storage's memory: the caller keeps the storage alive, and
     at that address, until every request reading from the view has finished (NOTE
     [moved storages] in writer.py).
     """
-    start = source_address(storage, base, span)
     raw = (ctypes.c_char * span.extent_bytes).from_address(start)
     return memoryview(raw).cast("B").toreadonly()
 

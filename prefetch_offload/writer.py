@@ -250,7 +250,8 @@ class WritePath:
         if batch:
             self._submit_batch(batch)
         pieces = split_requests(nbytes, self.config.chunk_bytes)
-        src = source_buffer(host, base, rec.span)
+        address = source_address(host, base, rec.span)  # NOTE [moved storages]
+        src = source_buffer(address, rec.span)
         with self._lock:
             if self.pending_bytes and self.pending_bytes + nbytes > cap:
                 if self.config.stage_writes == "auto":
@@ -273,7 +274,7 @@ class WritePath:
             if self.config.verify:  # NOTE [checksums]
                 rec.crcs = [(lo, hi, 0) for lo, hi in itertools.pairwise(pieces)]
             views = [src[lo:hi] for lo, hi in itertools.pairwise(pieces)]
-            self._open.append((rec, views, fence, source_address(host, base, rec.span)))
+            self._open.append((rec, views, fence, address))
             self._open_bytes += nbytes
             # NOTE [write batches]: full, unless the record's other views may come next.
             batch = self._take_batch() if self._open_bytes >= target and not rec.exposed else None

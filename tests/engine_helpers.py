@@ -261,3 +261,16 @@ def on_two_processes(target: Callable[..., None], *args: Any) -> None:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     mp.start_processes(target, args=(2, port, *args), nprocs=2, join=True, start_method="spawn")
+
+
+def run_in_threads(
+    target: Callable[[int], None], n: int = 2, *, timeout: float | None = None
+) -> None:
+    """``target(i)`` on ``n`` threads at once; returns once every one has ended (asserts
+    that none is still running after ``timeout``)."""
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads)

@@ -21,6 +21,7 @@ from engine_helpers import (
     engine_with_hooks,
     grads_of,
     reference_grads,
+    run_in_threads,
     slow_store,
     tiny_model,
 )
@@ -198,11 +199,7 @@ def test_two_threads_each_with_own_context(save_dir: Path) -> None:
             errors.append(exc)
             barrier.abort()
 
-    threads = [threading.Thread(target=train, args=(i,)) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(train)
     assert not errors, errors
     for m, ref in zip(models, refs, strict=True):
         assert_same_grads(grads_of(m), [3 * g for g in ref])

@@ -29,6 +29,7 @@ from engine_helpers import (
     engine_with_hooks,
     grads_of,
     poison_freed_memory,
+    run_in_threads,
     tiny_model,
     twin_with_hooks,
 )
@@ -623,12 +624,7 @@ def test_two_threads_train_through_one_engine(save_dir: Path, kind: str) -> None
                 errors.append(exc)
                 barrier.abort()
 
-        threads = [threading.Thread(target=train, args=(i,)) for i in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in threads)
+        run_in_threads(train, timeout=60)
         assert not errors, errors
         _assert_nothing_held(engine)
     for m, ref in zip(models, refs, strict=True):

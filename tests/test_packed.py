@@ -20,6 +20,7 @@ from prefetch_offload.packed import (
     is_dense,
     make_view,
     new_read_buffer,
+    source_address,
     source_buffer,
     span_bytes,
     view_span,
@@ -96,7 +97,7 @@ def test_round_trip_through_a_slab(tmp_path: Path, io_method: str, t: torch.Tens
     with _store(tmp_path, io_method) as store:
         extent = store.allocate(span.extent_bytes)
         assert extent is not None
-        store.write(extent, 0, source_buffer(storage, start, span))
+        store.write(extent, 0, source_buffer(source_address(storage, start, span), span))
         buf, base, region = new_read_buffer(span)
         store.read(extent, 0, region)
         store.free(extent)
