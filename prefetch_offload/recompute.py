@@ -172,7 +172,8 @@
 # A ``device_budget`` below what one block's recompute holds at once is met by no
 # plan, and the plan that comes closest is every block checkpointed plainly: its
 # block inputs move (or stay, where the budget keeps them), and backward holds one
-# block's recompute at a time. Offload alone holds the budget plus the engine's
+# block's recompute at a time (one call's, where the model calls a block more
+# than once a step: each call is a checkpoint of its own). Offload alone holds the budget plus the engine's
 # working window (write batches in flight, the prefetch window), and a selective
 # block its stored outputs as well. So such a budget gets that plan (whole blocks
 # only where a smaller block fits the budget), whatever the profile measured
@@ -544,8 +545,8 @@ class _Obs:
 class _Span:
     """One block's forward in a step (its seconds, summed over its calls where the model
     calls it more than once; the last call's start and end), when backward reached it,
-    and (whole-block step) the bytes its calls handed to the engine. A call that never
-    returned (its forward raised) counts nothing."""
+    and (whole-block step) the bytes its calls handed to the engine; how many calls
+    returned. A call that never returned (its forward raised) counts nothing."""
 
     start: float = 0.0
     end: float = 0.0
@@ -553,6 +554,12 @@ class _Span:
     grad: float | None = None
     saved: int = 0
     live: int = 0  # the engine's live bytes when the call now running began
+    calls: int = 0
+
+    def per_call(self, nbytes: int) -> int:
+        """``nbytes`` summed over this block's calls, per call: what one call's
+        recompute holds, where a model calls the block more than once a step."""
+        return nbytes // max(self.calls, 1)
 
 
 # The kinds of profiling step, then the plan (NOTE [keep, offload, recompute]).
@@ -572,6 +579,7 @@ _PROFILE = (
     _RECOMPUTE_ALL,
 )
 _WHOLE_ALL_STEP = _PROFILE.index(_WHOLE_ALL)
+_OFFLOAD_ALL_STEP = _PROFILE.index(_OFFLOAD_ALL)
 # NOTE [plans within the noise]: a plan whose step took at most _TIE longer than the
 # fastest plan's counts as fast as it; of those, one that held at least _LEANER less
 # memory than the fastest runs instead (the one that held least).
@@ -761,6 +769,7 @@ class AutoDecider:
                 return
             span.end = self._clock()
             span.forward += span.end - span.start
+            span.calls += 1
             if self._phase == _WHOLE_ALL:
                 span.saved += _live_bytes(self._stats()) - span.live
 
@@ -1190,7 +1199,11 @@ class AutoDecider:
             selective, rest, share = False, 0, 0.0
         self._modes = dict.fromkeys(profiled, SELECTIVE if selective else PLAIN)
         self._modes.update(dict.fromkeys(whole, WHOLE))
-        self._plain_bytes = dict(self._block_bytes)
+        stored = self._spans.get(_OFFLOAD_ALL_STEP, {})  # counted per call (mode())
+        self._plain_bytes = {
+            key: stored[key].per_call(nbytes) if key in stored else nbytes
+            for key, nbytes in self._block_bytes.items()
+        }
         self._plan.update(plan)
         self._reasons.update(reasons)
         self.plans_made += 1
@@ -1363,11 +1376,18 @@ class AutoDecider:
             return None  # (0: no budget given; the engine moves what it can)
         # What it saves for backward (the whole-block step), else (nothing reached the
         # engine's tiers) its op outputs.
-        saved = [s.saved for s in self._spans.get(_WHOLE_ALL_STEP, {}).values() if s.saved > 0]
+        # One call's, where the model calls a block more than once a step.
+        whole = self._spans.get(_WHOLE_ALL_STEP, {})
+        saved = [s.per_call(s.saved) for s in whole.values() if s.saved > 0]
+        stored = self._spans.get(_OFFLOAD_ALL_STEP, {})
+        outputs = [
+            stored[key].per_call(nbytes) if key in stored else nbytes
+            for key, nbytes in self._block_bytes.items()
+        ]
         floor, what = (
             (max(saved), "what the largest block saves for backward")
             if saved
-            else (max(self._block_bytes.values()), "the largest block's op outputs")
+            else (max(outputs), "the largest block's op outputs")
         )
         return (floor, what) if floor > self._budget else None
 
