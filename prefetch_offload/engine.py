@@ -92,7 +92,7 @@ from .device import DeviceLayer, default_device_layer
 from .errors import ErrorSlot, OffloadError, OffloadFallbackWarning
 from .heap import AUTO_TRIM_MIN_BYTES, AUTO_TRIM_STEP_SHARE, HeapTrimmer
 from .io_pool import InlineAfterShutdown, InlineIOPool, IOPool, ThreadIOPool
-from .packed import Span, ViewMeta, is_dense, make_view, view_span
+from .packed import ALIGN, Span, ViewMeta, is_dense, make_view, view_span
 from .plan import PrefetchPlan, current_group_key
 from .policy import DEVICE, DISK, HOST, TierPolicy
 from .profiling import profiler_range
@@ -592,6 +592,11 @@ class OffloadEngine:
             with self._lock:
                 self._policy.keep(rec, tier)
             return
+        if rec.host_only:  # NOTE [moved storages] in writer.py: written from where it is
+            address = source[0].data_ptr() + source[1]
+            if address % ALIGN != rec.span.pad:
+                rec.span = Span(rec.span.nbytes, address % ALIGN)
+                rec.align = address % 512
         extent = self._allocate(store, rec.span.extent_bytes)
         with self._lock:
             if extent is None:  # no space: it stays in memory (counted, warned)

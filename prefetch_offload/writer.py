@@ -80,7 +80,11 @@
 # write job first compares each record's storage address with the one queued,
 # and a record whose storage moved is not written: it stays in memory, as a
 # record whose write the tail skipped (NOTE [write tail]), and comes back
-# through its storage, as autograd's would. A storage that moves while its
+# through its storage, as autograd's would. Queued again later (by a budget, as
+# such records are), it is written from where its storage is then: the span's
+# place in its page follows the storage (``_demote_to_disk`` in engine.py), as
+# it does for a record kept in memory by ``device_budget`` whose storage moved
+# before its first write. A storage that moves while its
 # write runs makes the record tainted (NOTE [version check] in records.py): its
 # unpack raises, never returns the bytes read.
 """

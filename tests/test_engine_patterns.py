@@ -1042,3 +1042,43 @@ def test_a_saved_tensor_whose_storage_moves_before_its_write(
         assert engine.stats().writes_skipped >= 1
         _assert_nothing_held(engine)
     assert torch.equal(ref, got)
+
+
+@pytest.mark.parametrize("how", ["storage", "share_memory"])
+@pytest.mark.parametrize("io_method", ["direct", "buffered", "mmap"])
+@pytest.mark.parametrize("path", ["requeued", "kept-by-budget"])
+def test_a_moved_storage_queued_again_is_written_from_where_it_is_now(
+    save_dir: Path, how: str, io_method: str, path: str
+) -> None:
+    """NOTE [moved storages] in writer.py: a record whose storage moved while it was in
+    memory (its write skipped, or kept by ``device_budget``) and which a later save
+    queues for writing is written from the storage's new address, whose place in its
+    page differs: exact, where reading at the old place crashed (EINVAL, EFAULT, or a
+    fault through mmap)."""
+
+    def step(engine: OffloadEngine | None) -> torch.Tensor:
+        torch.manual_seed(0)
+        x = torch.randn(10000, requires_grad=True)
+        h = x * 1.5
+        y = h.sin()  # saves h
+        if how == "storage":
+            st = h.untyped_storage()
+            st.resize_(st.nbytes())  # reallocated at another address, same bytes
+        else:
+            h.share_memory_()  # moved into a shared mapping (page-aligned)
+        if engine is not None and path == "requeued":
+            engine.flush()  # its write is skipped: it moved
+        z = (x * 2).cos()  # a later save queues it (again)
+        if engine is not None:
+            engine.flush()
+        (y.sum() + z.sum()).backward()
+        assert x.grad is not None
+        return x.grad
+
+    ref = step(None)
+    budget = {"device_budget": 45000} if path == "kept-by-budget" else {}
+    with engine_with_hooks(save_dir, io_method=io_method, **budget) as engine:
+        got = step(engine)
+        assert engine.stats().bytes_offloaded > 0
+        _assert_nothing_held(engine)
+    assert torch.equal(ref, got)
