@@ -16,6 +16,23 @@ on writes until the byte cap is hit).
 # busy with reads). So the job's one consumer takes the result with
 # ``IOFuture.take``, which leaves the future without it: a read's buffer is
 # held by the tensor autograd uses, never by a queued future.
+#
+# NOTE [interrupts]
+# A ``KeyboardInterrupt`` (Ctrl-C) is raised in the main thread between any two
+# of its calls, the hooks' included, so bookkeeping the hooks share with the IO
+# threads can be left half done; Python's own ``Condition.notify`` can lose its
+# wakeup so (interrupted after it woke a waiter, before it dropped it from its
+# list, it leaves the list with an entry whose next notify wakes nobody). A
+# user who interrupts a step and trains on, as in a notebook, or who leaves the
+# context, must not hang on it. So no wait depends on a wakeup that an
+# interrupted call owed: an idle worker looks at its queue again every
+# _RECHECK_S whatever woke it; a pack waiting at the write cap waits only while
+# a write job that can lower the pending bytes is running or queued, and where
+# none is, counts none pending (``WritePath.queue``); a write the backward
+# skips is dropped in one step (``IOFuture.cancel``). What an interrupt can
+# lose is memory, never a value: a record whose write batch it lost stays in
+# memory (served from there, as every record whose write has not finished) and
+# keeps its slab space until it dies.
 """
 
 from __future__ import annotations
@@ -34,6 +51,8 @@ T = TypeVar("T")
 
 READ = 0  # priority: reads first
 WRITE = 1
+# NOTE [interrupts]: an idle worker looks at its queue at least this often.
+_RECHECK_S = 0.5
 
 _PENDING, _RUNNING, _DONE = 0, 1, 2
 
@@ -71,15 +90,6 @@ class IOFuture(Generic[T]):
             self._exc = CancelledIO()
             self._cond.notify_all()
             return True
-
-    def abandon(self) -> None:
-        """Finish a claimed job without running it (its result is CancelledIO)."""
-        with self._cond:
-            assert self._state == _RUNNING, "IOFuture.abandon() without a successful claim()"
-            self._state = _DONE
-            self._fn = None
-            self._exc = CancelledIO()
-            self._cond.notify_all()
 
     def run(self) -> None:
         """Run the claimed job and publish its result or exception."""
@@ -210,7 +220,7 @@ class ThreadIOPool(IOPool):
         while True:
             with self._cond:
                 while not self._heap and not self._stopping:
-                    self._cond.wait()
+                    self._cond.wait(_RECHECK_S)  # NOTE [interrupts]: a wakeup may be lost
                 if not self._heap:
                     return
                 _, _, fut = heapq.heappop(self._heap)

@@ -270,6 +270,9 @@ class WritePath:
                         finally:
                             self._lock.acquire()
                         continue
+                    if not self._writing():  # NOTE [interrupts] in io_pool.py: what an
+                        self.pending_bytes = 0  # interrupt left counted, no job writes
+                        break
                     self._writes_idle.wait()
                 self._stats.add(pack_wait_seconds=time.perf_counter() - start)
             self.pending_bytes += nbytes
@@ -284,6 +287,12 @@ class WritePath:
             batch = self._take_batch() if self._open_bytes >= target and not rec.exposed else None
         if batch:
             self._submit_batch(batch)
+
+    def _writing(self) -> bool:
+        """Whether a submitted write job has not finished (call under the lock)."""
+        return any(not fut.done() for fut in self._futs) or any(
+            not job.done.is_set() for job in self._unfollowed
+        )
 
     def _take_batch(self) -> list[_Pending]:
         """The open batch, emptied (call under the lock)."""
@@ -489,12 +498,11 @@ class WritePath:
             tail = self._tail
             while tail:
                 fut, refs = tail.pop()  # newest first
-                # Strong references first: abandoning the job drops the batch, the
+                # Strong references first: cancelling the job drops the batch, the
                 # only thing that may still keep a dropped graph's records alive.
                 recs = [ref() for ref in refs]
-                if not fut.claim():
+                if not fut.cancel():  # (in one step: NOTE [interrupts] in io_pool.py)
                     break  # a worker started it; writes run in order: older ones too
-                fut.abandon()
                 skipped += [rec for rec in recs if rec is not None and rec.writes_left]
                 del recs
             tail.clear()  # older writes have started: none left to skip

@@ -9,6 +9,7 @@ import copy
 import mmap
 import os
 import random
+import signal
 import socket
 import subprocess
 import threading
@@ -261,6 +262,23 @@ def on_two_processes(target: Callable[..., None], *args: Any) -> None:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     mp.start_processes(target, args=(2, port, *args), nprocs=2, join=True, start_method="spawn")
+
+
+@contextlib.contextmanager
+def hang_guard(seconds: int) -> Iterator[None]:
+    """Fail with TimeoutError where the body still runs after ``seconds`` (a wait that
+    nothing will end; the main thread's waits on locks are interruptible)."""
+
+    def expired(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"still running after {seconds} s: a wait that never ends")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def run_in_threads(

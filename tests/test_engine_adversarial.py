@@ -22,6 +22,7 @@ from engine_helpers import (
     assert_same_grads,
     engine_with_hooks,
     grads_of,
+    hang_guard,
     tiny_model,
     twin_with_hooks,
 )
@@ -35,6 +36,7 @@ from prefetch_offload import (
     offload_context,
 )
 from prefetch_offload.policy import DISK
+from prefetch_offload.stats import StatsCounter
 from prefetch_offload.testing import TinyTransformer, make_batch
 
 # -- memory the record no longer watches ---------------------------------------------------
@@ -748,6 +750,58 @@ def test_a_forked_child_takes_no_lock_a_parent_thread_held_at_the_fork(save_dir:
         assert os.waitstatus_to_exitcode(done[1]) == 0
     finally:
         ctx.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("where", ["counted", "batch-taken"])
+def test_an_interrupt_that_leaves_write_bytes_counted_does_not_stall_later_packs(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """NOTE [interrupts] in io_pool.py: Ctrl-C lands after a pack counted its write's
+    bytes and before the write was queued, or after a full batch was taken and before
+    it was submitted: no job will ever write those bytes, so a later pack at the write
+    cap must not wait for them (it waited forever), and training goes on exact."""
+    from prefetch_offload import writer as writer_module
+
+    def step() -> torch.Tensor:
+        x = torch.randn(64, 256, requires_grad=True, generator=torch.Generator().manual_seed(0))
+        y = x
+        for _ in range(8):
+            y = torch.tanh(y * 1.01)
+        y.sum().backward()
+        assert x.grad is not None
+        return x.grad
+
+    ref = step()
+    fired: list[bool] = []
+    if where == "counted":
+        real_set_max = StatsCounter.set_max
+
+        def set_max(self: StatsCounter, name: str, value: int) -> None:
+            if name == "peak_pending_write_bytes" and not fired:
+                fired.append(True)
+                raise KeyboardInterrupt  # right after the pack counted its bytes
+            real_set_max(self, name, value)
+
+        monkeypatch.setattr(StatsCounter, "set_max", set_max)
+    else:
+        real_submit = writer_module.WritePath._submit_batch
+
+        def submit(self: Any, batch: Any) -> None:
+            if not fired:
+                fired.append(True)
+                raise KeyboardInterrupt  # the batch was taken from the open one
+            real_submit(self, batch)
+
+        monkeypatch.setattr(writer_module.WritePath, "_submit_batch", submit)
+    kw = {"max_pending_write_bytes": 128 << 10, "chunk_bytes": 64 << 10}
+    with engine_with_hooks(save_dir, min_offload_bytes=4096, **kw) as engine:
+        with pytest.raises(KeyboardInterrupt):
+            step()
+        assert fired
+        with hang_guard(60):
+            for _ in range(2):
+                assert torch.equal(ref, step())
+            engine.flush()
 
 
 def test_an_interrupt_while_a_write_is_queued_returns_the_record_to_memory(

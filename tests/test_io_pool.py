@@ -163,3 +163,25 @@ def test_a_thread_that_cannot_start_stops_those_started(monkeypatch: pytest.Monk
     for t in started:
         t.join(5)
     assert not any(t.is_alive() for t in started)
+
+
+def test_a_wakeup_lost_to_an_interrupted_notify_still_runs_the_job() -> None:
+    """NOTE [interrupts]: a Ctrl-C inside ``Condition.notify``, after it woke the idle
+    worker and before it dropped it from its list, leaves an entry that the next
+    notify wakes instead of the worker; the worker looks at its queue again anyway."""
+    pool = ThreadIOPool(1)
+    try:
+        deadline = time.monotonic() + 5
+        while not pool._cond._waiters and time.monotonic() < deadline:  # type: ignore[attr-defined]
+            time.sleep(0.001)  # the worker is idle, waiting
+        ran = threading.Event()
+        with pool._cond:  # what an interrupted submit leaves: queued, waiter woken, listed
+            first = IOFuture(lambda: None)
+            pool._heap.append((WRITE, -1, first))
+            pool._cond._waiters[0].release()  # type: ignore[attr-defined]
+        first.wait()
+        fut = pool.submit(ran.set, WRITE)  # its notify wakes the stale entry only
+        assert ran.wait(timeout=5), "the worker never ran the job"
+        fut.wait()
+    finally:
+        pool.shutdown()
