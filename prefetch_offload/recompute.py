@@ -172,18 +172,18 @@
 # A ``device_budget`` below what one block's recompute holds at once is met by no
 # plan, and the plan that comes closest is every block checkpointed plainly: its
 # block inputs move (or stay, where the budget keeps them), and backward holds one
-# block's recompute at a time (one call's, where the model calls a block more
-# than once a step: each call is a checkpoint of its own). Offload alone holds the budget plus the engine's
-# working window (write batches in flight, the prefetch window), and a selective
-# block its stored outputs as well. So such a budget gets that plan (whole blocks
-# only where a smaller block fits the budget), whatever the profile measured
-# faster, and one warning says the smallest peak reachable: the user asked for
-# memory, and the fastest plan would spend it. A budget of 0 (the default) asks
-# for none: the engine moves what it can, and the fastest plan runs. Measured on
-# the 8-layer Llama of ``bench/recompute.py --model llama`` at 10% of the saved
-# bytes (35 MiB; a layer's recompute holds 43 MiB), one run: the profile measured
-# offload alone faster (1.12 s a step against 1.32 s), and every layer plain ran
-# 1.25 s at a peak of 180 MiB, the least of every mode in the run
+# block's recompute at a time (one call's, where the model calls a block more than
+# once a step: each call is a checkpoint of its own). Offload alone holds the
+# budget plus the engine's working window (write batches in flight, the prefetch
+# window), and a selective block its stored outputs as well. So such a budget gets
+# that plan (whole blocks only where a smaller block fits the budget), whatever
+# the profile measured faster, and one warning says the smallest peak reachable:
+# the user asked for memory, and the fastest plan would spend it. A budget of 0
+# (the default) asks for none: the engine moves what it can, and the fastest plan
+# runs. Measured on the 8-layer Llama of ``bench/recompute.py --model llama`` at
+# 10% of the saved bytes (35 MiB; a layer's recompute holds 43 MiB), one run: the
+# profile measured offload alone faster (1.12 s a step against 1.32 s), and every
+# layer plain ran 1.25 s at a peak of 180 MiB, the least of every mode in the run
 # (``full_offload``, the same plan at a budget of 0: 184 MiB, 1.24 s;
 # ``offload10``, offload alone at this budget: 221 MiB, 1.12 s), moving nothing.
 #
