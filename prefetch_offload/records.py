@@ -355,7 +355,6 @@ class Record:
         "unpacks",
         "version",
         "view0",
-        "write_error",
         "writes_left",
     )
 
@@ -414,7 +413,6 @@ class Record:
         self.pass_no = -1  # NOTE [backward passes]
         self.on_disk = False
         self.writes_left = 0
-        self.write_error: BaseException | None = None
         self.prefetch: IOFuture[Fetched] | None = None
         # The span on its device, while any view handed to autograd keeps it alive.
         self.restored: tuple[weakref.ref[torch.UntypedStorage], int, Fence | None] | None = None

@@ -480,7 +480,6 @@ class WritePath:
                 rec.source = None  # NOTE [record lifetime]: the activation can go now
                 self._stats.add(tensors_offloaded=1, bytes_offloaded=rec.span.nbytes)
                 return
-            rec.write_error = exc
             extent, rec.extent = rec.extent, None
             self._policy.keep(rec, DEVICE if rec.host_only else HOST)  # NOTE [tiers]
         if extent is not None:

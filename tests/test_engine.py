@@ -749,6 +749,50 @@ def test_write_error_raised_at_exit(save_dir: Path, monkeypatch: pytest.MonkeyPa
             (x * 2).sin()
 
 
+def test_records_whose_write_failed_are_freed_by_one_collection(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [errors from workers]: once the failure was raised and let go, nothing keeps
+    a record whose write failed in a cycle (a record's death revives its engine's queue
+    of the dead, so a cycle of records needs a second collection, and their
+    activations and slab space stay until then)."""
+    from prefetch_offload.records import Record
+
+    def live_records() -> int:
+        return sum(type(o) is Record for o in gc.get_objects())
+
+    real, calls = os.pwritev, [0]
+
+    def fifth_fails(*args: Any) -> int:
+        calls[0] += 1
+        if calls[0] == 5:
+            raise OSError(errno.EIO, "injected")
+        return real(*args)
+
+    monkeypatch.setattr(os, "pwritev", fifth_fails)
+    gc.collect()
+    before = live_records()
+    raised = 0
+    kw = {"min_offload_bytes": 4096, "chunk_bytes": 64 << 10, "io_workers": 1}
+    try:
+        with offload_context("disk", save_dir, heap_trim_bytes=None, **kw) as engine:
+            for seed in range(3):
+                try:
+                    model = tiny_model()
+                    tokens, targets = make_batch(2, 16, vocab=64, seed=seed)
+                    loss = model(tokens, targets)
+                    loss.backward()
+                    del loss
+                except OffloadIOError:
+                    raised += 1
+    except OffloadIOError:
+        raised += 1
+    assert raised == 1 and calls[0] >= 5
+    del engine, model
+    gc.collect()
+    assert live_records() == before
+
+
 def test_full_disk_during_a_write_warns_once_and_keeps_tensors(
     save_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
