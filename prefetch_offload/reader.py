@@ -193,10 +193,14 @@ class ReadPath:
         return storage, base, built
 
     def _collect(self, rec: Record, fut: IOFuture[Fetched] | None) -> Fetched:
-        """The read's result, counting a hit if it was ready and stall time if not."""
+        """The read's result, counting a hit if it was ready and stall time if not. A
+        prefetch that failed is read again, here: it may have been issued in a backward
+        that its failure ended, and the disk may be well again."""
         if fut is not None and fut.done():
-            self._stats.add(prefetch_hits=1)
-            return self._read_result(rec, fut)
+            if not isinstance(fut.exception(), OSError):
+                self._stats.add(prefetch_hits=1)
+                return self._read_result(rec, fut)
+            fut = None
         start = time.perf_counter()
         if fut is None:
             fut = IOFuture(self._read_job(rec))

@@ -830,6 +830,38 @@ def test_read_error_raises_at_the_unpack_that_needed_it(
     assert isinstance(info.value.__cause__, OSError)
 
 
+def test_a_backward_after_a_failed_read_reads_again(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read error ends a backward; prefetches it issued failed too. Once the disk is
+    well, the next backward of the same graph reads those records again rather than
+    raising their old failures, and is exact."""
+    x = torch.randn(4096, requires_grad=True)
+    with engine_with_hooks(save_dir, prefetch_depth=4) as engine:
+        y = x
+        for _ in range(6):
+            y = torch.tanh(y * 1.01)
+        loss = y.sum()
+        engine.flush()
+        real = engine._store.read
+
+        def failing(*args: Any) -> None:
+            raise OSError(errno.EIO, "transient")
+
+        monkeypatch.setattr(engine._store, "read", failing)
+        with pytest.raises(OffloadIOError, match="transient"):
+            loss.backward(retain_graph=True)
+        time.sleep(0.05)  # the prefetches it issued have failed by now
+        monkeypatch.setattr(engine._store, "read", real)
+        loss.backward()
+    ref = x.detach().clone().requires_grad_()
+    y = ref
+    for _ in range(6):
+        y = torch.tanh(y * 1.01)
+    y.sum().backward()
+    assert torch.equal(x.grad, ref.grad)
+
+
 def test_verify_keeps_gradients_exact(save_dir: Path) -> None:
     model = tiny_model()
     tokens, targets = make_batch(4, 32, vocab=64)
