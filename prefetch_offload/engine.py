@@ -964,16 +964,18 @@ class OffloadEngine:
     def _drain_locked(self, free: Callable[[Extent], None] | None) -> None:
         """Under the engine's lock: forget the dead records; ``free`` their extents."""
         dead = self._dead
-        keys = set()
+        keys, gone = set(), set()
         while dead:
             extent, key, tier, nbytes, seq = dead.popleft()
             self._plan.forget()
             self._policy.died(tier, nbytes, seq)
             keys.add(key)
+            gone.add(seq)
             if extent is not None and free is not None:
                 free(extent)
         for key in keys:
-            live = [e for e in self._dedup.get(key, ()) if e.record() is not None]
+            # (A record draining from its own __del__ is still there to its weakref.)
+            live = [e for e in self._dedup.get(key, ()) if (r := e.record()) and r.seq not in gone]
             if live:
                 self._dedup[key] = live
             else:

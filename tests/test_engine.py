@@ -1336,6 +1336,7 @@ def test_a_graph_dropped_after_exit_gives_the_slab_space_back(save_dir: Path, ho
     gc.collect()  # (the exception's traceback holds the frame in a cycle)
     assert store.used_bytes == 0 and store.reserved_bytes == 0
     assert _fd_targets(save_dir) == []
+    assert not engine._dedup  # its entries went with it (NOTE [dedup])
 
 
 def test_the_first_pack_after_a_backward_that_raised_ends_it(save_dir: Path) -> None:
