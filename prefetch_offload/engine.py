@@ -454,7 +454,6 @@ class OffloadEngine:
                 # NOTE [copy streams]: what the copy to the host, now or later, waits for.
                 rec.held = (storage, start, self._device.mark(storage))
                 rec.restored = (weakref.ref(storage), start, None)
-                rec.own = rec.restored[0]  # NOTE [handouts]: its own memory, its counter
             self._seq += 1
             rec.align = (key + start) % 512
             # NOTE [checksums]: bytes no saved view holds, read from the tensor's memory.

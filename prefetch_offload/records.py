@@ -82,27 +82,26 @@
 # after the write, and a later unpack must read the written bytes instead.
 #
 # NOTE [handouts]
-# Every unpack builds a new tensor over the record's memory, with a version
-# counter of its own, and the next unpack of the record may hand out the same
-# memory again (a span still in memory, or one read back and still held). A
-# backward function that changes what it unpacked, while another node still
-# needs that saved tensor, would then pass the change on unseen, where autograd
-# without hooks raises at the other node's unpack. So the results handed out
-# over one memory share one version counter: the record keeps a 0-element
-# sentinel tensor for it (``handout``: the memory, weakly, the sentinel, its
-# version), and each result is the sentinel's ``detach()`` (which shares the
-# counter) given the view's data (``.data =`` keeps the counter). An unpack over
-# the same memory first checks the sentinel's version and raises autograd's
-# error if it moved; memory read afresh gets a new sentinel (its bytes are the
-# written ones). A record still in the saved tensor's own memory (a CPU
-# record's, or a device record's while its device memory is held or still
-# alive) hands out over that memory with the tensor's own counter (the record's
-# version probe) as the sentinel, as autograd without hooks would: other saved
-# objects over the same memory (a small view kept for its size, another record)
-# share that counter, and their unpacks see the change too. A write that lands
-# after such a change, or a copy of a device span to the host issued after it,
-# taints the record. The sentinel holds no memory, so it lives as long as the
-# record.
+# Every unpack builds a new tensor over the record's memory: the span still in
+# memory, one read back and still held (the next unpack may hand it out again),
+# or memory read afresh. A backward function that changes what it unpacked,
+# while another node still needs that saved tensor (or the same node, in a
+# later pass of a retained graph), would pass the change on unseen, or hide it,
+# where autograd without hooks raises at that unpack. So every result is handed
+# out with the saved tensor's own version counter, over whatever memory: the
+# record's version probe (``counter``) shares it, and each result is the
+# probe's ``detach()`` (which shares the counter) given the view's data
+# (``.data =`` keeps the counter). Every other saved object of that tensor (a
+# small view kept for its size, another record over the same memory, the same
+# record's next pass) checks that counter at its unpack and raises autograd's
+# error if it moved, as autograd does. Where the tensor type takes no new data
+# (no probe), the results handed out over one memory share a sentinel of their
+# own instead: a 0-element tensor (``handout``: the memory, weakly, the
+# sentinel, its version), which an unpack over the same memory checks first;
+# memory read afresh then gets a new sentinel (its bytes are the written ones).
+# A write that lands after such a change, or a copy of a device span to the
+# host issued after it, taints the record. Probes and sentinels hold no
+# memory, so they live as long as the record.
 #
 # NOTE [no cycles]
 # When an op saves its own output, the tensor handed to pack holds the op's
@@ -336,7 +335,6 @@ class Record:
         "host_only",
         "key",
         "on_disk",
-        "own",
         "pass_no",
         "pos",
         "prefetch",
@@ -400,10 +398,6 @@ class Record:
         self.align = 0
         # Whether the device's memory is host memory (CPU tensors): no copies either way.
         self.host_only = engine._device.identity(device)
-        # NOTE [handouts]: the saved tensor's own storage, which a read may hand out
-        # after the write has landed and ``source`` has let it go (a device record's
-        # is set by pack, with ``held``).
-        self.own = weakref.ref(source[0]) if self.host_only and source is not None else None
         self.seq = seq
         self.pos = self.step = self.spos = -1  # NOTE [lookahead] in plan.py
         self.tier = DEVICE  # NOTE [tiers] in policy.py
@@ -440,12 +434,10 @@ class Record:
         GIL, and may wait to get it back): ``handout`` is read and replaced whole."""
         last = self.handout
         if last is None or last[0]() is not storage:  # memory not handed out before
-            own, counter = self.own, self.counter
-            if (
-                built is None and counter is not None and own is not None and own() is storage
-            ):  # NOTE [handouts]: the saved tensor's own memory, so its own counter
+            counter = self.counter
+            if counter is not None:  # NOTE [handouts]: the saved tensor's own counter
                 self.handout = (weakref.ref(storage), counter, counter._version)
-                return _sharing(counter, view)  # type: ignore[arg-type]
+                return _sharing(counter, built[0] if built is not None else view)  # type: ignore[arg-type]
             out, sentinel = built if built is not None else sentinel_for(view)  # type: ignore[arg-type]
             self.handout = (weakref.ref(storage), sentinel, sentinel._version)
             return out

@@ -513,14 +513,14 @@ def test_a_saved_tensor_changed_in_place_during_backward_raises(
 
 
 @contextlib.contextmanager
-def _hooks_on(kind: str, save_dir: Path, **kw: Any) -> Iterator[None]:
+def _hooks_on(kind: str, save_dir: Path, **kw: Any) -> Iterator[OffloadEngine]:
     """Offload hooks on the CPU ("disk") or on the CUDA path's twin ("twin-<target>")."""
     if kind == "disk":
-        with engine_with_hooks(save_dir, **kw):
-            yield
+        with engine_with_hooks(save_dir, **kw) as engine:
+            yield engine
     else:
-        with twin_with_hooks(kind.removeprefix("twin-"), save_dir, **kw):
-            yield
+        with twin_with_hooks(kind.removeprefix("twin-"), save_dir, **kw) as (engine, _):
+            yield engine
 
 
 @pytest.mark.parametrize("kind", ["disk", "twin-cpu", "twin-disk"])
@@ -561,15 +561,16 @@ class _UsesItsSaved(torch.autograd.Function):
         return grad * s.sum(), None
 
 
+@pytest.mark.parametrize("budget", ["1GiB", 0])
 @pytest.mark.parametrize("kind", ["disk", "twin-cpu", "twin-disk"])
 def test_a_change_in_backward_is_seen_by_another_record_over_the_same_memory(
-    save_dir: Path, kind: str
+    save_dir: Path, kind: str, budget: str | int
 ) -> None:
     """NOTE [handouts]: two overlapping views of h, neither inside the other and each
-    under half of it, are two records over one memory. Kept in memory (the device tier
-    on the twin), the first one's handout carries h's counter, so the zeroing of its
-    view is seen at the second one's unpack, which would otherwise read the zeroed
-    overlap into a wrong gradient."""
+    under half of it, are two records over one memory. The first one's handout carries
+    h's counter, kept in memory (the device tier on the twin) or read back afresh, so
+    the zeroing of its view is seen at the second one's unpack, as autograd sees it
+    (kept, the second would read the zeroed overlap into a wrong gradient)."""
     w = torch.randn(4, requires_grad=True)
     x = torch.randn(10000, requires_grad=True)
 
@@ -581,10 +582,31 @@ def test_a_change_in_backward_is_seen_by_another_record_over_the_same_memory(
 
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss().backward()  # plain autograd
-    with _hooks_on(kind, save_dir, min_offload_bytes=0, device_budget="1GiB"):
+    with _hooks_on(kind, save_dir, min_offload_bytes=0, device_budget=budget) as engine:
         y = loss()
+        engine.flush()  # (budget 0: both written or copied before the backward reads)
         with pytest.raises(RuntimeError, match=r"inplace|in place"):
             y.backward()
+
+
+@pytest.mark.parametrize("kind", ["disk", "twin-cpu", "twin-disk"])
+def test_a_change_in_backward_read_back_afresh_raises_in_the_next_pass(
+    save_dir: Path, kind: str
+) -> None:
+    """NOTE [handouts]: a record read back from disk or a host copy, changed in place by
+    its last user in one pass of a retained graph, raises autograd's error in the next
+    pass (the handout carried the saved tensor's counter), as plain autograd does."""
+    w = torch.randn(4096, requires_grad=True)
+    y = ZeroesItsSaved.apply(w * 1.5)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()  # plain autograd
+    with _hooks_on(kind, save_dir, min_offload_bytes=0) as engine:
+        y = ZeroesItsSaved.apply(w * 1.5)
+        engine.flush()
+        y.sum().backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match=r"inplace|in place"):
+            y.sum().backward()
 
 
 def test_a_device_span_changed_in_backward_then_demoted_raises_in_the_next_pass(
