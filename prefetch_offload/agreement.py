@@ -167,7 +167,8 @@ class RankAgreement:
             raise OffloadError(
                 f"prefetch_offload: rank {self.rank} of {self.world} waited{within} for the "
                 f"other ranks to reach recompute='auto' decision {seq} ({key!r}) and they "
-                f"did not: the ranks are not running the same steps; {_FIX}."
+                f"did not: the ranks are not running the same steps (or another rank raised "
+                f"or left its offload_context: see its own error); {_FIX}."
             ) from err
 
     def mismatch(self, what: str) -> OffloadError:

@@ -248,6 +248,13 @@ def find_blocks(model: nn.Module, blocks: BlockSpec | None = None) -> list[tuple
                 "the blocks in it instead, e.g. 'model.layers.0', or pass their class."
             )
         how = f"recompute_blocks={list(spec)!r}"
+        if not found and ("" in names or (classes and isinstance(model, classes))):
+            raise ValueError(
+                f"prefetch_offload: {how} names the model itself, which cannot be a block "
+                "(a block is a submodule the model calls); name the repeated layers inside "
+                "it instead, by class (e.g. [MyDecoderLayer]) or by qualified name (e.g. "
+                "'layers.0')."
+            )
     else:
         wanted = _no_split_classes(model)
         # Along the class's MRO: fully_shard gives each sharded module a subclass of its

@@ -96,6 +96,15 @@ def test_recompute_blocks_naming_a_container_is_an_error() -> None:
         find_blocks(model, [nn.ModuleList])
 
 
+def test_recompute_blocks_naming_the_model_itself_says_so() -> None:
+    """The root (named "" by named_modules(), or its class) is no block: the error says
+    the model itself was named, not only that no blocks were found."""
+    model = _HFLike()
+    for spec in ([""], [_HFLike]):
+        with pytest.raises(ValueError, match="names the model itself"):
+            find_blocks(model, spec)
+
+
 def test_recompute_blocks_by_class_and_by_name() -> None:
     model = _HFLike()
     assert [n for n, _ in find_blocks(model, [_Layer])] == [
