@@ -85,8 +85,8 @@
 # place in its page follows the storage (``_demote_to_disk`` in engine.py), as
 # it does for a record kept in memory by ``device_budget`` whose storage moved
 # before its first write. A storage that moves while its
-# write runs makes the record tainted (NOTE [version check] in records.py): its
-# unpack raises, never returns the bytes read.
+# write reads it leaves the record in memory the same way (the bytes the write
+# read are not the saved ones; its slab space is freed).
 """
 
 from __future__ import annotations
@@ -393,10 +393,14 @@ class WritePath:
                 for _, pieces, *_ in run:
                     for view in pieces:
                         view.release()
+            # NOTE [moved storages]: moved while the write read it (which may have failed
+            # for it: EFAULT where the old pages were let go)
+            moved = [item for item in run if _moved(item)]
+            if moved:
+                self._keep_moved(moved)
+                run = [item for item in run if not any(item is m for m in moved)]
             for item in run:
                 rec = item[0]
-                if exc is None and _moved(item):  # NOTE [moved storages]: during the write
-                    rec.tainted = True
                 try:
                     self._write_done(rec, exc, culprit)
                 except BaseException as failure:  # NOTE [errors from workers]
@@ -410,6 +414,13 @@ class WritePath:
         moved = [item for item in batch if _moved(item)]
         if not moved:
             return batch
+        self._keep_moved(moved)
+        gone = {id(item) for item in moved}
+        return [item for item in batch if id(item) not in gone]
+
+    def _keep_moved(self, moved: list[_Pending]) -> None:
+        """Keep in memory, as records whose write was skipped, the records of ``moved``
+        (NOTE [moved storages]); their views are released."""
         skipped: list[_Record] = []
         with self._lock:
             for rec, pieces, *_ in moved:
@@ -419,8 +430,6 @@ class WritePath:
                     skipped.append(rec)
             freed = self._skip(skipped)
         self._skipped(len(skipped), freed)
-        gone = {id(item) for item in moved}
-        return [item for item in batch if id(item) not in gone]
 
     def _staged_write(
         self, first: Extent, views: list[memoryview], sums: list[_Sum | None]
@@ -570,6 +579,9 @@ class WritePath:
             self._unfollowed[0].done.wait()
             with self._lock:
                 self._unfollowed = [j for j in self._unfollowed if not j.done.is_set()]
+        with self._lock:  # NOTE [interrupts] in io_pool.py: what one left counted
+            if not self._open and not self._writing():
+                self.pending_bytes = 0
 
     def _write_failed(self, rec: _Record, exc: BaseException) -> None:
         """NOTE [errors from workers]: the record keeps its source in memory."""

@@ -824,6 +824,7 @@ def test_an_interrupt_that_leaves_write_bytes_counted_does_not_stall_later_packs
             for _ in range(2):
                 assert torch.equal(ref, step())
             engine.flush()
+        assert engine._writer.pending_bytes == 0
 
 
 def test_an_interrupt_while_a_write_is_queued_returns_the_record_to_memory(
