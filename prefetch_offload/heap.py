@@ -404,7 +404,9 @@ class _TrimThread:
     """One daemon thread that runs the trims it is given, one at a time, in order."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        # Entered as the lock (NOTE [interrupts] in io_pool.py).
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._jobs: list[Callable[[], None]] = []
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -412,7 +414,7 @@ class _TrimThread:
     def submit(self, job: Callable[[], None]) -> None:
         """Queue ``job``; starts the thread if it is not running (first job, or it
         died). Raises RuntimeError if no thread can be started."""
-        with self._cond:
+        with self._lock:
             if self._closing:
                 return
             if self._thread is None or not self._thread.is_alive():
@@ -426,7 +428,7 @@ class _TrimThread:
 
     def _run(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 while not self._jobs and not self._closing:
                     self._cond.wait()
                 if not self._jobs:
@@ -436,7 +438,7 @@ class _TrimThread:
             del job  # a waiting thread must not keep the trimmer alive
 
     def close(self, *, wait: bool = True) -> None:
-        with self._cond:
+        with self._lock:
             self._closing = True
             self._cond.notify_all()
             thread = self._thread

@@ -20,19 +20,23 @@ on writes until the byte cap is hit).
 # NOTE [interrupts]
 # A ``KeyboardInterrupt`` (Ctrl-C) is raised in the main thread between any two
 # of its calls, the hooks' included, so bookkeeping the hooks share with the IO
-# threads can be left half done; Python's own ``Condition.notify`` can lose its
-# wakeup so (interrupted after it woke a waiter, before it dropped it from its
-# list, it leaves the list with an entry whose next notify wakes nobody). A
-# user who interrupts a step and trains on, as in a notebook, or who leaves the
-# context, must not hang on it. So no wait depends on a wakeup that an
-# interrupted call owed: an idle worker looks at its queue again every
-# _RECHECK_S whatever woke it; a pack waiting at the write cap waits only while
-# a write job that can lower the pending bytes is running or queued, and where
-# none is, counts none pending (``WritePath.queue``); a write the backward
-# skips is dropped in one step (``IOFuture.cancel``). What an interrupt can
-# lose is memory, never a value: a record whose write batch it lost stays in
-# memory (served from there, as every record whose write has not finished) and
-# keeps its slab space until it dies.
+# threads can be left half done, and Python's own threading code with it:
+# ``Condition.notify``, interrupted after it woke a waiter and before it
+# dropped it from its list, leaves an entry that the next notify wakes instead
+# of a thread; ``with condition:`` can keep the lock for good, as the
+# condition's ``__enter__`` is Python code that an interrupt can end once it has
+# taken the lock. A user who interrupts a step and trains on (as in a notebook),
+# or leaves the context, must not hang on that. So a condition is entered
+# through its lock (a C lock's ``__enter__`` and the block that follows are not
+# split by an interrupt), and no wait depends on a wakeup an interrupted call
+# owed: an idle worker looks at its queue again every _RECHECK_S, whatever woke
+# it; a pack at the write cap waits only while a write job that can lower the
+# pending bytes is running or queued, and where none is, counts none pending
+# (``WritePath.queue``, and ``flush``); a write the backward skips is dropped
+# in one step (``IOFuture.cancel``). What an interrupt can lose is memory,
+# never a value: a record whose write batch it lost stays in memory (served
+# from there, as every record whose write has not finished) and keeps its slab
+# space until it dies.
 """
 
 from __future__ import annotations
@@ -63,18 +67,20 @@ class IOFuture(Generic[T]):
     A job's exception is stored and re-raised, with its traceback, by ``result()``.
     """
 
-    __slots__ = ("_cond", "_exc", "_fn", "_result", "_state")
+    __slots__ = ("_cond", "_exc", "_fn", "_lock", "_result", "_state")
 
     def __init__(self, fn: Callable[[], T]) -> None:
         self._fn: Callable[[], T] | None = fn
         self._state = _PENDING
         self._result: T | None = None
         self._exc: BaseException | None = None
-        self._cond = threading.Condition(threading.Lock())
+        # Entered as the lock, never as the condition (NOTE [interrupts]).
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
 
     def claim(self) -> bool:
         """Take the right to run the job (NOTE [claiming jobs]). True for exactly one caller."""
-        with self._cond:
+        with self._lock:
             if self._state != _PENDING:
                 return False
             self._state = _RUNNING
@@ -82,7 +88,7 @@ class IOFuture(Generic[T]):
 
     def cancel(self) -> bool:
         """Drop the job if nobody has started it. Returns whether it was dropped."""
-        with self._cond:
+        with self._lock:
             if self._state != _PENDING:
                 return False
             self._state = _DONE
@@ -103,7 +109,7 @@ class IOFuture(Generic[T]):
             exc = e
         # Drop the job (and whatever it references) before anyone can see it done.
         del fn
-        with self._cond:
+        with self._lock:
             self._result, self._exc, self._state = result, exc, _DONE
             self._cond.notify_all()
 
@@ -113,7 +119,7 @@ class IOFuture(Generic[T]):
 
     def wait(self) -> None:
         """Block until the job has finished."""
-        with self._cond:
+        with self._lock:
             while self._state != _DONE:
                 self._cond.wait()
 
@@ -128,7 +134,7 @@ class IOFuture(Generic[T]):
         """``result()`` for the job's one consumer: the future lets go of the value
         (NOTE [claiming jobs]); a later ``take()`` or ``result()`` raises RuntimeError."""
         self.wait()
-        with self._cond:
+        with self._lock:
             if self._exc is not None:
                 raise self._exc
             result, self._result = self._result, None
@@ -192,7 +198,8 @@ class ThreadIOPool(IOPool):
     """
 
     def __init__(self, workers: int, name: str = "prefetch_offload-io") -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # entered as the lock (NOTE [interrupts])
+        self._cond = threading.Condition(self._lock)
         self._heap: list[tuple[int, int, IOFuture[object]]] = []
         self._seq = itertools.count()
         self._stopping = False
@@ -208,7 +215,7 @@ class ThreadIOPool(IOPool):
 
     def submit(self, fn: Callable[[], T], priority: int) -> IOFuture[T]:
         fut: IOFuture[T] = IOFuture(fn)
-        with self._cond:
+        with self._lock:
             if self._stopping:
                 raise RuntimeError("ThreadIOPool.submit after shutdown")
             heapq.heappush(self._heap, (priority, next(self._seq), fut))  # type: ignore[arg-type]
@@ -218,7 +225,7 @@ class ThreadIOPool(IOPool):
     def _work(self) -> None:
         isolated = False
         while True:
-            with self._cond:
+            with self._lock:
                 while not self._heap and not self._stopping:
                     self._cond.wait(_RECHECK_S)  # NOTE [interrupts]: a wakeup may be lost
                 if not self._heap:
@@ -231,7 +238,7 @@ class ThreadIOPool(IOPool):
             del fut  # an idle worker must not keep the last result (a read buffer) alive
 
     def shutdown(self, wait: bool = True) -> None:
-        with self._cond:
+        with self._lock:
             self._stopping = True
             self._cond.notify_all()
         if not wait:

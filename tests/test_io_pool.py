@@ -185,3 +185,33 @@ def test_a_wakeup_lost_to_an_interrupted_notify_still_runs_the_job() -> None:
         fut.wait()
     finally:
         pool.shutdown()
+
+
+def test_an_interrupt_cannot_leave_a_pool_or_future_lock_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOTE [interrupts]: ``with condition:`` runs the condition's Python ``__enter__``,
+    which a Ctrl-C can end after it took the lock, keeping it for good (every later
+    submit, worker and exit then hangs). The pool and its futures enter their
+    conditions through the C lock: a condition's ``__enter__`` that is interrupted
+    so is never run."""
+    real_enter = threading.Condition.__enter__
+
+    def interrupted_enter(self: threading.Condition) -> bool:
+        real_enter(self)
+        raise KeyboardInterrupt  # after the lock was taken, before the block
+
+    pool = ThreadIOPool(1)
+    try:
+        monkeypatch.setattr(threading.Condition, "__enter__", interrupted_enter)
+        ran: list[int] = []
+        fut = pool.submit(lambda: ran.append(1), WRITE)
+        fut.wait()
+        assert ran == [1] and fut.exception() is None
+        own: IOFuture[int] = IOFuture(lambda: 7)
+        assert own.claim()
+        own.run()
+        assert own.take() == 7
+    finally:
+        monkeypatch.undo()
+        pool.shutdown()
