@@ -225,7 +225,7 @@ class ReadPath:
     def _read_job(self, rec: Record) -> Any:
         # The job must not reference the record: the record holds the job's future.
         extent, span, crcs, device, align = rec.extent, rec.span, rec.crcs, rec.device, rec.align
-        meta = rec.view0
+        meta, counter = rec.view0, rec.counter  # (a probe: no memory, no record)
         store, chunk, stats = self._store, self.config.chunk_bytes, self._stats
         lease = self._device.lease_for(device) or self.read_pool.lease
         to_device = self._device.to_device
@@ -250,7 +250,7 @@ class ReadPath:
             placed = to_device(buf.untyped_storage(), base, span.nbytes, device, None, align)
             if placed[2] is not None:  # still being copied: built after use() instead
                 return placed, None
-            return placed, sentinel_for(make_view(placed[0], placed[1], meta))
+            return placed, sentinel_for(make_view(placed[0], placed[1], meta), counter)
 
         return job
 

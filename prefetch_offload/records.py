@@ -166,10 +166,15 @@ Resident = Placed
 Fetched = tuple[Resident, "tuple[torch.Tensor, torch.Tensor] | None"]
 
 
-def sentinel_for(view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(view as a result to hand out, its sentinel)``: a 0-element tensor that shares
-    the result's version counter and holds no memory (NOTE [handouts])."""
-    sentinel = torch.empty((0,), dtype=view.dtype, device=view.device)
+def sentinel_for(
+    view: torch.Tensor, counter: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(view as a result to hand out, its sentinel)``: ``counter`` (the saved tensor's
+    version probe) where given, else a new 0-element tensor; the result shares the
+    sentinel's version counter (NOTE [handouts])."""
+    sentinel = (
+        counter if counter is not None else torch.empty((0,), dtype=view.dtype, device=view.device)
+    )
     return _sharing(sentinel, view), sentinel
 
 
@@ -429,16 +434,14 @@ class Record:
         """``view`` (over ``storage``) as an unpack's result, sharing one version counter
         with the results handed out before over the same memory; raises autograd's
         in-place error if one of those was changed since (NOTE [handouts]). ``built``
-        instead: a result and its sentinel (:func:`sentinel_for`) made by the reading
-        thread over memory read afresh. Needs no lock (the tensor calls release the
-        GIL, and may wait to get it back): ``handout`` is read and replaced whole."""
+        instead: a result and its sentinel (:func:`sentinel_for`, with ``counter``) made
+        by the reading thread over memory read afresh. Needs no lock (the tensor calls
+        release the GIL, and may wait to get it back): ``handout`` is read and replaced
+        whole."""
         last = self.handout
         if last is None or last[0]() is not storage:  # memory not handed out before
-            counter = self.counter
-            if counter is not None:  # NOTE [handouts]: the saved tensor's own counter
-                self.handout = (weakref.ref(storage), counter, counter._version)
-                return _sharing(counter, built[0] if built is not None else view)  # type: ignore[arg-type]
-            out, sentinel = built if built is not None else sentinel_for(view)  # type: ignore[arg-type]
+            # NOTE [handouts]: with the saved tensor's own counter, where it has a probe
+            out, sentinel = built if built is not None else sentinel_for(view, self.counter)  # type: ignore[arg-type]
             self.handout = (weakref.ref(storage), sentinel, sentinel._version)
             return out
         sentinel, version = last[1], last[2]
