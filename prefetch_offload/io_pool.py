@@ -18,25 +18,26 @@ on writes until the byte cap is hit).
 # held by the tensor autograd uses, never by a queued future.
 #
 # NOTE [interrupts]
-# A ``KeyboardInterrupt`` (Ctrl-C) is raised in the main thread between any two
-# of its calls, the hooks' included, so bookkeeping the hooks share with the IO
+# A ``KeyboardInterrupt`` (Ctrl-C) is raised in the main thread between any two of
+# its calls, the hooks' included, so bookkeeping the hooks share with the IO
 # threads can be left half done, and Python's own threading code with it:
-# ``Condition.notify``, interrupted after it woke a waiter and before it
-# dropped it from its list, leaves an entry that the next notify wakes instead
-# of a thread; ``with condition:`` can keep the lock for good, as the
-# condition's ``__enter__`` is Python code that an interrupt can end once it has
-# taken the lock. A user who interrupts a step and trains on (as in a notebook),
-# or leaves the context, must not hang on that. So a condition is entered
-# through its lock (a C lock's ``__enter__`` and the block that follows are not
-# split by an interrupt), and no wait depends on a wakeup an interrupted call
-# owed: an idle worker looks at its queue again every _RECHECK_S, whatever woke
-# it; a pack at the write cap waits only while a write job that can lower the
-# pending bytes is running or queued, and where none is, counts none pending
-# (``WritePath.queue``, and ``flush``); a write the backward skips is dropped
-# in one step (``IOFuture.cancel``). What an interrupt can lose is memory,
-# never a value: a record whose write batch it lost stays in memory (served
-# from there, as every record whose write has not finished) and keeps its slab
-# space until it dies.
+# ``Condition.notify``, interrupted after it woke a waiter and before it dropped
+# it from its list, leaves an entry that the next notify wakes instead of a
+# thread; ``with condition:`` can keep the lock for good, as the condition's
+# ``__enter__`` is Python code that an interrupt can end once it has taken the
+# lock. A user who interrupts a step and trains on (as in a notebook), or leaves
+# the context, must not hang on that. So a condition is entered through its lock
+# (a C lock's ``__enter__`` and the block that follows are not split by an
+# interrupt), and no wait depends on a wakeup an interrupted call owed: an idle
+# worker looks at its queue again every _RECHECK_S, whatever woke it; a pack at
+# the write cap waits only while a write job that can lower the pending bytes is
+# running or queued, looking again as often (``WritePath.queue``), and bytes an
+# interrupt left counted with no job to write them are forgotten by the next
+# ``flush`` that finds no job, no open batch and no batch on its way to the pool;
+# a write the backward skips is dropped in one step (``IOFuture.cancel``). What an
+# interrupt can lose is memory, never a value: a record whose write batch it lost
+# stays in memory (served from there, as every record whose write has not
+# finished) and keeps its slab space until it dies.
 """
 
 from __future__ import annotations

@@ -175,6 +175,10 @@ class ReadPath:
                 if fut is not None:
                     self._plan.consumed(rec)
                 source = rec.source
+            if fut is not None and fut.done() and isinstance(fut.exception(), OSError):
+                # A prefetch that failed is read or copied again, here: it may have been
+                # issued in a backward that its failure ended, and the disk be well again.
+                fut = None
             if fut is None and source is not None:
                 # In host memory: the tensor itself (CPU), or a host copy to bring back.
                 self._stats.add(**{"prefetch_hits" if rec.host_only else "prefetch_misses": 1})
@@ -193,14 +197,10 @@ class ReadPath:
         return storage, base, built
 
     def _collect(self, rec: Record, fut: IOFuture[Fetched] | None) -> Fetched:
-        """The read's result, counting a hit if it was ready and stall time if not. A
-        prefetch that failed is read again, here: it may have been issued in a backward
-        that its failure ended, and the disk may be well again."""
+        """The read's result, counting a hit if it was ready and stall time if not."""
         if fut is not None and fut.done():
-            if not isinstance(fut.exception(), OSError):
-                self._stats.add(prefetch_hits=1)
-                return self._read_result(rec, fut)
-            fut = None
+            self._stats.add(prefetch_hits=1)
+            return self._read_result(rec, fut)
         start = time.perf_counter()
         if fut is None:
             fut = IOFuture(self._read_job(rec))

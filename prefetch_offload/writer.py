@@ -86,7 +86,12 @@
 # it does for a record kept in memory by ``device_budget`` whose storage moved
 # before its first write. A storage that moves while its
 # write reads it leaves the record in memory the same way (the bytes the write
-# read are not the saved ones; its slab space is freed).
+# read are not the saved ones; its slab space is freed); where that write failed
+# (EFAULT, its old pages let go), the other records it carried stay in memory
+# too, and no error is reported. Such a move is a race the engine cannot see
+# coming: a write that copies through mmap or a staging buffer faults on pages
+# already let go, and the process dies (resizing a storage an op saved, while
+# training, is outside what ``docs/guarantees.md`` promises).
 """
 
 from __future__ import annotations
@@ -109,7 +114,7 @@ import torch
 from .buffers import HostBufferPool
 from .config import OffloadConfig
 from .errors import OffloadFallbackWarning, OffloadIOError
-from .io_pool import WRITE, IOFuture, IOPool
+from .io_pool import _RECHECK_S, WRITE, IOFuture, IOPool
 from .packed import source_address, source_buffer, span_part
 from .policy import DEVICE, HOST, TierPolicy
 from .profiling import profiler_range
@@ -216,6 +221,9 @@ class WritePath:
         # The open write batch: records queued but not yet submitted (NOTE [write batches]).
         self._open: list[_Pending] = []
         self._unfollowed: list[_Job] = []  # started jobs whose submit was interrupted
+        # Per thread, batches taken from the open one and not yet handed to the pool or
+        # put back (NOTE [interrupts] in io_pool.py: pending, though in no job yet).
+        self._transit: collections.Counter[threading.Thread] = collections.Counter()
         self._open_bytes = 0
         # Submitted batches, oldest first, that backward may still skip (NOTE [write tail]).
         self._tail: collections.deque[tuple[IOFuture[None], list[weakref.ref[_Record]]]] = (
@@ -245,6 +253,7 @@ class WritePath:
         target = min(self.config.chunk_bytes, max(cap // 2, 1))
         batch = None
         with self._lock:
+            self._transit.pop(threading.current_thread(), None)  # (lost, if any)
             # NOTE [write batches]: a full batch kept for the views of its newest
             # record goes now, and the bytes waited for at the cap may be in it.
             if self._open_bytes >= target or (
@@ -271,9 +280,8 @@ class WritePath:
                             self._lock.acquire()
                         continue
                     if not self._writing():  # NOTE [interrupts] in io_pool.py: what an
-                        self.pending_bytes = 0  # interrupt left counted, no job writes
-                        break
-                    self._writes_idle.wait()
+                        break  # interrupt left counted no job writes (flush forgets it)
+                    self._writes_idle.wait(_RECHECK_S)  # (a job is done after its notify)
                 self._stats.add(pack_wait_seconds=time.perf_counter() - start)
             self.pending_bytes += nbytes
             self._stats.set_max("peak_pending_write_bytes", self.pending_bytes)
@@ -294,12 +302,25 @@ class WritePath:
             not job.done.is_set() for job in self._unfollowed
         )
 
-    def _take_batch(self) -> list[_Pending]:
-        """The open batch, emptied (call under the lock)."""
+    def _take_batch(self, *, submit: bool = True) -> list[_Pending]:
+        """The open batch, emptied (call under the lock); to ``submit`` with
+        :meth:`_submit_batch` (counted in transit until then)."""
         batch, self._open, self._open_bytes = self._open, [], 0
+        if batch and submit:
+            self._transit[threading.current_thread()] += 1
         return batch
 
     def _submit_batch(self, batch: list[_Pending]) -> None:
+        try:
+            self._submit_taken(batch)
+        finally:
+            with self._lock:
+                me = threading.current_thread()
+                self._transit[me] -= 1
+                if self._transit[me] <= 0:
+                    del self._transit[me]
+
+    def _submit_taken(self, batch: list[_Pending]) -> None:
         job = _Job(batch)
         try:
             fut = self.pool.submit(functools.partial(self._write_batch, job), WRITE)
@@ -393,9 +414,13 @@ class WritePath:
                 for _, pieces, *_ in run:
                     for view in pieces:
                         view.release()
-            # NOTE [moved storages]: moved while the write read it (which may have failed
-            # for it: EFAULT where the old pages were let go)
+            # NOTE [moved storages]: moved while the write read it. A failure is then
+            # the move's (EFAULT: the old pages are gone), and the run's other records
+            # were not written either: they stay in memory too, with no error.
             moved = [item for item in run if _moved(item)]
+            if moved and exc is not None:
+                self._keep_moved(run)
+                continue
             if moved:
                 self._keep_moved(moved)
                 run = [item for item in run if not any(item is m for m in moved)]
@@ -499,7 +524,7 @@ class WritePath:
         """Drop writes that backward would read right back (NOTE [write tail])."""
         skipped: list[_Record] = []
         with self._lock:
-            for rec, pieces, *_ in self._take_batch():  # never submitted
+            for rec, pieces, *_ in self._take_batch(submit=False):  # never submitted
                 for view in pieces:
                     view.release()
                 skipped.append(rec)
@@ -563,6 +588,7 @@ class WritePath:
     def wait(self) -> None:
         """Submit the open batch; wait until every write job has finished."""
         with self._lock:
+            self._transit.pop(threading.current_thread(), None)  # (lost, if any)
             batch = self._take_batch()
         if batch:
             self._submit_batch(batch)
@@ -580,7 +606,8 @@ class WritePath:
             with self._lock:
                 self._unfollowed = [j for j in self._unfollowed if not j.done.is_set()]
         with self._lock:  # NOTE [interrupts] in io_pool.py: what one left counted
-            if not self._open and not self._writing():
+            on_the_way = any(thread.is_alive() for thread in self._transit)
+            if not self._open and not on_the_way and not self._writing():
                 self.pending_bytes = 0
 
     def _write_failed(self, rec: _Record, exc: BaseException) -> None:

@@ -856,3 +856,36 @@ def test_an_interrupt_while_a_write_is_queued_returns_the_record_to_memory(
         assert torch.equal(x.grad, 3 * (3 * x.detach()).exp())
     gc.collect()
     assert engine.stats().disk_bytes_in_use == 0
+
+
+def test_flush_keeps_the_bytes_of_a_batch_another_thread_is_submitting(save_dir: Path) -> None:
+    """NOTE [interrupts] in io_pool.py: flush forgets pending bytes only when no write
+    job, open batch or batch on its way to the pool is left; a batch another thread
+    has taken and not yet submitted is on its way, and its bytes stay counted (else its
+    job would count them off again: below zero, and the cap overshot)."""
+    x = torch.randn(1 << 14, requires_grad=True)
+    with engine_with_hooks(save_dir, chunk_bytes=1 << 20) as engine:
+        writer = engine._writer
+        y = (x * 2).sin()  # its write waits in the open batch (the chunk is larger)
+        nbytes = writer.pending_bytes
+        assert nbytes > 0
+        taken, go = threading.Event(), threading.Event()
+
+        def submitter() -> None:
+            with engine._lock:
+                batch = writer._take_batch()
+            taken.set()
+            go.wait(10)
+            writer._submit_batch(batch)
+
+        thread = threading.Thread(target=submitter)
+        thread.start()
+        assert taken.wait(10)
+        engine.flush()  # the batch is on its way: nothing forgotten
+        assert writer.pending_bytes == nbytes
+        go.set()
+        thread.join()
+        engine.flush()
+        assert writer.pending_bytes == 0
+        y.sum().backward()
+    assert torch.equal(x.grad, 2 * (2 * x.detach()).cos())

@@ -1111,3 +1111,44 @@ def test_a_saved_tensor_whose_storage_moves_while_its_write_reads_it(
         y.sum().backward()
         _assert_nothing_held(engine)
     assert torch.equal(x.grad, ref)
+
+
+def test_a_storage_that_moves_while_its_write_reads_it_fails_no_other_record(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [moved storages] in writer.py: a storage over glibc's largest heap request
+    (an mmap of its own) that moves while a vectored write reads it makes the write
+    fail (EFAULT: its old pages are gone). The write's other records are not written
+    either, and stay in memory too: no disk error is reported, and backward is exact."""
+    torch.manual_seed(0)
+    w = torch.randn(1024, 1024, requires_grad=True)
+
+    def step(engine: OffloadEngine | None) -> torch.Tensor:
+        h = w.repeat(10, 1) * 3  # 40 MiB: a mapping of its own, let go when it moves
+        a = h.sin()
+        b = (w * 5).cos()  # the next extent: the same vectored write
+        st = h.untyped_storage()
+        if engine is not None:
+            real = engine._store.write
+
+            def moving_write(*args: Any) -> None:
+                monkeypatch.setattr(engine._store, "write", real)
+                st.resize_(st.nbytes() + 4096)  # moves now, as the write reads it
+                real(*args)
+
+            monkeypatch.setattr(engine._store, "write", moving_write)
+            engine.flush()
+        else:
+            st.resize_(st.nbytes() + 4096)
+        (a.sum() + b.sum()).backward()
+        assert w.grad is not None
+        grad, w.grad = w.grad, None
+        return grad
+
+    ref = step(None)
+    kw = {"io_method": "buffered", "chunk_bytes": 64 << 20, "max_pending_write_bytes": 256 << 20}
+    with engine_with_hooks(save_dir, **kw) as engine:
+        got = step(engine)
+        assert engine.stats().fallbacks == 0
+        _assert_nothing_held(engine)
+    assert torch.equal(ref, got)
