@@ -61,7 +61,6 @@ __all__ = [
     "add_shape_args",
     "build",
     "parse_config",
-    "saved_storage_bytes",
 ]
 
 # What each kind of lane runs. "budget" offloads to disk on the CPU and to host RAM
@@ -170,24 +169,6 @@ def _checkpointed(forward: Callable[..., Any], reentrant: bool) -> Callable[...,
     from torch.utils.checkpoint import checkpoint
 
     return lambda x: checkpoint(forward, x, use_reentrant=reentrant)
-
-
-def saved_storage_bytes(model: torch.nn.Module, forward: Callable[[], Any]) -> list[int]:
-    """Bytes of each distinct storage ``forward()`` (one forward of ``model``) saves for
-    backward, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = forward()
-    del loss
-    return list(storages.values())
 
 
 @dataclass(frozen=True)

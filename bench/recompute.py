@@ -76,7 +76,7 @@ from _common import (
     round_order,
     scratch_folder,
 )
-from _harness import Shape, build, saved_storage_bytes
+from _harness import Shape, build
 from _probe import _sgd_step
 from _text import json_header, log, progress
 
@@ -313,6 +313,8 @@ def throttled(folder: str, mbps: int | None) -> Any:
 
 
 def run(args: argparse.Namespace, header: dict[str, Any]) -> dict[str, Any]:
+    from prefetch_offload.testing import saved_storage_bytes
+
     torch.set_num_threads(TORCH_THREADS)
     model, loss_of = build_model(args)
     saved = sum(saved_storage_bytes(model, functools.partial(loss_of, model)))

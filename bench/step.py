@@ -74,7 +74,6 @@ from _harness import (
     build,
     close_all,
     parse_config,
-    saved_storage_bytes,
 )
 from _plot import memory_over_step
 from _probe import SAMPLE_INTERVAL_S
@@ -91,7 +90,7 @@ from _text import (
 )
 from gpu_preflight import pinned_link_gbps as _link_gbps
 
-from prefetch_offload.testing import warm_up_unary_ops
+from prefetch_offload.testing import saved_storage_bytes, warm_up_unary_ops
 
 __all__ = ["BUDGET_FRACTION", "headline", "main", "run_lanes", "summarize"]
 

@@ -30,13 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
 from _common import MB, TORCH_THREADS, machine_info, scratch_folder
-from _harness import LaneSpec, Shape, add_shape_args, build, saved_storage_bytes
+from _harness import LaneSpec, Shape, add_shape_args, build
 from _plot import sweep_grid
 from _text import format_table, json_header, log, progress
 from step import run_lanes, summarize
 
 from prefetch_offload import OffloadConfig
-from prefetch_offload.testing import warm_up_unary_ops
+from prefetch_offload.testing import saved_storage_bytes, warm_up_unary_ops
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
 

@@ -6,6 +6,7 @@ activations are those of a plain PyTorch model; ``attention="sdpa"`` uses
 ``F.scaled_dot_product_attention`` instead (fused kernels on a GPU, the shape
 of activations in current LLM training).
 
+``saved_storage_bytes`` measures what a forward saves for backward.
 ``warm_up_unary_ops`` works around a PyTorch bug that breaks bit-exact
 comparisons on the CPU: NOTE [first unary call].
 """
@@ -14,13 +15,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["TinyTransformer", "make_batch", "trainer_checkpointing", "warm_up_unary_ops"]
+__all__ = [
+    "TinyTransformer",
+    "make_batch",
+    "saved_storage_bytes",
+    "trainer_checkpointing",
+    "warm_up_unary_ops",
+]
 
 
 class _Block(nn.Module):
@@ -137,3 +145,21 @@ def trainer_checkpointing(transformers: Any, on: bool) -> dict[str, bool]:
     if "activation_checkpointing" in fields:
         return {"activation_checkpointing": True}
     return {"gradient_checkpointing": True}
+
+
+def saved_storage_bytes(model: nn.Module, forward: Callable[[], Any]) -> list[int]:
+    """Bytes of each distinct storage ``forward()`` (a forward of ``model``, or of a
+    part of it) saves for backward, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    del out
+    return list(storages.values())

@@ -38,7 +38,7 @@ from prefetch_offload import (
     recompute,
 )
 from prefetch_offload.recompute import RecomputePlan
-from prefetch_offload.testing import TinyTransformer, make_batch
+from prefetch_offload.testing import TinyTransformer, make_batch, saved_storage_bytes
 
 P = CheckpointPolicy
 Policy = Callable[..., CheckpointPolicy]
@@ -301,23 +301,6 @@ def test_a_block_called_three_times_under_auto_at_device_budgets(
         assert (measured["blocks_whole"], measured["blocks_plain"]) == (2, 0), measured
 
 
-def _one_call_saves(block: nn.Module, x: torch.Tensor) -> int:
-    """The bytes of the distinct storages one call of ``block`` saves for backward,
-    parameters left out."""
-    storages: dict[int, int] = {}
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x.requires_grad_())
-    return sum(storages.values())
-
-
 def test_a_block_called_several_times_counts_one_call_s_bytes_per_call(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -327,7 +310,8 @@ def test_a_block_called_several_times_counts_one_call_s_bytes_per_call(
     "full" does."""
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)  # the plan checkpoints
     monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", math.inf)  # plainly
-    one = _one_call_saves(_model(MLPBlock), _seeded(0, 8, 16))
+    block, x = _model(MLPBlock), _seeded(0, 8, 16)
+    one = sum(saved_storage_bytes(block, lambda: block(x)))
     budget = 2 * one  # Shared calls its block three times a forward
     with warnings.catch_warnings():
         warnings.simplefilter("error", OffloadFallbackWarning)
