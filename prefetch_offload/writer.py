@@ -71,27 +71,26 @@
 # from the staging copy, which is exactly what reaches the disk.
 #
 # NOTE [moved storages]
-# A CPU record's write reads its bytes from the saved tensor's own storage, at
-# the address that storage had when the record was queued. A storage can move
-# without a new version: ``untyped_storage().resize_()`` (or ``resize_`` of a
-# tensor sharing it, ``x.data``) reallocates it and copies its bytes, and
-# autograd without hooks reads the saved tensor through the storage, wherever
-# it now is. Read at the old address, the write would copy freed memory. So a
-# write job first compares each record's storage address with the one queued,
-# and a record whose storage moved is not written: it stays in memory, as a
-# record whose write the tail skipped (NOTE [write tail]), and comes back
-# through its storage, as autograd's would. Queued again later (by a budget, as
-# such records are), it is written from where its storage is then: the span's
-# place in its page follows the storage (``_demote_to_disk`` in engine.py), as
-# it does for a record kept in memory by ``device_budget`` whose storage moved
-# before its first write. A storage that moves while its
-# write reads it leaves the record in memory the same way (the bytes the write
-# read are not the saved ones; its slab space is freed); where that write failed
-# (EFAULT, its old pages let go), the other records it carried stay in memory
-# too, and no error is reported. Such a move is a race the engine cannot see
-# coming: a write that copies through mmap or a staging buffer faults on pages
-# already let go, and the process dies (resizing a storage an op saved, while
-# training, is outside what ``docs/guarantees.md`` promises).
+# A CPU record's write reads its bytes from the saved tensor's own storage, at the
+# address that storage had when the record was queued. A storage can move without
+# a new version: ``untyped_storage().resize_()`` (or ``resize_`` of a tensor
+# sharing it, ``x.data``) reallocates it and copies its bytes, and autograd
+# without hooks reads the saved tensor through the storage, wherever it now is.
+# Read at the old address, the write would copy freed memory. So a write job first
+# compares each record's storage address with the one queued, and a record whose
+# storage moved is not written: it stays in memory, as a record whose write the
+# tail skipped (NOTE [write tail]), and comes back through its storage, as
+# autograd's would. Queued again later (by a budget, as such records are), it is
+# written from where its storage is then: the span's place in its page follows the
+# storage (``_demote_to_disk`` in engine.py), as it does for a record kept in
+# memory by ``device_budget`` whose storage moved before its first write. A
+# storage that moves while its write reads it leaves the record in memory the same
+# way (the bytes the write read are not the saved ones; its slab space is freed);
+# where that write failed (EFAULT, its old pages let go), the other records it
+# carried stay in memory too, and no error is reported. Such a move is a race the
+# engine cannot see coming: a write that copies through mmap or a staging buffer
+# faults on pages already let go, and the process dies (resizing a storage an op
+# saved, while training, is outside what ``docs/guarantees.md`` promises).
 """
 
 from __future__ import annotations
