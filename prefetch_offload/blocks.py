@@ -351,10 +351,9 @@ class WrappedBlocks:
         """The wrapped blocks' qualified names, in model order."""
         return [name for name, _ in self.blocks]
 
-    def restore(self) -> None:
-        """Put every block's ``forward`` back as it was (idempotent). Raises
-        :class:`OffloadError`, changing nothing, where another context has wrapped
-        these blocks since and is still entered (exit that one first)."""
+    def check_restore(self) -> None:
+        """Raise :class:`OffloadError`, changing nothing, where another context has
+        wrapped these blocks since and is still entered (exit that one first)."""
         for (module, _, _), mine in zip(self._saved, self._mine, strict=False):
             current = module.__dict__.get("forward")
             if isinstance(current, _BlockForward) and current is not mine:
@@ -363,15 +362,25 @@ class WrappedBlocks:
                     "another one that wraps the same model's blocks is still entered; "
                     "exit contexts in reverse order of entering them."
                 )
-        if self._cache_off is not None:
-            self._cache_off.remove()
-        while self._saved:
-            module, own, previous = self._saved.pop()
-            if own:
-                module.forward = previous  # type: ignore[method-assign]
-            else:
-                module.__dict__.pop("forward", None)
-        self._mine.clear()
+
+    def restore(self) -> None:
+        """Put every block's ``forward`` back as it was (idempotent), after
+        :meth:`check_restore`. The cache hooks go whatever the forwards' restore raised
+        (NOTE [interrupts] in io_pool.py)."""
+        self.check_restore()
+        try:
+            while self._saved:
+                module, own, previous = self._saved[-1]
+                if own:
+                    module.forward = previous  # type: ignore[method-assign]
+                else:
+                    module.__dict__.pop("forward", None)
+                self._saved.pop()
+            self._mine.clear()
+        finally:
+            cache_off, self._cache_off = self._cache_off, None
+            if cache_off is not None:
+                cache_off.remove()
 
 
 # The block running now, for the contexts a checkpoint's context_fn makes
@@ -450,14 +459,18 @@ def _checkpointed(
         if fn is not None and how == SELECTIVE:
             extra["context_fn"] = fn
         stack = _local.__dict__.setdefault("stack", [])
-        stack.append((kind, index))  # for context_fn, which checkpoint calls first
         # The call, for an eager context_fn (NOTE [plain blocks counted]); never while
         # compiling (the list would be a side effect for the compiler to track).
         calls = None
         if fn is not None and how == SELECTIVE and not torch.compiler.is_compiling():
             calls = _local.__dict__.setdefault("calls", [])
-            calls.append((args, kwargs))
+        # Cut back to these lengths whatever happens from here (an interrupt between two
+        # calls included: NOTE [interrupts] in io_pool.py).
+        depth, made = len(stack), len(calls) if calls is not None else 0
         try:
+            stack.append((kind, index))  # for context_fn, which checkpoint calls first
+            if calls is not None:
+                calls.append((args, kwargs))
             if how == WHOLE:
                 out = inner(*args, **kwargs)
             else:
@@ -481,9 +494,9 @@ def _checkpointed(
                     **extra,
                 )
         finally:
-            stack.pop()
+            del stack[depth:]
             if calls is not None:
-                calls.pop()
+                del calls[made:]
         if modes is not None and not torch.compiler.is_compiling() and not replay:
             modes.exited(kind, index)
             _hook_backward(out, lambda: modes.backward(kind, index))

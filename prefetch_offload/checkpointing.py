@@ -535,9 +535,12 @@ class _Mode(TorchDispatchMode):
             self.spent += time.perf_counter() - start
 
     def __exit__(self, *exc: Any) -> Any:
+        # Off the dispatch stack first: an interrupt in the decider's call (NOTE
+        # [interrupts] in io_pool.py) must not leave the mode on for every later op.
+        out = super().__exit__(*exc)
         if self.timed:  # (__enter__ zeroes both sums for the next pass)
             self.decider.dispatched(self._block(), max(self.spent - self.op_seconds, 0.0))
-        return super().__exit__(*exc)
+        return out
 
 
 class _Saving(_Mode):
@@ -565,9 +568,10 @@ class _Saving(_Mode):
         return self.block
 
     def __enter__(self) -> _Saving:
+        replayed = in_backward()  # before the push: nothing that may raise after it
         super().__enter__()
-        if in_backward():  # a forward replayed by an outer checkpoint's
-            self.timed = False  # recompute (NOTE [block modes]): not the step's forward
+        if replayed:  # a forward replayed by an outer checkpoint's recompute (NOTE
+            self.timed = False  # [block modes]): not the step's forward
         return self
 
     def _remember(self, key: Any, out: Any) -> None:

@@ -240,13 +240,28 @@ class OffloadContext:
                     "after it are still installed; exit contexts in reverse order of "
                     "entering them (nest the with blocks)."
                 )
-        if self._wrapped is not None:  # NOTE [wrapping blocks]: the model as it was
-            self._wrapped.restore()  # (after the checks above: a refused exit changes nothing)
-            self._wrapped = None
-        if hooks is not None:
-            hooks.__exit__(exc_type, exc, tb)
-            self._hooks = None
-            _release_thread(self)
+        if self._wrapped is not None:
+            self._wrapped.check_restore()  # (a refused exit changes nothing)
+        # Each step runs whatever an earlier one raised (a second Ctrl-C while exiting:
+        # NOTE [interrupts] in io_pool.py); the first error goes on.
+        try:
+            if self._wrapped is not None:  # NOTE [wrapping blocks]: the model as it was
+                self._wrapped.restore()
+                self._wrapped = None
+        finally:
+            try:
+                if hooks is not None:
+                    self._hooks = None
+                    try:
+                        hooks.__exit__(exc_type, exc, tb)
+                    finally:
+                        _release_thread(self)
+            finally:
+                self._close_engine(engine, exc_type)
+
+    def _close_engine(
+        self, engine: OffloadEngine | NullEngine | None, exc_type: type[BaseException] | None
+    ) -> None:
         if engine is not None and not isinstance(engine, NullEngine):
             if engine.closed:
                 return  # exited before: closed and summarized then

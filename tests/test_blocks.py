@@ -196,6 +196,57 @@ def test_context_restores_the_model_when_the_body_raises(tmp_path: Path) -> None
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_interrupt_while_exiting_still_restores_the_model_and_stops_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [interrupts] in io_pool.py: a Ctrl-C inside the model's restore at exit (a
+    second one, as in a notebook) still puts every forward back, takes the hooks off
+    and stops the IO threads (the autouse fixture checks those), then goes on."""
+    from prefetch_offload import kv_cache
+
+    model = TinyTransformer(vocab=16, width=16, depth=3, heads=2)
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+
+    def interrupted(self: Any) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        with offload_context("disk", str(tmp_path), model=model, recompute="full"):
+            model(tokens, tokens).backward()
+            monkeypatch.setattr(kv_cache.CacheOff, "remove", interrupted)
+    assert all("forward" not in b.__dict__ for b in model.blocks)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_interrupt_in_a_wrapped_block_leaves_no_block_on_the_stack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [interrupts] in io_pool.py: a Ctrl-C between the wrapper's first calls leaves
+    nothing on the stack of running blocks (a stale entry keyed later checkpoints with
+    a block that is not running, and held its inputs)."""
+    from prefetch_offload import blocks
+
+    model = TinyTransformer(vocab=16, width=16, depth=3, heads=2)
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    real, calls = torch.compiler.is_compiling, [0]
+
+    def is_compiling() -> bool:
+        calls[0] += 1
+        if calls[0] == 2:  # the wrapper's second call: the stack is being built
+            raise KeyboardInterrupt
+        return real()
+
+    with offload_context("disk", str(tmp_path), model=model, recompute="full"):
+        monkeypatch.setattr(torch.compiler, "is_compiling", is_compiling)
+        with pytest.raises(KeyboardInterrupt):
+            model(tokens, tokens)
+        monkeypatch.setattr(torch.compiler, "is_compiling", real)
+        assert blocks._local.__dict__.get("stack") == [] and current_block() is None
+        assert not blocks._local.__dict__.get("calls")
+        model(tokens, tokens).backward()
+
+
 def test_hugging_face_checkpointing_on_a_wrapped_block_is_refused(tmp_path: Path) -> None:
     model = TinyTransformer(vocab=16, width=16, depth=2, heads=2)
     for block in model.blocks:

@@ -1197,3 +1197,47 @@ def test_auto_plans_when_a_blocks_first_output_gets_no_gradient(tmp_path: Path) 
         plan = engine.recompute_plan()
     assert _exact(ref, got)
     assert plan is not None and plan.plans_made == 1
+
+
+def test_an_interrupt_as_a_profiled_block_ends_leaves_no_dispatch_mode_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [interrupts] in io_pool.py: a Ctrl-C in the decider's call as a timed block's
+    dispatch mode exits leaves the mode off the dispatch stack (left on, every later op
+    of the process went through it, and raised once the context had exited); training
+    goes on, exact."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    real, fired = AutoDecider.dispatched, []
+
+    def dispatched(self: AutoDecider, *args: Any) -> None:
+        if not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+        real(self, *args)
+
+    monkeypatch.setattr(AutoDecider, "dispatched", dispatched)
+
+    def step(m: nn.Module, seed: int) -> list[torch.Tensor]:
+        tokens, targets = make_batch(2, 16, vocab=64, seed=seed)
+        m.zero_grad(set_to_none=True)
+        m(tokens, targets).backward()
+        return [p.grad.clone() for p in m.parameters()]
+
+    warm_up_unary_ops()
+    steps = len(recompute._PROFILE) + 2
+    reference = _model()
+    ref = [step(reference, seed) for seed in range(steps)]
+    model = _model()
+    got = []
+    with offload_context("disk", tmp_path, model=model, recompute="auto"):
+        for seed in range(steps):
+            try:
+                got.append(step(model, seed))
+            except KeyboardInterrupt:
+                assert _get_current_dispatch_mode_stack() == []
+                got.append(step(model, seed))  # the same step again
+        assert fired
+    assert _get_current_dispatch_mode_stack() == []
+    assert torch.equal(torch.ones(2) * 2, torch.full((2,), 2.0))  # ops run after exit
+    assert _exact(ref, got)
