@@ -29,7 +29,7 @@ on writes until the byte cap is hit).
 # the context, must not hang on that. So a condition is entered through its lock
 # (a C lock's ``__enter__`` and the block that follows are not split by an
 # interrupt), and no wait depends on a wakeup an interrupted call owed: an idle
-# worker looks at its queue again every _RECHECK_S, whatever woke it; a pack at
+# worker looks at its queue again every RECHECK_S, whatever woke it; a pack at
 # the write cap waits only while a write job that can lower the pending bytes is
 # running or queued, looking again as often (``WritePath.queue``), and bytes an
 # interrupt left counted with no job to write them are forgotten by the next
@@ -50,14 +50,14 @@ from typing import Generic, TypeVar
 
 from .streams import isolate_from_captures
 
-__all__ = ["READ", "WRITE", "IOFuture", "IOPool", "InlineIOPool", "ThreadIOPool"]
+__all__ = ["READ", "RECHECK_S", "WRITE", "IOFuture", "IOPool", "InlineIOPool", "ThreadIOPool"]
 
 T = TypeVar("T")
 
 READ = 0  # priority: reads first
 WRITE = 1
 # NOTE [interrupts]: an idle worker looks at its queue at least this often.
-_RECHECK_S = 0.5
+RECHECK_S = 0.5
 
 _PENDING, _RUNNING, _DONE = 0, 1, 2
 
@@ -228,7 +228,7 @@ class ThreadIOPool(IOPool):
         while True:
             with self._lock:
                 while not self._heap and not self._stopping:
-                    self._cond.wait(_RECHECK_S)  # NOTE [interrupts]: a wakeup may be lost
+                    self._cond.wait(RECHECK_S)  # NOTE [interrupts]: a wakeup may be lost
                 if not self._heap:
                     return
                 _, _, fut = heapq.heappop(self._heap)

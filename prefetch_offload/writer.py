@@ -113,7 +113,7 @@ import torch
 from .buffers import HostBufferPool
 from .config import OffloadConfig
 from .errors import OffloadFallbackWarning, OffloadIOError
-from .io_pool import _RECHECK_S, WRITE, IOFuture, IOPool
+from .io_pool import RECHECK_S, WRITE, IOFuture, IOPool
 from .packed import source_address, source_buffer, span_part
 from .policy import DEVICE, HOST, TierPolicy
 from .profiling import profiler_range
@@ -280,7 +280,7 @@ class WritePath:
                         continue
                     if not self._writing():  # NOTE [interrupts] in io_pool.py: what an
                         break  # interrupt left counted no job writes (flush forgets it)
-                    self._writes_idle.wait(_RECHECK_S)  # (a job is done after its notify)
+                    self._writes_idle.wait(RECHECK_S)  # (a job is done after its notify)
                 self._stats.add(pack_wait_seconds=time.perf_counter() - start)
             self.pending_bytes += nbytes
             self._stats.set_max("peak_pending_write_bytes", self.pending_bytes)
