@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -243,21 +244,16 @@ class OffloadContext:
         if self._wrapped is not None:
             self._wrapped.check_restore()  # (a refused exit changes nothing)
         # Each step runs whatever an earlier one raised (a second Ctrl-C while exiting:
-        # NOTE [interrupts] in io_pool.py); the first error goes on.
-        try:
+        # NOTE [interrupts] in io_pool.py): the model, then the hooks, then the engine.
+        with contextlib.ExitStack() as later:
+            later.callback(self._close_engine, engine, exc_type)
+            if hooks is not None:
+                self._hooks = None
+                later.callback(_release_thread, self)
+                later.callback(hooks.__exit__, exc_type, exc, tb)
             if self._wrapped is not None:  # NOTE [wrapping blocks]: the model as it was
                 self._wrapped.restore()
                 self._wrapped = None
-        finally:
-            try:
-                if hooks is not None:
-                    self._hooks = None
-                    try:
-                        hooks.__exit__(exc_type, exc, tb)
-                    finally:
-                        _release_thread(self)
-            finally:
-                self._close_engine(engine, exc_type)
 
     def _close_engine(
         self, engine: OffloadEngine | NullEngine | None, exc_type: type[BaseException] | None

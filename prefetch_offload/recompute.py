@@ -1199,11 +1199,7 @@ class AutoDecider:
             selective, rest, share = False, 0, 0.0
         self._modes = dict.fromkeys(profiled, SELECTIVE if selective else PLAIN)
         self._modes.update(dict.fromkeys(whole, WHOLE))
-        stored = self._spans.get(_OFFLOAD_ALL_STEP, {})  # counted per call (mode())
-        self._plain_bytes = {
-            key: stored[key].per_call(nbytes) if key in stored else nbytes
-            for key, nbytes in self._block_bytes.items()
-        }
+        self._plain_bytes = self._outputs_per_call()  # counted per call (mode())
         self._plan.update(plan)
         self._reasons.update(reasons)
         self.plans_made += 1
@@ -1369,6 +1365,14 @@ class AutoDecider:
         )
         self._share = 1.0 if how == PLAIN else 0.0
 
+    def _outputs_per_call(self) -> dict[tuple[str, int], int]:
+        """Each block's op output bytes in the offload-all step, per call of the block."""
+        stored = self._spans.get(_OFFLOAD_ALL_STEP, {})
+        return {
+            key: stored[key].per_call(nbytes) if key in stored else nbytes
+            for key, nbytes in self._block_bytes.items()
+        }
+
     def _unreachable(self) -> tuple[int, str] | None:
         """What one block's recompute holds at once, and what that is, where it is more
         than a ``device_budget`` given (NOTE [a budget no plan reaches]); else None."""
@@ -1379,15 +1383,10 @@ class AutoDecider:
         # One call's, where the model calls a block more than once a step.
         whole = self._spans.get(_WHOLE_ALL_STEP, {})
         saved = [s.per_call(s.saved) for s in whole.values() if s.saved > 0]
-        stored = self._spans.get(_OFFLOAD_ALL_STEP, {})
-        outputs = [
-            stored[key].per_call(nbytes) if key in stored else nbytes
-            for key, nbytes in self._block_bytes.items()
-        ]
         floor, what = (
             (max(saved), "what the largest block saves for backward")
             if saved
-            else (max(outputs), "the largest block's op outputs")
+            else (max(self._outputs_per_call().values()), "the largest block's op outputs")
         )
         return (floor, what) if floor > self._budget else None
 

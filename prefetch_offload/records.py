@@ -431,9 +431,10 @@ class Record:
         view: torch.Tensor | None,
         built: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """``view`` (over ``storage``) as an unpack's result, sharing one version counter
-        with the results handed out before over the same memory; raises autograd's
-        in-place error if one of those was changed since (NOTE [handouts]). ``built``
+        """``view`` (over ``storage``) as an unpack's result, with the saved tensor's
+        version counter (or, where it has no probe, the sentinel of the results handed
+        out before over the same memory); raises autograd's in-place error if one of
+        those was changed since (NOTE [handouts]). ``built``
         instead: a result and its sentinel (:func:`sentinel_for`, with ``counter``) made
         by the reading thread over memory read afresh. Needs no lock (the tensor calls
         release the GIL, and may wait to get it back): ``handout`` is read and replaced

@@ -252,7 +252,6 @@ class WritePath:
         target = min(self.config.chunk_bytes, max(cap // 2, 1))
         batch = None
         with self._lock:
-            self._transit.pop(threading.current_thread(), None)  # (lost, if any)
             # NOTE [write batches]: a full batch kept for the views of its newest
             # record goes now, and the bytes waited for at the cap may be in it.
             if self._open_bytes >= target or (
@@ -361,7 +360,7 @@ class WritePath:
             if job.void:
                 return  # its submit was interrupted after queueing it: the batch went back
             job.started = True
-        batch = self._moved_kept(job.batch)  # NOTE [moved storages]
+        batch = self._without_moved(job.batch)  # NOTE [moved storages]
         store = self._store
         runs: list[list[_Pending]] = []
         for item in batch:
@@ -416,14 +415,11 @@ class WritePath:
             # NOTE [moved storages]: moved while the write read it. A failure is then
             # the move's (EFAULT: the old pages are gone), and the run's other records
             # were not written either: they stay in memory too, with no error.
-            moved = [item for item in run if _moved(item)]
-            if moved and exc is not None:
-                self._keep_moved(run)
+            rest = self._without_moved(run)
+            if rest is not run and exc is not None:
+                self._keep_in_memory(rest)
                 continue
-            if moved:
-                self._keep_moved(moved)
-                run = [item for item in run if not any(item is m for m in moved)]
-            for item in run:
+            for item in rest:
                 rec = item[0]
                 try:
                     self._write_done(rec, exc, culprit)
@@ -432,22 +428,22 @@ class WritePath:
                     # of the batch are still settled, and the user hears of it.
                     self._report(failure)
 
-    def _moved_kept(self, batch: list[_Pending]) -> list[_Pending]:
-        """The batch less the records whose storage moved since they were queued (NOTE
-        [moved storages]); those stay in memory, as records whose write was skipped."""
-        moved = [item for item in batch if _moved(item)]
+    def _without_moved(self, items: list[_Pending]) -> list[_Pending]:
+        """``items`` less the records whose storage moved since they were queued (NOTE
+        [moved storages]), which stay in memory; ``items`` itself where none moved."""
+        moved = [item for item in items if _moved(item)]
         if not moved:
-            return batch
-        self._keep_moved(moved)
+            return items
+        self._keep_in_memory(moved)
         gone = {id(item) for item in moved}
-        return [item for item in batch if id(item) not in gone]
+        return [item for item in items if id(item) not in gone]
 
-    def _keep_moved(self, moved: list[_Pending]) -> None:
-        """Keep in memory, as records whose write was skipped, the records of ``moved``
-        (NOTE [moved storages]); their views are released."""
+    def _keep_in_memory(self, items: list[_Pending]) -> None:
+        """Keep in memory, as records whose write was skipped, the records of ``items``;
+        their views are released."""
         skipped: list[_Record] = []
         with self._lock:
-            for rec, pieces, *_ in moved:
+            for rec, pieces, *_ in items:
                 for view in pieces:
                     view.release()
                 if rec.writes_left:  # (else skipped meanwhile: NOTE [write tail])
