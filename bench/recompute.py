@@ -4,10 +4,12 @@ Every mode trains its own copy of one model (same weights, same batch) in a
 process of its own (its peak RSS is its own heap's), stepped one at a time, one
 step of each mode per round in a balanced Latin square's order (as ``bench/ab.py
 --isolate``); each mode's ``offload_context`` or checkpoint wrapping stays
-entered over all its steps. ``--warmup`` rounds (>= 13: ``recompute="auto"``
-profiles nine steps, tries its plan for three, and keeps or replaces it as the
-next step begins, which also releases what the steps before held: NOTE [trial
-steps], NOTE [a trim where the plan changes]), then ``--steps`` timed rounds.
+entered over all its steps. ``--warmup`` rounds (>= 16: ``recompute="auto"``
+profiles nine steps, tries its plan for three, keeps or replaces it as the
+next step begins, which also releases what the steps before held, and on the
+CPU weighs the heap trims of a plan that moves nothing for three more: NOTE
+[trial steps], NOTE [a trim where the plan changes], NOTE [trims a plan does
+without]), then ``--steps`` timed rounds.
 
 Per mode: ``peak MiB`` is the largest peak RSS (``VmHWM``, reset before each
 timed step) over the timed steps minus the process's RSS before its first
@@ -95,6 +97,8 @@ MODES: dict[str, str] = {
 }
 # device_budget as a share of the saved bytes, for the modes that take one.
 BUDGETS = {f"{kind}{p}": p / 100 for kind in ("offload", "auto") for p in (10, 25, 50)}
+# The rounds before auto's plan settles (the module docstring).
+WARMUP = 16
 # Issue 23's targets for recompute="auto".
 PEAK_SLACK, TIME_LIMIT, TIME_WIN, MOVE_CUT = 0.05, 1.03, 0.90, 0.30
 # The common save list of selective checkpointing: matmul and attention outputs.
@@ -509,7 +513,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                                   "llama's vocabulary", "timed rounds"), strict=True):  # fmt: skip
         p.add_argument(f"--{name}", type=int, default=None, help=f"{what} (default: SIZES)")
     for name, default, what in (
-        ("warmup", 13, "uncounted rounds first (>= 13)"),
+        ("warmup", WARMUP, f"uncounted rounds first (>= {WARMUP})"),
         ("throttle-mbps", None, "cap the scratch disk's reads and writes at MB/s (root)"),
         ("chunk-bytes", None, "the engine's chunk_bytes (default: its own)"),
     ):
@@ -537,10 +541,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         hf = importlib.util.find_spec("transformers") is not None
         args.model = "llama" if kind == "gpu" and hf else "transformer"
     args.depth = args.depth or (24 if args.model == "transformer" else 8)
-    if args.warmup < 13 or args.steps < 1:
+    if args.warmup < WARMUP or args.steps < 1:
         p.error(
-            "--warmup must be >= 13 (auto profiles nine steps, tries its plan for three "
-            "and settles it as the next begins); --steps >= 1"
+            f"--warmup must be >= {WARMUP} (auto profiles nine steps, tries its plan for "
+            "three, weighs its heap trims for three and settles as the next begins); "
+            "--steps >= 1"
         )
     return args
 

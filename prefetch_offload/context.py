@@ -313,6 +313,7 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
             engine.config.device_budget,  # type: ignore[arg-type]
             checkpoint_stats=stats,
             trim_heap=_release_at_plan_change(engine, config.model),
+            hold_trims=engine._heap.hold,
             peaks=_peak_sampler(engine, config.model),
             agreement=RankAgreement.of_default_group()
             if config.recompute_ranks == "agree"

@@ -506,6 +506,7 @@ class HeapTrimmer:
         self._lock = threading.Lock()
         self._saved = False  # CPU activations were saved (ever: backward frees them later)
         self._queued = False  # a trim is queued or running: the next one would add nothing
+        self._held = False  # NOTE [trims a plan does without] in recompute.py
         self._floor: int | None = None  # the slack after the last trim, or its lowest since
         # The most malloc had handed out at a measure this step and the last (NOTE [heap
         # trim]: the ceiling); under _lock.
@@ -529,6 +530,17 @@ class HeapTrimmer:
         return slack - self._own_bytes(), in_use
 
     @property
+    def held(self) -> bool:
+        """Whether trims are held off (:meth:`hold`)."""
+        return self._held
+
+    def hold(self, on: bool) -> None:
+        """Hold trims off (``on``), or let them run again, with the bound and the
+        allowance they had (NOTE [trims a plan does without] in recompute.py). While
+        held, :meth:`check` measures nothing and :meth:`trim_now` queues nothing."""
+        self._held = on
+
+    @property
     def bound(self) -> int:
         """The slack growth that triggers a trim now, before the allowance."""
         return self._bound
@@ -549,7 +561,7 @@ class HeapTrimmer:
     def check(self) -> None:
         """Called by the hooks: queue a trim if the slack has grown by the bound plus
         the larger of the allowance and the room below the peak (NOTE [heap trim])."""
-        if self.threshold is None or not self._saved or self._queued:
+        if self.threshold is None or not self._saved or self._queued or self._held:
             return  # (while a trim runs, measuring would wait on glibc's arena locks)
         start = time.perf_counter()
         if start < self._next_check:
@@ -587,7 +599,7 @@ class HeapTrimmer:
         """Queue one trim whatever the slack, unless one is queued or running: the steps
         after it run another plan, on a heap the steps before shaped (NOTE [a trim where
         the plan changes] in recompute.py). Returns at once; the trimmer's thread trims."""
-        if self.threshold is None or not self._saved:
+        if self.threshold is None or not self._saved or self._held:
             return
         with self._lock:
             if self._queued:

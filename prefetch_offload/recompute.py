@@ -106,10 +106,14 @@
 #   chosen on them, then ran 1.08 and 1.11 s a step against 0.97 s for
 #   checkpointing without the engine (one run, 8 rounds).
 # - Re-planning: a block or, in a selective block, an op position that the
-#   profile did not see profiles again (once per new structure). A block run
-#   whole or plainly has no per-op plan to go stale. A plain block's op outputs
-#   (step 2) count as recomputed in the engine's per-step stats, which see none
-#   of its ops.
+#   profile did not see profiles again, once for each: one the new profile
+#   misses too (it ran only in steps that see no ops, as an op of longer
+#   sequences can when every fifth batch is longer) runs as the profile runs it
+#   (an op stored, a block plain) and profiles nothing again. A block run whole
+#   or plainly has no per-op plan to go stale. A plain block's op outputs (step
+#   2) count as recomputed in the engine's per-step stats, which see none of
+#   its ops. A measured step whose forward was abandoned runs again: NOTE
+#   [abandoned forwards].
 # - A ``device_budget`` below what one block's recompute holds at once (what it
 #   saves for backward, step 1) cannot be met by any plan: NOTE [a budget no plan
 #   reaches].
@@ -120,7 +124,8 @@
 #   it (NOTE [trial steps], NOTE [plans within the noise]).
 # - Not in the cost model: the heap trims (NOTE [heap trim] in heap.py). Every
 #   plan runs under them (the trial sees them), and on the CPU they are what
-#   separates a checkpointed plan from checkpointing without the engine.
+#   separates a checkpointed plan from checkpointing without the engine; a plan
+#   that moves nothing then weighs them (NOTE [trims a plan does without]).
 #   Measured on the 8-layer Llama of ``bench/recompute.py --model llama``:
 #   selective plans at 25% and 50% of the saved bytes ran at 1.18-1.32x
 #   ``full``'s step (per-round median ratios) with trims, at peaks of 261-333
@@ -167,6 +172,26 @@
 # from 13% below to 17% above their median (eight rounds of checkpointing
 # without the engine in the run above), so plans closer than that may go either
 # way; the trial catches a plan clearly slower than one the profile ran.
+#
+# NOTE [abandoned forwards]
+# A step starts at the first block forward after a backward, so that gradient
+# accumulation (several forwards, then their backwards) is one step. A forward
+# that raised, or whose loss was dropped without a backward (an evaluation
+# with grad enabled), has no backward, and the next forward continues its
+# step: its measurements would join that step's (ops that no recompute runs
+# counted in each position's bytes and calls, a block's saved bytes counted
+# twice, which changes the blocks a budget keeps whole, and a wall over two
+# forwards). So each step counts its block calls entered, returned, and
+# reached by backward (the block's output hook, once per call and backward
+# pass). A measured step (a profiling step, a trial step, a step of the trims'
+# trial) in which a call never returned or backward never reached one runs
+# again: a profiling step's measurements go (the op positions' as they were
+# before it, its block spans and dispatch times; the offload-all step's
+# engine counters start again), and a trial step does not count. Unless the
+# step before abandoned one too: a loop that abandons a forward every step (a
+# validation loss computed with grad on and dropped, a block output that
+# backward never reaches by design) counts its steps as they are, and its
+# profile takes one step more, not twice as many.
 #
 # NOTE [a budget no plan reaches]
 # A ``device_budget`` below what one block's recompute holds at once is met by no
@@ -258,6 +283,35 @@
 # high-water marks are not used because resetting them resets a user's own
 # peak figures too.
 #
+# NOTE [trims a plan does without]
+# A plan that moves nothing (every block checkpointed plainly, or whole where
+# the budget keeps what it saves) leaves the engine no activation to move, and
+# on the CPU what it still does is trim the heap (NOTE [heap trim] in
+# heap.py): the trims are what separates such a plan from checkpointing
+# without the engine. Their page faults cost time, and what they give back
+# may buy little at the peak, where the next block's recompute touches the
+# same pages again. So once such a plan holds (after its trial, where it had
+# one), one planned step runs under trims and two without (the first of them
+# on the heap the trims left), and their sampled peaks decide: the trims are
+# held off for good (until a new profile, which runs under trims) where the
+# step under them held at least 95% (_LEANER) of the most the others held,
+# less the budget the plan leaves unused: ``device_budget`` less what the
+# engine keeps at the end of forward (the block inputs) less what one
+# block's recompute holds. That share of the budget is memory the user gave
+# to activations and the plan does not fill; free heap may take it, as the
+# trims' allowance lets it (NOTE [heap trim]). Else the trims run again, with
+# one trim at once for what the steps without them left. A plan that moves
+# activations keeps its trims untried: they give back what its moves free,
+# and its steps without them would hold what the moves were asked to save. A
+# CUDA model (no trims) and a run with no sampled peaks are not weighed.
+# Measured with ``bench/recompute.py --model llama`` (the 8-layer Llama, one
+# run, 2 CPU threads; every layer checkpointed plainly at each budget): at 10%
+# and 25% of the saved bytes the trims bought 111 and 80 MiB (449 against 560,
+# 501 against 580) with 0 and 31 MiB of the budget unused, and stayed; at 50%
+# they bought 45 MiB (566 against 611) with 119 unused, and were held off:
+# auto then ran 1.04x the step of ``full`` (the same plan without the engine;
+# per round 0.96-1.07) at a peak of 315 MiB against its 306.
+#
 # The measured figures decide, not a list of op names: on the benchmark
 # transformer the norms, activation functions and residual adds come out cheap
 # to recompute and the matmul and attention outputs expensive, on the CPU as
@@ -313,6 +367,8 @@ OFFLOAD_ALONE = True
 TRIAL = True
 # NOTE [trial steps]: the planned steps timed before a tried plan is kept or replaced.
 _TRIAL_STEPS = 2
+# NOTE [trims a plan does without]: one planned step with heap trims, then these without.
+_UNTRIMMED_STEPS = 2
 
 # An op position: (block class, op overload, count in the block).
 Position = tuple[str, Any, int]
@@ -394,6 +450,13 @@ class RecomputePlan:
                 f"{_peak_text(m, 'peak_plain_MiB')} and offload alone "
                 f"{m['trial_alone_s']:.3f} s{_peak_text(m, 'peak_alone_MiB')}: "
                 f"{verdict[int(m['trial_choice'])]}"
+            )
+        if "trims_held" in m:  # NOTE [trims a plan does without]
+            lines.append(
+                f"  heap trims: {m['trims_peak_MiB']:.0f} MiB held with them, "
+                f"{m['untrimmed_peak_MiB']:.0f} MiB without, "
+                f"{m['unused_budget_MiB']:.0f} MiB of device_budget unused by the plan: "
+                + ("held off" if m["trims_held"] else "kept")
             )
         if self.measured:  # (a bandwidth with nothing moved is unmeasured: left out)
             shown = sorted((k, v) for k, v in self.measured.items() if math.isfinite(v))
@@ -600,6 +663,11 @@ def _leanest_of_the_fastest(plans: dict[str, tuple[float, int]]) -> str:
     return min(leaner, key=lambda name: (plans[name][1], plans[name][0])) if leaner else fastest
 
 
+def _copied(obs: dict[Position, _Obs]) -> dict[Position, _Obs]:
+    """The measurements, each a copy of its own (NOTE [abandoned forwards])."""
+    return {pos: dataclasses.replace(o, seconds=list(o.seconds)) for pos, o in obs.items()}
+
+
 def _most(peaks: list[int]) -> int:
     """The most of sampled peaks; 0 (unknown) if there are none or one is unknown."""
     return 0 if not peaks or 0 in peaks else max(peaks)
@@ -656,6 +724,12 @@ class AutoDecider:
         clock: time source (tests pass a fake one).
         checkpoint_stats: told when each step begins, and the bytes a plainly
             checkpointed block recomputes (its op outputs in the profile).
+        trim_heap: asks the engine for one heap trim (NOTE [a trim where the plan
+            changes]).
+        hold_trims: holds the engine's heap trims off (True) or lets them run (NOTE
+            [trims a plan does without]); None: no trims to weigh.
+        peaks: samples the memory the measured steps hold (NOTE [plans within the
+            noise]); None: plans go by time alone.
         agreement: the ranks that decide together (NOTE [ranks agree] in
             agreement.py); None decides alone.
     """
@@ -668,6 +742,7 @@ class AutoDecider:
         clock: Callable[[], float] = time.perf_counter,
         checkpoint_stats: CheckpointStats | None = None,
         trim_heap: Callable[[], None] = lambda: None,
+        hold_trims: Callable[[bool], None] | None = None,
         peaks: PeakSampler | None = None,
         agreement: RankAgreement | None = None,
     ) -> None:
@@ -675,6 +750,15 @@ class AutoDecider:
         self._agreement = agreement
         self._planned_steps = 0  # NOTE [ranks agree]: since the last plan, for the checks
         self._trim_heap = trim_heap  # NOTE [a trim where the plan changes]
+        # NOTE [trims a plan does without]: holds the engine's heap trims off, or lets them
+        # run; the steps of the trims' trial left, their peaks, what the plan keeps of the
+        # budget at the end of forward, and what one block's recompute holds.
+        self._hold_trims = hold_trims
+        self._trims_held = False
+        self._trim_trial_left = 0
+        self._trim_trial_peaks: list[int] = []
+        self._trim_trial_kept = 0
+        self._block_hold = 0
         # NOTE [plans within the noise]: the most memory each profiling step held, and each
         # trial step; sampled while the plan is measured.
         self._peak_source = peaks
@@ -711,6 +795,16 @@ class AutoDecider:
         # NOTE [profiling under trims]: the bytes the last step of each class moved.
         self._moved_by: dict[str, int] = {}
         self._stale = False  # an unplanned block or position appeared: profile again
+        # The blocks and op positions that made a profile start again (NOTE [keep,
+        # offload, recompute]: once each).
+        self._replanned_for: set[Any] = set()
+        # NOTE [abandoned forwards]: the step's block calls entered, returned and reached
+        # by backward; whether the step before abandoned a forward; what the op-timing
+        # steps measured before it began.
+        self._calls = [0, 0, 0]
+        self._abandoned = False
+        self._before: tuple[dict[Position, _Obs], collections.Counter[Any], dict[Any, str]]
+        self._before = ({}, collections.Counter(), {})
         self._in_backward = False
         # The engine's counters at the start and the end of the offload-all step.
         self._s0: OffloadStats | None = None
@@ -745,7 +839,7 @@ class AutoDecider:
                 return _PHASE_MODE[self._phase]
             how = self._modes.get((kind, index))
             if how is None:  # a block the profile did not see: profile again
-                self._stale = True
+                self._unplanned((kind, index))
                 how = PLAIN
             if how == PLAIN and kind in self._own_rng:  # NOTE [random ops] in
                 return SELECTIVE  # checkpointing.py: its draws are stored
@@ -755,6 +849,7 @@ class AutoDecider:
 
     def entered(self, kind: str, index: int) -> None:
         with self._lock:
+            self._calls[0] += 1  # NOTE [abandoned forwards]
             if self._phase == _PLANNED:
                 return
             span = self._spans.setdefault(self._step_no, {}).setdefault((kind, index), _Span())
@@ -764,6 +859,7 @@ class AutoDecider:
 
     def exited(self, kind: str, index: int) -> None:
         with self._lock:
+            self._calls[1] += 1  # NOTE [abandoned forwards]
             span = self._spans.get(self._step_no, {}).get((kind, index))
             if span is None or self._phase == _PLANNED:
                 return
@@ -775,6 +871,10 @@ class AutoDecider:
 
     def backward(self, kind: str, index: int) -> None:
         with self._lock:
+            self._calls[2] += 1  # NOTE [abandoned forwards]
+            if self._trim_trial_left and not self._in_backward:  # forward's end: what the
+                kept = self._stats().device_tier_bytes  # plan keeps of the budget now
+                self._trim_trial_kept = max(self._trim_trial_kept, kept)
             self._in_backward = True
             if (
                 self._phase == _PLANNED
@@ -796,11 +896,11 @@ class AutoDecider:
         """Autograd's final callback of a backward that reached a block."""
         with self._lock:
             self._end_queued = False
-            if self._phase != _PLANNED or self._trial_left:
+            if self._timing():
                 _sync_device()
-                if self._peak_source is not None:  # NOTE [plans within the noise]
-                    peak = self._peak_source.take()
-                    self._step_peak = max(self._step_peak or 0, peak) if peak else 0
+            if self._measuring() and self._peak_source is not None:
+                peak = self._peak_source.take()  # NOTE [plans within the noise]
+                self._step_peak = max(self._step_peak or 0, peak) if peak else 0
             self._backward_end = self._clock()
 
     # -- Decider ----------------------------------------------------------------------------
@@ -823,7 +923,7 @@ class AutoDecider:
                 return CheckpointPolicy.PREFER_CPU_OFFLOAD
             policy = self._plan.get(pos)
             if policy is None:  # NOTE [keep, offload, recompute]: profile again
-                self._stale = True
+                self._unplanned(pos)
                 return CheckpointPolicy.PREFER_CPU_OFFLOAD
             return policy
 
@@ -891,6 +991,8 @@ class AutoDecider:
             else:
                 ended, upcoming = self._ended, self._phase
             self._moved_by[_TRIM_CLASS[ended]] = moved
+            if upcoming != _PLANNED:  # a new profile: under trims, as every profile
+                self._hold(False)
             if _TRIM_CLASS[ended] != _TRIM_CLASS[upcoming]:
                 self._trim_heap()  # NOTE [a trim where the plan changes]
             default = 0 if _TRIM_CLASS[upcoming] == "checkpointed" else moved
@@ -910,7 +1012,7 @@ class AutoDecider:
         """The first block forward after backward began: the next phase."""
         self._in_backward = False
         self._ended = self._phase
-        if self._phase != _PLANNED or self._trial_left:
+        if self._timing():
             _sync_device()
         now = self._clock()
         wall = self._ended_wall(now)
@@ -918,15 +1020,27 @@ class AutoDecider:
         self._step_start, self._backward_end, self._end_queued = now, None, False
         if self._ckpt_stats is not None:
             self._ckpt_stats.step_began()
+        # NOTE [abandoned forwards]: a measured step with a block call that raised or
+        # that backward never reached runs again, once.
+        (entered, returned, reached), self._calls = self._calls, [0, 0, 0]
+        abandoned = entered > returned or returned > reached
+        again, self._abandoned = abandoned and not self._abandoned and self._measuring(), abandoned
         if self._phase == _PLANNED:
             stale = self._agreed_stale()
-            if self._trial_left and not stale:
+            if self._trial_left and not stale and not again:
                 self._trial_step_ended(wall, peak)
+            elif self._trim_trial_left and not stale and not again:
+                self._trim_step_ended(peak)
             if stale:
                 self._trial_left, self._trial_obs = 0, {}
+                self._trim_trial_left = 0
+                self._hold(False)
                 self._reset_profile()
                 self._moved_by.clear()  # NOTE [profiling under trims]: a new profile
                 self._step_no, self._phase = 0, _PROFILE[0]
+            return
+        if again:
+            self._forget_step()
             return
         self._ends[self._step_no] = now
         self._walls[self._step_no] = wall
@@ -938,12 +1052,39 @@ class AutoDecider:
         self._step_no += 1
         if self._step_no < len(_PROFILE):
             self._phase = _PROFILE[self._step_no]
+            self._before = (
+                _copied(self._obs),
+                collections.Counter(self._block_bytes),
+                dict(self._fixed),
+            )
             return
         self._make_plan()
         self._reset_profile()
         self._phase, self._planned_steps = _PLANNED, 0
         if not self._trial_left:
-            self._sample_peaks(False)
+            self._begin_trim_trial()
+
+    def _forget_step(self) -> None:
+        """The profiling step that ended had a forward abandoned (NOTE [abandoned
+        forwards]): what it measured goes, and a step of its kind runs again."""
+        obs, block_bytes, fixed = self._before
+        self._obs, self._block_bytes, self._fixed = (
+            _copied(obs),
+            collections.Counter(block_bytes),
+            dict(fixed),
+        )
+        self._spans.pop(self._step_no, None)
+        self._dispatch.pop(self._step_no, None)
+        if self._phase == _OFFLOAD_ALL:  # its moves count from the step that runs again
+            self._s0 = self._stats()
+
+    def _unplanned(self, what: Any) -> None:
+        """A block or op position the plan lacks: the next step profiles again, once for
+        each (one the new profile missed too, as it ran only in steps that see no ops,
+        runs as the profile runs it from then on)."""
+        if what not in self._replanned_for:
+            self._replanned_for.add(what)
+            self._stale = True
 
     def _agreed_stale(self) -> bool:
         """Whether the step that begins now profiles again: this rank saw a new structure
@@ -965,11 +1106,21 @@ class AutoDecider:
         to the end of its last backward (NOTE [plans within the noise]); what came after
         its backward (the optimizer, the loop) is dropped. 0 if unknown."""
         source, peak, self._step_peak = self._peak_source, self._step_peak, None
-        if source is None or (self._phase == _PLANNED and not self._trial_left and not self._stale):
+        if source is None or not (self._measuring() or self._stale):
             return 0  # (a plan that runs: nothing measured)
         since = source.take()  # (a backward end not seen: the whole span)
         self._sample_peaks(True)  # (the first step's end, or a new profile: sampling begins)
         return since if peak is None else peak
+
+    def _timing(self) -> bool:
+        """Whether the step now is timed: a profiling step or a trial step (NOTE [trial
+        steps])."""
+        return self._phase != _PLANNED or bool(self._trial_left)
+
+    def _measuring(self) -> bool:
+        """Whether the step now is measured: a profiling step, a trial step (NOTE [trial
+        steps]) or a step of the trims' trial (NOTE [trims a plan does without])."""
+        return self._phase != _PLANNED or bool(self._trial_left or self._trim_trial_left)
 
     def _sample_peaks(self, on: bool) -> None:
         """Sample memory while the plan is measured (not after the context exits)."""
@@ -997,6 +1148,7 @@ class AutoDecider:
         self._dispatch.clear()
         self._block_bytes.clear()
         self._s0 = self._s1 = None
+        self._before = ({}, collections.Counter(), {})
 
     @staticmethod
     def _steps(kind: int) -> list[int]:
@@ -1143,6 +1295,7 @@ class AutoDecider:
         # NOTE [a budget no plan reaches]: then the leanest plan, every block plain.
         unreachable = self._unreachable()
         lean = unreachable is not None
+        self._block_hold = self._recompute_hold()
         # Selective only where its offloads save more than its dispatch modes cost.
         selective = not lean and gain > overhead * rest
         if not selective:
@@ -1322,7 +1475,7 @@ class AutoDecider:
         if choice:
             self._switch(PLAIN if choice == 1 else WHOLE, faster=(plain, alone)[choice - 1] < tried)
             self._trim_heap()  # NOTE [a trim where the plan changes]
-        self._sample_peaks(False)
+        self._begin_trim_trial()
         self.measured.update(
             trial_step_s=tried,
             trial_plain_s=plain,
@@ -1378,17 +1531,71 @@ class AutoDecider:
         than a ``device_budget`` given (NOTE [a budget no plan reaches]); else None."""
         if self._budget <= 0 or not self._block_bytes:
             return None  # (0: no budget given; the engine moves what it can)
-        # What it saves for backward (the whole-block step), else (nothing reached the
-        # engine's tiers) its op outputs.
-        # One call's, where the model calls a block more than once a step.
-        whole = self._spans.get(_WHOLE_ALL_STEP, {})
-        saved = [s.per_call(s.saved) for s in whole.values() if s.saved > 0]
-        floor, what = (
-            (max(saved), "what the largest block saves for backward")
-            if saved
-            else (max(self._outputs_per_call().values()), "the largest block's op outputs")
+        floor = self._recompute_hold()
+        whole = self._spans.get(_WHOLE_ALL_STEP, {}).values()
+        what = (
+            "what the largest block saves for backward"
+            if any(s.saved > 0 for s in whole)
+            else "the largest block's op outputs"
         )
         return (floor, what) if floor > self._budget else None
+
+    def _recompute_hold(self) -> int:
+        """What one block's recompute holds at once: what the largest block saves for
+        backward (the whole-block step), else (nothing reached the engine's tiers) its
+        op outputs; one call's, where the model calls a block more than once a step."""
+        whole = self._spans.get(_WHOLE_ALL_STEP, {})
+        saved = [s.per_call(s.saved) for s in whole.values() if s.saved > 0]
+        if saved:
+            return max(saved)
+        return max(self._outputs_per_call().values(), default=0)
+
+    # -- the trims' trial (NOTE [trims a plan does without]) ---------------------------------
+
+    def _hold(self, on: bool) -> None:
+        """Hold the engine's heap trims off, or let them run."""
+        if self._hold_trims is not None and self._trims_held != on:
+            self._hold_trims(on)
+            self._trims_held = on
+
+    def _begin_trim_trial(self) -> None:
+        """The plan holds: weigh its heap trims where it moves nothing, else stop
+        sampling memory."""
+        moves = self.measured.get("blocks_selective") or self.measured.get("offload_alone")
+        if self._hold_trims is None or self._peak_source is None or moves:
+            self._sample_peaks(False)
+            return
+        self._trim_trial_left = 1 + _UNTRIMMED_STEPS
+        self._trim_trial_peaks, self._trim_trial_kept = [], 0
+
+    def _trim_step_ended(self, peak: int) -> None:
+        """A step of the trims' trial ended, holding at most ``peak`` bytes: the first ran
+        under trims, the others without."""
+        self._trim_trial_peaks.append(peak)
+        self._trim_trial_left -= 1
+        if self._trim_trial_left == _UNTRIMMED_STEPS:
+            self._hold(True)
+        elif self._trim_trial_left == 0:
+            self._judge_trims()
+
+    def _judge_trims(self) -> None:
+        """Hold the trims off for good where they bought less than the budget the plan
+        leaves unused, and 5% (NOTE [trims a plan does without]); else let them run, with
+        one trim now for what the steps without them left."""
+        trimmed, untrimmed = self._trim_trial_peaks[0], _most(self._trim_trial_peaks[1:])
+        unused = max(self._budget - self._trim_trial_kept - self._block_hold, 0)
+        held = 0 < trimmed and 0 < untrimmed and trimmed >= (1 - _LEANER) * (untrimmed - unused)
+        if not held:
+            self._hold(False)
+            self._trim_heap()
+        self._sample_peaks(False)
+        self.measured.update(
+            trims_held=float(held),
+            trims_peak_MiB=trimmed / _MiB,
+            untrimmed_peak_MiB=untrimmed / _MiB,
+            unused_budget_MiB=unused / _MiB,
+        )
+        self._last = dataclasses.replace(self._last, measured=dict(self.measured))
 
     def _warn_budget(self, unreachable: tuple[int, str] | None) -> None:
         """Warn once where a budget no plan reaches (what :meth:`_unreachable` said)."""

@@ -53,8 +53,10 @@ class _Slack:
     def __init__(self) -> None:
         self.value = 0
         self.in_use = 0
+        self.reads = 0
 
     def __call__(self) -> tuple[int, int]:
+        self.reads += 1
         return self.value, self.in_use
 
 
@@ -113,6 +115,24 @@ def test_trims_when_the_slack_has_grown_by_the_threshold_and_never_queues_two() 
     assert len(jobs.jobs) == 1
     jobs.run_all()
     assert stats.snapshot().heap_trims == 2
+
+
+@glibc_only
+def test_a_held_trimmer_measures_and_trims_nothing_until_let_go() -> None:
+    """NOTE [trims a plan does without] in recompute.py: held, neither the slack nor a
+    plan change queues a trim; let go, the slack built meanwhile is due at once."""
+    trimmer, jobs, slack, _ = _trimmer(10 * MiB)
+    trimmer.saved()
+    trimmer.check()  # floor 0
+    trimmer.hold(True)
+    assert trimmer.held
+    slack.value = 500 * MiB
+    trimmer.check()
+    trimmer.trim_now()
+    assert jobs.jobs == [] and slack.reads == 1  # (the floor's measure only)
+    trimmer.hold(False)
+    trimmer.check()
+    assert len(jobs.jobs) == 1 and not trimmer.held
 
 
 @glibc_only

@@ -132,6 +132,7 @@ def _plan(
     ops: list[tuple[Any, int, float]] = _OPS,
     checkpoint_stats: Any = None,
     trim_heap: Callable[[], None] = lambda: None,
+    hold_trims: Callable[[bool], None] | None = None,
     peaks: Any = None,
     agreement: Any = None,
     **profile: float,
@@ -148,6 +149,7 @@ def _plan(
         clock=fake.clock,
         checkpoint_stats=checkpoint_stats,
         trim_heap=trim_heap,
+        hold_trims=hold_trims,
         peaks=peaks,
         agreement=agreement,
     )
@@ -299,11 +301,14 @@ def test_a_block_called_twice_a_step_counts_both_calls_against_the_budget(
 ) -> None:
     """Shared weights: each of three blocks runs twice a step and saves 100 bytes a call,
     so only the newest blocks that fit the budget at 200 bytes each run whole. A call
-    whose forward raised (an out-of-memory retry) counts nothing."""
+    whose forward raised (an out-of-memory retry) counts nothing: a profiling step with
+    such a call after one without runs again (NOTE [abandoned forwards]), here the first
+    whole step and the first of the three whole steps after the recompute-all ones."""
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
     fake = _Fake()
     decider = AutoDecider(fake.snapshot, budget, clock=fake.clock)
-    for _ in range(len(recompute._PROFILE) + 1):
+    again = 0 if aborted is None else 2
+    for _ in range(len(recompute._PROFILE) + 1 + again):
         for b in range(3):
             if b == aborted and decider.mode("Block", b) == WHOLE:
                 decider.entered("Block", b)  # its forward raises: no exited
@@ -317,7 +322,8 @@ def test_a_block_called_twice_a_step_counts_both_calls_against_the_budget(
                 fake.now += 0.5
                 decider.exited("Block", b)
         for b in reversed(range(3)):
-            decider.backward("Block", b)
+            for _call in range(2):  # (backward reaches each call's output)
+                decider.backward("Block", b)
             fake.now += 1.0
     assert not decider.profiling
     kept = whole.count(WHOLE)
@@ -445,7 +451,7 @@ class _Peaks:
     n-th step (the first step's start is not seen), by its kind; planned steps
     ``planned``."""
 
-    def __init__(self, by_kind: dict[int, int], planned: int = 0) -> None:
+    def __init__(self, by_kind: dict[int, int], planned: int | list[int] = 0) -> None:
         self.by_kind, self.planned = by_kind, planned
         self.calls, self.running = 0, False
 
@@ -458,7 +464,11 @@ class _Peaks:
     def take(self) -> int:
         step, self.calls = self.calls, self.calls + 1
         profile = recompute._PROFILE
-        return self.by_kind[profile[step]] if step < len(profile) else self.planned
+        if step < len(profile):
+            return self.by_kind[profile[step]]
+        if isinstance(self.planned, list):  # (one per planned step)
+            return self.planned[step - len(profile)]
+        return self.planned
 
 
 _LEAN_PLAIN = {recompute._WHOLE_ALL: 300 << 20, recompute._OFFLOAD_ALL: 250 << 20}
@@ -825,6 +835,80 @@ def test_memory_is_sampled_while_a_plan_is_measured_and_not_after_close() -> Non
     assert decider.profiling and not source.running  # closed: not started again
 
 
+_MiB = 1 << 20
+# What one block's recompute holds in _OPS (the profile's op outputs: no block whole).
+_OPS_HOLD = sum(nbytes for _, nbytes, _ in _OPS)
+
+
+@pytest.mark.parametrize(
+    ("budget", "trimmed", "untrimmed", "held"),
+    [
+        (_OPS_HOLD + 1000 * _MiB, 400, [900, 1200], True),  # bought 800 MiB, 1000 unused
+        (_OPS_HOLD + 100 * _MiB, 400, [900, 1200], False),  # bought 800 MiB, 100 unused
+        (0, 400, [410, 420], True),  # bought nothing: no budget to weigh
+        (0, 400, [300, 450], False),  # bought 50 MiB, over 5%
+        (0, 400, [450, 0], False),  # a failed sample: trims stay
+    ],
+)
+def test_a_plan_that_moves_nothing_holds_trims_off_where_they_buy_less_than_it_leaves(
+    budget: int, trimmed: int, untrimmed: list[int], held: bool
+) -> None:
+    """NOTE [trims a plan does without]: every block checkpointed plainly (selective
+    would save less than its dispatch costs); one planned step under trims, two without,
+    then trims held off for good where the trimmed step held no less than 95% of the
+    untrimmed ones' most less the budget the plan leaves unused; else trims run again,
+    with one trim at once."""
+    calls: list[bool] = []
+    trims: list[int] = []
+    source = _Peaks(_LEAN_PLAIN, planned=[trimmed << 20, *(p << 20 for p in untrimmed)])
+    decider = _plan(
+        3.0, 2.5, budget=budget, dispatch_s=0.5, peaks=source, hold_trims=calls.append,
+        trim_heap=lambda: trims.append(1), **_SLOW_LINK,
+    )  # fmt: skip
+    assert calls == [] and source.running  # the first planned step ran under trims
+    assert _planned_steps(decider, [3.0], 1) == [PLAIN]
+    assert calls == [True]  # it ended: two steps without
+    _planned_steps(decider, [3.0], 1)
+    assert calls == ([True] if held else [True, False]) and not source.running
+    assert trims == ([] if held else [1])
+    m = decider.plan().measured
+    assert m["trims_held"] == float(held) and m["trims_peak_MiB"] == trimmed
+    assert m["unused_budget_MiB"] == pytest.approx(max(budget - _OPS_HOLD, 0) / _MiB)
+    assert ("held off" if held else "kept") in str(decider.plan()).split("heap trims:")[1]
+    _planned_steps(decider, [3.0] * 5, 1)
+    assert calls == ([True] if held else [True, False])  # decided for good
+
+
+def test_a_new_profile_runs_under_trims_again() -> None:
+    """Trims held off for a plan come back when a new structure profiles again."""
+    calls: list[bool] = []
+    source = _Peaks(_LEAN_PLAIN, planned=[400 << 20, 400 << 20, 400 << 20, 0])
+    decider = _plan(3.0, 2.5, dispatch_s=0.5, peaks=source, hold_trims=calls.append, **_SLOW_LINK)
+    _planned_steps(decider, [3.0, 3.0, 3.0], 1)
+    assert calls == [True]
+    assert decider.mode("Block", 7) == PLAIN and decider._stale  # a block not profiled
+    decider.backward("Block", 7)
+    assert decider.mode("Block", 0) == WHOLE and decider.profiling
+    assert calls == [True, False]
+
+
+@pytest.mark.parametrize("plan", ["selective", "alone"])
+def test_a_plan_that_moves_bytes_keeps_its_trims_untried(plan: str) -> None:
+    """Offload alone or selective blocks move activations, which the trims give back:
+    their heap is not weighed (NOTE [trims a plan does without])."""
+    calls: list[bool] = []
+    source = _Peaks(_LEAN_PLAIN, planned=100 << 20)
+    cheap = [(MM, GB // 2, 0.01), (GELU, GB // 2, 0.01), (VIEW, GB // 2, 0.0)]
+    kw: dict[str, Any] = (
+        {"dispatch_s": 0.01} if plan == "selective" else {"whole_s": 2.0, "ops": cheap}
+    )
+    decider = _plan(3.0, 2.5, peaks=source, hold_trims=calls.append, **kw, **_SLOW_LINK)
+    mode = SELECTIVE if plan == "selective" else WHOLE
+    assert _planned_steps(decider, [2.0] * 6, 1) == [mode]  # (a trial kept: faster)
+    assert calls == [] and not source.running
+    assert "trims_held" not in decider.plan().measured
+
+
 def _grads(model: nn.Module, steps: int, seq: int | list[int] = 16) -> list[list[torch.Tensor]]:
     out = []
     for step in range(steps):
@@ -980,6 +1064,36 @@ def test_a_trial_that_changes_the_plan_mid_training_stays_bit_identical(
     assert (stats.step_bytes_recomputed > 0) == (to == "plain")
     whole = {"plain": 0, "alone": 4}[to]
     assert plan.measured["blocks_whole"] == whole and plan.plans_made == 1
+    assert _exact(ref, got)
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_the_trims_trial_holds_the_engine_s_trims_as_judged_and_stays_bit_identical(
+    tmp_path: Path, held: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [trims a plan does without], with the engine: every block checkpointed
+    plainly; after one planned step under trims and two without, the engine's trimmer
+    is held off or runs as the judgement says, and every step's gradients match
+    training without offload or checkpointing."""
+    monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)  # the plan checkpoints
+    monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", math.inf)  # plainly
+    # The verdict: trimmed >= (1 - _LEANER) * (untrimmed - unused), 0 or infinite times.
+    monkeypatch.setattr(recompute, "_LEANER", 1.0 if held else -math.inf)
+    warm_up_unary_ops()
+    plain = _model()
+    ref = _grads(plain, len(recompute._PROFILE) + 2) + _grads(plain, 3)
+    model = _model()
+    with offload_context("disk", tmp_path, model=model, recompute="auto") as engine:
+        heap = engine._heap
+        if not heap.enabled:
+            pytest.skip("no heap trims here (not glibc)")
+        got = _grads(model, len(recompute._PROFILE) + 2)
+        assert heap.held  # the second planned step runs without trims
+        got += _grads(model, 3)
+        plan = engine.recompute_plan()
+        assert heap.held == held
+    assert plan is not None and plan.measured["trims_held"] == float(held)
+    assert plan.measured["blocks_plain"] == 4 and plan.plans_made == 1
     assert _exact(ref, got)
 
 

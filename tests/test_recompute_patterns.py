@@ -1038,9 +1038,10 @@ def test_an_exception_in_a_block_s_forward_then_training_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     """The third block raises in the forward of steps 1 and 4 (profiling steps under
-    "auto") and of the last step but one; each such step is retried, and every step's
-    gradients are those of a clean one."""
-    fail_at = {1, 4, _steps_for(mode) - 2}
+    "auto", which run again: NOTE [abandoned forwards]) and of the last step but one;
+    each such step is retried, and every step's gradients are those of a clean one."""
+    steps = _steps_for(mode) + (2 if mode in ("auto", "selective") else 0)
+    fail_at = {1, 4, steps - 2}
 
     def step(m: nn.Module, s: int) -> StepResult:
         x = _seeded(s, 4, 16)
@@ -1054,7 +1055,7 @@ def test_an_exception_in_a_block_s_forward_then_training_goes_on(
         m(x).backward()
         return [x.grad]
 
-    _train_alike(tmp_path, monkeypatch, _model(FlakyStack), step, mode)
+    _train_alike(tmp_path, monkeypatch, _model(FlakyStack), step, mode, steps=steps)
 
 
 class FailsInRecompute(MLPBlock):
@@ -1571,3 +1572,120 @@ def test_a_policy_cycling_through_every_value(
 
     policy = _cycling_policy(shift)
     _train_alike(tmp_path, monkeypatch, base, step, policy, target=target, device_budget=budget)
+
+
+class GrowsWithRows(MLPBlock):
+    """An extra op for batches of more than 8 rows: a new op position."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if x.shape[0] > 8:
+            h = h * 2.0
+        return x + self.b(h)
+
+
+class GrowingStack(Stack):
+    def __init__(self) -> None:
+        super().__init__(4)
+        self.layers = nn.ModuleList(GrowsWithRows() for _ in range(4))
+
+
+def test_an_op_position_the_new_profile_misses_too_profiles_no_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [keep, offload, recompute], re-planning: every fifth batch is longer and adds
+    an op position, which the selective plan lacks; the profile it starts runs that
+    batch in a step that sees no ops (every block whole), so the new plan lacks it
+    too. It runs stored from then on: one profile more, not one every ten steps."""
+    _force_selective(monkeypatch)
+    plans: list[int] = []
+    profiling: list[bool] = []
+
+    def step(m: nn.Module, s: int) -> StepResult:
+        x = _seeded(s, 16 if s % 5 == 0 else 8, 16)
+        m(x).backward()
+        return [x.grad]
+
+    def after(engine: OffloadEngine) -> None:
+        decider = engine._decider
+        assert isinstance(decider, recompute.AutoDecider)
+        plans.append(decider.plans_made)
+        profiling.append(decider.profiling)
+
+    _train_alike(
+        tmp_path, monkeypatch, _model(GrowingStack), step, "selective", steps=50, after_step=after
+    )
+    assert plans[-1] == 2, plans
+    assert not any(profiling[25:]), profiling
+
+
+class RaisesOnce(MLPBlock):
+    """Raises from its forward while ``armed``, after its first op ran."""
+
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if self.armed:
+            raise ValueError("a forward abandoned")
+        return x + self.b(h)
+
+
+class RaisingStack(Stack):
+    def __init__(self) -> None:
+        super().__init__(4)
+        self.layers = nn.ModuleList(RaisesOnce() for _ in range(4))
+
+
+def _abandoning_step(at: int, how: str) -> Step:
+    """A step that backwards a seeded batch; at step ``at``, a forward first that raises
+    in the third block (``raised``) or whose loss is dropped (``dropped``)."""
+
+    def step(m: nn.Module, s: int) -> StepResult:
+        if s == at:
+            if how == "raised":
+                block = m.layers[2]  # type: ignore[index]
+                block.armed = True
+                try:
+                    with pytest.raises(ValueError, match="abandoned"):
+                        m(_seeded(s + 100, 8, 16))
+                finally:
+                    block.armed = False
+            else:
+                m(_seeded(s + 100, 8, 16))  # an evaluation with grad enabled: no backward
+        x = _seeded(s, 8, 16)
+        m(x).backward()
+        return [x.grad]
+
+    return step
+
+
+@pytest.mark.parametrize("how", ["raised", "dropped"])
+@pytest.mark.parametrize("at", [0, 1, 2])
+def test_a_profiling_step_with_an_abandoned_forward_runs_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: int, how: str
+) -> None:
+    """NOTE [abandoned forwards]: a forward abandoned in the whole-block step, the
+    offload-all step or a recompute-all step makes the same plan, with the same
+    figures, as a clean profile: the step runs again, one step later."""
+    monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
+    monkeypatch.setattr(recompute, "TRIAL", False)
+    monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", math.inf)  # a plain plan
+    steps = len(recompute._PROFILE) + 3
+    base = _model(RaisingStack)
+    one = sum(saved_storage_bytes(base.layers[0], lambda: base.layers[0](_seeded(0, 8, 16))))  # type: ignore[index]
+    budget = 2 * one + one // 2  # two blocks whole, the others plain
+    clean = _train_alike(
+        tmp_path / "clean", monkeypatch, base, _abandoning_step(-1, how), "auto",
+        steps=steps, device_budget=budget,
+    )  # fmt: skip
+    got = _train_alike(
+        tmp_path / "abandoned", monkeypatch, base, _abandoning_step(at, how), "auto",
+        steps=steps + 1, device_budget=budget,
+    )  # fmt: skip
+    assert clean.plan is not None and got.plan is not None
+    assert clean.plan.measured["blocks_whole"] == 2, clean.plan
+    for key in ("blocks_whole", "blocks_plain", "whole_MiB", "moved_MiB"):
+        assert got.plan.measured[key] == clean.plan.measured[key], key
+    assert got.plan.bytes_recomputed == clean.plan.bytes_recomputed > 0
+    assert got.stats.step_bytes_recomputed == clean.stats.step_bytes_recomputed > 0
