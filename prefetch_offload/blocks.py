@@ -319,6 +319,8 @@ class WrappedBlocks:
             ``config.use_cache`` off (NOTE [kv cache] in kv_cache.py).
         modes: chooses per call how each block runs (NOTE [block modes]); None:
             always the checkpoint with ``context_fn``.
+        plain_fn: the checkpoint's ``context_fn`` for a call ``modes`` runs plainly
+            (NOTE [plain blocks counted] in checkpointing.py); None: none.
     """
 
     def __init__(
@@ -329,6 +331,7 @@ class WrappedBlocks:
         compiled: ContextFn | str | None = None,
         model: nn.Module | None = None,
         modes: BlockModes | None = None,
+        plain_fn: ContextFn | None = None,
     ) -> None:
         self.blocks = blocks
         self._saved: list[tuple[nn.Module, bool, Any]] = []
@@ -339,7 +342,7 @@ class WrappedBlocks:
             for index, (name, module) in enumerate(blocks):
                 own = "forward" in module.__dict__
                 self._saved.append((module, own, module.__dict__.get("forward")))
-                wrapper = _checkpointed(module, name, index, context_fn, compiled, modes)
+                wrapper = _checkpointed(module, name, index, context_fn, compiled, modes, plain_fn)
                 self._mine.append(wrapper)
                 module.forward = wrapper  # type: ignore[method-assign]
         except BaseException:
@@ -416,6 +419,7 @@ def _checkpointed(
     context_fn: ContextFn | None,
     compiled: ContextFn | str | None,
     modes: BlockModes | None = None,
+    plain_fn: ContextFn | None = None,
 ) -> _BlockForward:
     own = module.__dict__.get("forward")  # a forward of the block's own, if any
     inner = own if own is not None else type(module).forward.__get__(module)
@@ -455,14 +459,18 @@ def _checkpointed(
                 if not backward:
                     last[0] = how
                     history.append((_sequence_nr(), how))
+        if how == PLAIN and not replay and not torch.compiler.is_compiling():
+            fn = plain_fn  # NOTE [plain blocks counted] in checkpointing.py
+        elif how != SELECTIVE:
+            fn = None
         extra: dict[str, Any] = {}
-        if fn is not None and how == SELECTIVE:
+        if fn is not None:
             extra["context_fn"] = fn
         stack = _local.__dict__.setdefault("stack", [])
         # The call, for an eager context_fn (NOTE [plain blocks counted]); never while
         # compiling (the list would be a side effect for the compiler to track).
         calls = None
-        if fn is not None and how == SELECTIVE and not torch.compiler.is_compiling():
+        if fn is not None and not torch.compiler.is_compiling():
             calls = _local.__dict__.setdefault("calls", [])
         # Cut back to these lengths whatever happens from here (an interrupt between two
         # calls included: NOTE [interrupts] in io_pool.py).

@@ -117,8 +117,8 @@ learned prefetch order brings it back ahead of the recompute that needs it.
 # scalars, and the autocast state) is counted once and its sum reused, the 4096
 # used last kept: a new sequence length counts once more. Ops that change with
 # the data alone, or with the module's training flag, are not seen again.
-# The automatic plan's plain blocks are counted from its profile instead
-# (NOTE [keep, offload, recompute] in recompute.py).
+# The automatic plan's plain blocks are counted the same way (its planned
+# steps run them with these contexts).
 """
 
 from __future__ import annotations
@@ -374,9 +374,15 @@ class CheckpointStats:
         self._step = 0  # the engine's step now
         self._cur_step = 0  # the step ``current`` counts
         self._last_step = -1  # the step ``last`` counted
+        self._ended = -1  # the last step whose backward ended (step_ended)
 
     def step_began(self) -> None:
         self._step += 1
+
+    def step_ended(self) -> None:
+        """The step now has finished its backward (the automatic plan says so): a step
+        that counted nothing, as a step of whole blocks, is the last step now."""
+        self._ended = self._step
 
     def forward_op(self, which: int, nbytes: int) -> None:
         if self._recomputed_since or self._cur_step != self._step:
@@ -397,8 +403,11 @@ class CheckpointStats:
     def last_step(self) -> tuple[int, int, int]:
         """(kept, offloaded, recomputed) of the last finished step: the current one once
         its recompute ran, else the one before it."""
-        if self._recomputed_since and self._cur_step == self._step:
+        ended = self._ended == self._step
+        if (self._recomputed_since or ended) and self._cur_step == self._step:
             source = self.current
+        elif ended:  # (nothing counted in it)
+            return 0, 0, 0
         elif self._cur_step == self._step - 1:
             source = self.current
         elif self._last_step in (self._step - 1, self._step):

@@ -334,8 +334,13 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
     def context_fn() -> tuple[Any, Any]:
         return selective_contexts(decider, engine, stats)
 
-    modes = decider if recompute == "auto" else None  # NOTE [block modes]
-    return WrappedBlocks(blocks, context_fn, compiled=compiled, model=config.model, modes=modes)
+    if recompute != "auto":
+        return WrappedBlocks(blocks, context_fn, compiled=compiled, model=config.model)
+    # NOTE [block modes]; NOTE [plain blocks counted] in checkpointing.py
+    plain = functools.partial(plain_contexts, stats, PlainCounts())
+    return WrappedBlocks(
+        blocks, context_fn, compiled=compiled, model=config.model, modes=decider, plain_fn=plain
+    )
 
 
 def _release_at_plan_change(engine: OffloadEngine, model: Any) -> Callable[[], None]:

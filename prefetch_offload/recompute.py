@@ -769,7 +769,6 @@ class AutoDecider:
         self._budget = device_budget
         self._clock = clock
         self._ckpt_stats = checkpoint_stats
-        self._plain_bytes: dict[tuple[str, int], int] = {}  # per block, once planned
         self._lock = threading.RLock()
         self._plan: dict[Position, CheckpointPolicy] = {}
         self._reasons: dict[Position, tuple[str, float, float]] = {}
@@ -843,8 +842,6 @@ class AutoDecider:
                 how = PLAIN
             if how == PLAIN and kind in self._own_rng:  # NOTE [random ops] in
                 return SELECTIVE  # checkpointing.py: its draws are stored
-            if how == PLAIN and (kind, index) in self._modes and self._ckpt_stats is not None:
-                self._ckpt_stats.forward_op(2, self._plain_bytes.get((kind, index), 0))
             return how
 
     def entered(self, kind: str, index: int) -> None:
@@ -876,12 +873,6 @@ class AutoDecider:
                 kept = self._stats().device_tier_bytes  # plan keeps of the budget now
                 self._trim_trial_kept = max(self._trim_trial_kept, kept)
             self._in_backward = True
-            if (
-                self._phase == _PLANNED
-                and self._ckpt_stats is not None
-                and self._modes.get((kind, index)) == PLAIN
-            ):  # its recompute runs now, with no mode to say so: the step's counts are done
-                self._ckpt_stats.recompute_ran()
             span = self._spans.get(self._step_no, {}).get((kind, index))
             if span is not None and span.grad is None:
                 span.grad = self._clock()
@@ -896,6 +887,8 @@ class AutoDecider:
         """Autograd's final callback of a backward that reached a block."""
         with self._lock:
             self._end_queued = False
+            if self._ckpt_stats is not None:
+                self._ckpt_stats.step_ended()
             if self._timing():
                 _sync_device()
             if self._measuring() and self._peak_source is not None:
@@ -1219,10 +1212,17 @@ class AutoDecider:
             held += span.saved
             whole.append(key)
         rest = n - len(whole)
-        share = rest / n  # of the profiled bytes and seconds, the blocks still checkpointed
         # The blocks the budget does not keep, whose plans the offload-alone test compares
         # (a kept block runs whole either way, and costs no moves).
         kept = set(whole)
+        # Of the profiled bytes and seconds, the share of the blocks still checkpointed:
+        # by their op output bytes (a block the model calls at two places counts both).
+        total = sum(self._block_bytes.values())
+        share = (
+            sum(nbytes for key, nbytes in self._block_bytes.items() if key not in kept) / total
+            if total
+            else rest / n
+        )
         others = {key for key in self._spans.get(_WHOLE_ALL_STEP, {}) if key not in kept}
         t_fwd, t_bwd = max(n * f_off, 1e-9), max(n * b_off, 1e-9)
         step_offload, step_recompute = n * (f_off + b_off), n * (f_rec + b_rec)
@@ -1352,7 +1352,6 @@ class AutoDecider:
             selective, rest, share = False, 0, 0.0
         self._modes = dict.fromkeys(profiled, SELECTIVE if selective else PLAIN)
         self._modes.update(dict.fromkeys(whole, WHOLE))
-        self._plain_bytes = self._outputs_per_call()  # counted per call (mode())
         self._plan.update(plan)
         self._reasons.update(reasons)
         self.plans_made += 1

@@ -230,21 +230,6 @@ def test_selective_that_saves_less_than_its_dispatch_costs_checkpoints_plainly()
     assert plan.measured["dispatch_s_per_block"] == pytest.approx(0.75)
 
 
-def test_a_plain_block_counts_its_op_outputs_as_recomputed_each_step() -> None:
-    """The engine's per-step stats see no op of a plainly checkpointed block: the plan
-    counts the block's profiled op outputs for it, each step it runs."""
-    from prefetch_offload.checkpointing import CheckpointStats
-
-    stats = CheckpointStats()
-    decider = _plan(3.0, 2.5, dispatch_s=0.5, checkpoint_stats=stats, **_SLOW_LINK)
-    block = sum(nbytes for _, nbytes, _ in _OPS)
-    # The planned step _plan ran, as soon as its backward reached the block (the stats
-    # of a step whose recompute ran), not the profiling step before it.
-    assert stats.last_step() == (0, 0, block)
-    assert decider.mode("Block", 0) == PLAIN  # the next step begins
-    assert stats.last_step() == (0, 0, block)
-
-
 @pytest.mark.parametrize("first", ["engine", "block"])
 def test_in_the_profile_the_trim_bound_follows_the_last_step_of_the_same_class(
     first: str,

@@ -37,6 +37,7 @@ from prefetch_offload import (
     offload_context,
     recompute,
 )
+from prefetch_offload.blocks import WHOLE
 from prefetch_offload.recompute import RecomputePlan
 from prefetch_offload.testing import TinyTransformer, make_batch, saved_storage_bytes
 
@@ -1689,3 +1690,105 @@ def test_a_profiling_step_with_an_abandoned_forward_runs_again(
         assert got.plan.measured[key] == clean.plan.measured[key], key
     assert got.plan.bytes_recomputed == clean.plan.bytes_recomputed > 0
     assert got.stats.step_bytes_recomputed == clean.stats.step_bytes_recomputed > 0
+
+
+def _rows_step(rows: Callable[[int], int]) -> Step:
+    """A step that backwards ``model(x)`` for a seeded ``x`` of ``rows(step)`` x 16."""
+
+    def step(m: nn.Module, s: int) -> StepResult:
+        x = _seeded(s, rows(s), 16)
+        m(x).backward()
+        return [x.grad]
+
+    return step
+
+
+def test_a_plain_plan_counts_what_full_counts_after_the_batch_grows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [plain blocks counted] in checkpointing.py: auto's plain blocks are counted
+    per call signature, as "full" counts them: after the batch grows fourfold, both
+    count the larger step's bytes alike."""
+    monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
+    monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", math.inf)  # a plain plan
+    steps = _AUTO_STEPS + 2
+    rows = _rows_step(lambda s: 8 if s < steps - 2 else 32)
+    seen: dict[str, list[tuple[int, int, int]]] = {"auto": [], "full": []}
+    for mode in seen:
+
+        def after(engine: OffloadEngine, mode: str = mode) -> None:
+            s = engine.stats()
+            seen[mode].append((s.step_bytes_kept, s.step_bytes_offloaded, s.step_bytes_recomputed))
+
+        trained = _train_alike(
+            tmp_path / mode, monkeypatch, _model(Stack), rows, mode, steps=steps, after_step=after
+        )
+        if mode == "auto":
+            assert trained.plan is not None and trained.plan.measured["blocks_plain"] == 3
+    small, large = seen["full"][-3], seen["full"][-1]
+    assert large[2] > small[2] > 0
+    assert seen["auto"][-3:] == seen["full"][-3:]
+
+
+def test_a_step_of_whole_blocks_counts_nothing_once_its_backward_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A budget that keeps every block whole: read after its backward, each step of whole
+    blocks (the profile's and the plan's) reports nothing kept, offloaded or recomputed,
+    not the checkpointed step before it."""
+    phases: list[str] = []
+    counts: list[tuple[int, int, int]] = []
+
+    def after(engine: OffloadEngine) -> None:
+        decider = engine._decider
+        assert isinstance(decider, recompute.AutoDecider)
+        if decider.profiling:
+            phases.append(recompute._PHASE_MODE[decider._phase])
+        else:
+            phases.append(decider._modes[("MLPBlock", 0)])
+        s = engine.stats()
+        counts.append((s.step_bytes_kept, s.step_bytes_offloaded, s.step_bytes_recomputed))
+
+    trained = _train_alike(
+        tmp_path, monkeypatch, _model(Stack), _rows_step(lambda s: 8), "auto",
+        steps=_AUTO_STEPS, after_step=after, device_budget=1 << 30,
+    )  # fmt: skip
+    assert trained.plan is not None and trained.plan.measured["blocks_whole"] == 3
+    whole = [c for how, c in zip(phases, counts, strict=True) if how == WHOLE]
+    assert len(whole) >= 4 and all(c == (0, 0, 0) for c in whole), phases
+    assert any(c != (0, 0, 0) for c in counts)  # the checkpointed profiling steps count
+
+
+class TwoPlaces(nn.Module):
+    """Blocks a, b, a, c, b: two modules each at two places of the list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        a, b, c = MLPBlock(), MLPBlock(), MLPBlock()
+        self.inp = nn.Linear(16, 16)
+        self.layers = nn.ModuleList([a, b, a, c, b])
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h).square().mean()
+
+
+def test_the_plan_s_bytes_are_its_steps_where_a_block_runs_at_two_places(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The budget keeps the block at one place whole; the two at two places each are
+    checkpointed: the plan's bytes a step add up to what its steps report (4 of 5
+    calls' bytes, not 2 of 3 modules')."""
+    block, x = _model(MLPBlock), _seeded(0, 8, 16)
+    one = sum(saved_storage_bytes(block, lambda: block(x)))
+    trained = _train_alike(
+        tmp_path, monkeypatch, _model(TwoPlaces), _rows_step(lambda s: 8), "selective",
+        device_budget=one + one // 2,
+    )  # fmt: skip
+    plan, s = trained.plan, trained.stats
+    assert plan is not None and plan.measured["blocks_whole"] == 1, plan
+    steps = s.step_bytes_kept + s.step_bytes_offloaded + s.step_bytes_recomputed
+    assert plan.bytes_kept + plan.bytes_offloaded + plan.bytes_recomputed == steps > 0
