@@ -110,10 +110,10 @@
 #   misses too (it ran only in steps that see no ops, as an op of longer
 #   sequences can when every fifth batch is longer) runs as the profile runs it
 #   (an op stored, a block plain) and profiles nothing again. A block run whole
-#   or plainly has no per-op plan to go stale. A plain block's op outputs (step
-#   2) count as recomputed in the engine's per-step stats, which see none of
-#   its ops. A measured step whose forward was abandoned runs again: NOTE
-#   [abandoned forwards].
+#   or plainly has no per-op plan to go stale. A plain block's op outputs count
+#   as recomputed in the engine's per-step stats, as ``"full"`` counts them
+#   (NOTE [plain blocks counted] in checkpointing.py). A measured step whose
+#   forward was abandoned runs again: NOTE [abandoned forwards].
 # - A ``device_budget`` below what one block's recompute holds at once (what it
 #   saves for backward, step 1) cannot be met by any plan: NOTE [a budget no plan
 #   reaches].
@@ -722,8 +722,7 @@ class AutoDecider:
         stats: the engine's counters now (bytes moved, stalls, read bandwidth, tiers).
         device_budget: the engine's ``device_budget``: what whole blocks may hold.
         clock: time source (tests pass a fake one).
-        checkpoint_stats: told when each step begins, and the bytes a plainly
-            checkpointed block recomputes (its op outputs in the profile).
+        checkpoint_stats: told when each step begins and when its backward ends.
         trim_heap: asks the engine for one heap trim (NOTE [a trim where the plan
             changes]).
         hold_trims: holds the engine's heap trims off (True) or lets them run (NOTE
@@ -1014,7 +1013,7 @@ class AutoDecider:
         if self._ckpt_stats is not None:
             self._ckpt_stats.step_began()
         # NOTE [abandoned forwards]: a measured step with a block call that raised or
-        # that backward never reached runs again, once.
+        # that backward never reached runs again, unless the step before had one too.
         (entered, returned, reached), self._calls = self._calls, [0, 0, 0]
         abandoned = entered > returned or returned > reached
         again, self._abandoned = abandoned and not self._abandoned and self._measuring(), abandoned
