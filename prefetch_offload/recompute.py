@@ -191,7 +191,12 @@
 # step before abandoned one too: a loop that abandons a forward every step (a
 # validation loss computed with grad on and dropped, a block output that
 # backward never reaches by design) counts its steps as they are, and its
-# profile takes one step more, not twice as many.
+# profile takes one step more, not twice as many. Ranks that agree on the plan
+# (NOTE [ranks agree] in agreement.py) decide it together for a profiling or
+# trial step: a step one rank runs again, every rank runs again, or their
+# later exchanges would not meet. A step that runs again is of its own kind
+# for the heap trims too (NOTE [profiling under trims]): its bound, and no
+# trim for a change of plan.
 #
 # NOTE [a budget no plan reaches]
 # A ``device_budget`` below what one block's recompute holds at once is met by no
@@ -801,6 +806,7 @@ class AutoDecider:
         # steps measured before it began.
         self._calls = [0, 0, 0]
         self._abandoned = False
+        self._again: bool | None = None  # decided for the step that ends now
         self._before: tuple[dict[Position, _Obs], collections.Counter[Any], dict[Any, str]]
         self._before = ({}, collections.Counter(), {})
         self._in_backward = False
@@ -995,6 +1001,8 @@ class AutoDecider:
         if self._phase == _PLANNED:  # (with ranks agreeing, this rank's view of a check)
             checks = self._checks(self._planned_steps + 1)
             return _PROFILE[0] if self._stale and checks else _PLANNED
+        if self._runs_again():  # NOTE [abandoned forwards]: a step of the same kind
+            return self._phase
         following = self._step_no + 1
         return _PROFILE[following] if following < len(_PROFILE) else _PLANNED
 
@@ -1012,11 +1020,8 @@ class AutoDecider:
         self._step_start, self._backward_end, self._end_queued = now, None, False
         if self._ckpt_stats is not None:
             self._ckpt_stats.step_began()
-        # NOTE [abandoned forwards]: a measured step with a block call that raised or
-        # that backward never reached runs again, unless the step before had one too.
-        (entered, returned, reached), self._calls = self._calls, [0, 0, 0]
-        abandoned = entered > returned or returned > reached
-        again, self._abandoned = abandoned and not self._abandoned and self._measuring(), abandoned
+        again = self._runs_again()  # NOTE [abandoned forwards]
+        self._again, self._calls = None, [0, 0, 0]
         if self._phase == _PLANNED:
             stale = self._agreed_stale()
             if self._trial_left and not stale and not again:
@@ -1069,6 +1074,21 @@ class AutoDecider:
         self._dispatch.pop(self._step_no, None)
         if self._phase == _OFFLOAD_ALL:  # its moves count from the step that runs again
             self._s0 = self._stats()
+
+    def _runs_again(self) -> bool:
+        """Whether the step that ends now runs again (NOTE [abandoned forwards]): a
+        measured step with a block call that raised or that backward never reached,
+        unless the step before had one too. Decided once, by the first of trim_basis and
+        _step_started to ask; with ranks agreeing on the plan, together for a profiling
+        or trial step (NOTE [ranks agree] in agreement.py), so that they stay in step."""
+        if self._again is None:
+            entered, returned, reached = self._calls
+            abandoned = entered > returned or returned > reached
+            again = abandoned and not self._abandoned and self._measuring()
+            if self._agreement is not None and self._timing():
+                again = self._agreement.any(again)
+            self._again, self._abandoned = again, abandoned
+        return self._again
 
     def _unplanned(self, what: Any) -> None:
         """A block or op position the plan lacks: the next step profiles again, once for

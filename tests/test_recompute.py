@@ -762,6 +762,28 @@ def test_a_new_structure_one_rank_saw_profiles_every_rank_again_at_the_check() -
     assert on_ranks(2, rank) == [expected, expected]
 
 
+def test_a_forward_one_rank_abandoned_in_the_profile_runs_the_step_again_on_every_rank() -> None:
+    """NOTE [abandoned forwards]: rank 1's forward raises in the fourth profiling step
+    (an out-of-memory retry); agreeing, both ranks run that step again and plan at the
+    same step, so every later exchange (a check, a trial verdict) meets."""
+
+    def rank(agreement: Any) -> list[bool]:
+        fake = _Fake()
+        d = AutoDecider(fake.snapshot, 0, clock=fake.clock, agreement=agreement)
+        profiling = []
+        for step in range(len(recompute._PROFILE) + 3):
+            if step == 3 and agreement.rank == 1:
+                d.mode("Block", 0)
+                d.entered("Block", 0)  # its forward raised: no exited, no backward
+            counters = _SLOW_LINK if step == 1 else {}
+            _step(d, fake, _OPS, step_s=1.0, forward_s=0.1, blocks=2, **counters)
+            profiling.append(d.profiling)
+        return profiling
+
+    expected = [True] * (len(recompute._PROFILE) + 1) + [False] * 2
+    assert on_ranks(2, rank) == [expected, expected]
+
+
 def test_a_rank_whose_blocks_differ_from_rank_0_s_is_told_what_to_pass() -> None:
     def rank(agreement: Any) -> Any:
         return _plan(3.0, 2.5, blocks=3 - agreement.rank, agreement=agreement, **_SLOW_LINK)
@@ -770,6 +792,35 @@ def test_a_rank_whose_blocks_differ_from_rank_0_s_is_told_what_to_pass() -> None
     assert isinstance(first, AutoDecider)
     assert isinstance(second, OffloadError) and 'recompute_ranks="own"' in str(second)
     assert "its blocks" in str(second)
+
+
+@pytest.mark.parametrize("abandoned", [1, 6])
+def test_a_profiling_step_run_again_keeps_its_own_trim_class(abandoned: int) -> None:
+    """NOTE [abandoned forwards], NOTE [profiling under trims]: the engine asks the trim
+    bound at a step's first pack, before its first block; after the offload-all step or
+    the last whole step with a forward abandoned, the step that runs again is of the
+    same kind: the bound of its own class, and no trim asked for a change of plan."""
+    trims: list[int] = []
+    decider = AutoDecider(lambda: OffloadStats(), 0, trim_heap=lambda: trims.append(1))
+    moved = {"whole": 100, "stored": 300, "checkpointed": 10}
+    last: dict[str, int] = {}
+    before = None
+    for step in range(len(recompute._PROFILE) + 1):
+        asked = len(trims)
+        basis = decider.trim_basis(moved[before]) if before else None  # the first pack
+        decider.mode("Block", 0)  # its first block: the step's own kind now
+        kind = recompute._TRIM_CLASS[decider._phase]
+        if before:
+            last[before] = moved[before]
+            assert basis == last.get(kind, 0 if kind == "checkpointed" else moved[before])
+            assert (len(trims) > asked) == (kind != before), (step, kind, before)
+        if step == abandoned:  # a forward that raised, then the step's own
+            decider.entered("Block", 0)
+        decider.entered("Block", 0)
+        decider.exited("Block", 0)
+        decider.backward("Block", 0)
+        before = kind
+    assert decider.profiling  # (one step run again: the profile is one step longer)
 
 
 def test_a_step_s_peak_ends_with_its_backward() -> None:
