@@ -119,6 +119,18 @@ learned prefetch order brings it back ahead of the recompute that needs it.
 # the data alone, or with the module's training flag, are not seen again.
 # The automatic plan's plain blocks are counted the same way (its planned
 # steps run them with these contexts).
+#
+# NOTE [counted at the recompute]
+# A checkpointed call's forward adds up its bytes kept, offloaded and
+# recomputed in a tally of its own, and the stats count the tally when the
+# call's recompute begins, once. A forward that no backward follows (one that
+# raised, or whose loss was dropped: an evaluation with grad on) then counts
+# nothing, where counting in forward would add it to the next step's figures;
+# a graph kept for a second backward counts once; and a forward replayed by an
+# outer checkpoint's recompute counts only where its own recompute runs. A step's
+# counts still begin at its first checkpointed forward after a recompute (or
+# where the automatic plan says a step begins), so a step's figures are
+# complete once its backward has recomputed every call.
 """
 
 from __future__ import annotations
@@ -362,9 +374,10 @@ class PolicyDecider:
 class CheckpointStats:
     """Bytes of checkpointed op outputs kept, offloaded and recomputed, per step.
 
-    A step's counts start at its first checkpointed forward op after a recompute ran,
-    or after :meth:`step_began` (the automatic plan says when its steps begin): then a
-    step with no checkpointed op counts nothing.
+    A step's counts start at its first checkpointed forward after a recompute ran, or
+    after :meth:`step_began` (the automatic plan says when its steps begin): then a
+    step with no checkpointed op counts nothing. A call's bytes count when its
+    recompute begins (NOTE [counted at the recompute]).
     """
 
     def __init__(self) -> None:
@@ -384,21 +397,22 @@ class CheckpointStats:
         that counted nothing, as a step of whole blocks, is the last step now."""
         self._ended = self._step
 
-    def forward_op(self, which: int, nbytes: int) -> None:
+    def forward_began(self) -> None:
+        """A checkpointed call's forward begins (not a replay inside backward): the first
+        after a recompute, or after :meth:`step_began`, starts the step's counts."""
         if self._recomputed_since or self._cur_step != self._step:
             self._recomputed_since = False
             self.last, self._last_step = self.current, self._cur_step
             self.current, self._cur_step = [0, 0, 0], self._step
-        self.current[which] += nbytes
 
-    def recompute_ran(self) -> None:
+    def recompute_began(self, tally: list[int]) -> None:
+        """A checkpointed call's recompute begins: what its forward counted (``tally``,
+        kept, offloaded and recomputed bytes) is the step's now, once (NOTE [counted at
+        the recompute])."""
+        for which in range(3):
+            self.current[which] += tally[which]
+            tally[which] = 0
         self._recomputed_since = True
-
-    def recomputed_instead(self, which: int, nbytes: int) -> None:
-        """A stored output (kept: 0, offloaded: 1) of the current step became recomputed
-        (NOTE [cache entry mutation])."""
-        self.current[which] -= nbytes
-        self.current[2] += nbytes
 
     def last_step(self) -> tuple[int, int, int]:
         """(kept, offloaded, recomputed) of the last finished step: the current one once
@@ -497,12 +511,16 @@ class _Mode(TorchDispatchMode):
         hooks: OffloadHooks | None,
         storage: dict[Any, Any],
         stats: CheckpointStats,
+        tally: list[int],
     ) -> None:
         super().__init__()
         self.decider = decider
         self.hooks = hooks
         self.storage = storage
         self.stats = stats
+        # The call's bytes kept, offloaded and recomputed, counted by its forward and
+        # handed to the stats as its recompute begins (NOTE [counted at the recompute]).
+        self.tally = tally
         self.counts: collections.Counter[Any] = collections.Counter()
         # NOTE [dispatch cost]: seconds in __torch_dispatch__, and in the ops it called,
         # in a pass the decider times (``timing()`` when the pass began).
@@ -561,9 +579,10 @@ class _Saving(_Mode):
         hooks: OffloadHooks | None,
         storage: dict[Any, Any],
         stats: CheckpointStats,
+        tally: list[int],
         allow_cache_entry_mutation: bool = False,
     ) -> None:
-        super().__init__(decider, hooks, storage, stats)
+        super().__init__(decider, hooks, storage, stats, tally)
         self.allow_mutation = allow_cache_entry_mutation
         self.block = current_block() or ("", -1)
         # NOTE [cache entry mutation]: storage address -> (the storage, weakly, the key
@@ -578,6 +597,8 @@ class _Saving(_Mode):
 
     def __enter__(self) -> _Saving:
         replayed = in_backward()  # before the push: nothing that may raise after it
+        if not replayed:
+            self.stats.forward_began()
         super().__enter__()
         if replayed:  # a forward replayed by an outer checkpoint's recompute (NOTE
             self.timed = False  # [block modes]): not the step's forward
@@ -628,7 +649,8 @@ class _Saving(_Mode):
                     entry.changed = True
                 else:  # its value (an engine record too) goes now
                     self.storage[key] = _RECOMPUTE
-                    self.stats.recomputed_instead(entry.mode, entry.nbytes)
+                    self.tally[entry.mode] -= entry.nbytes
+                    self.tally[2] += entry.nbytes
 
     def _dispatch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         if func in _IGNORED or _cached_cast(func, args):  # NOTE [autocast casts]
@@ -665,7 +687,7 @@ class _Saving(_Mode):
                 )
             self.storage[(func, count)] = _Entry(1, value, None, must, nbytes)
             self._remember((func, count), out)
-            self.stats.forward_op(1, nbytes)
+            self.tally[1] += nbytes
         elif policy in SAVE or policy in OFFLOAD:  # offload with no engine: kept
             value = tree_map(_detach, out)
             versions = tree_map(
@@ -674,10 +696,10 @@ class _Saving(_Mode):
             must = policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_CPU_OFFLOAD)
             self.storage[(func, count)] = _Entry(0, value, versions, must, nbytes)
             self._remember((func, count), out)
-            self.stats.forward_op(0, nbytes)
+            self.tally[0] += nbytes
         else:
             self.storage[(func, count)] = _RECOMPUTE
-            self.stats.forward_op(2, nbytes)
+            self.tally[2] += nbytes
         return out
 
 
@@ -699,16 +721,17 @@ class _Restoring(_Mode):
         hooks: OffloadHooks | None,
         storage: dict[Any, Any],
         stats: CheckpointStats,
+        tally: list[int],
         block: Callable[[], tuple[str, int]],
         allow_cache_entry_mutation: bool,
     ) -> None:
-        super().__init__(decider, hooks, storage, stats)
+        super().__init__(decider, hooks, storage, stats, tally)
         self.block = block
         self.allow_mutation = allow_cache_entry_mutation
 
     def __enter__(self) -> _Restoring:
         self.counts.clear()
-        self.stats.recompute_ran()
+        self.stats.recompute_began(self.tally)
         self.decider.recomputing()
         return super().__enter__()  # type: ignore[no-any-return]
 
@@ -846,9 +869,9 @@ class _Counting(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __init__(self, stats: CheckpointStats, counts: PlainCounts, key: Any) -> None:
+    def __init__(self, tally: list[int], counts: PlainCounts, key: Any) -> None:
         super().__init__()
-        self.stats = stats
+        self.tally = tally
         self.counts = counts
         self.key = key
         self.nbytes = 0
@@ -862,7 +885,7 @@ class _Counting(TorchDispatchMode):
     def __exit__(self, *exc: Any) -> Any:
         try:
             if exc[0] is None:
-                self.stats.forward_op(2, self.nbytes)
+                self.tally[2] += self.nbytes
                 self.counts.put(self.key, self.nbytes)
         except BaseException:
             super().__exit__(*exc)  # off the dispatch stack whatever happens
@@ -889,15 +912,17 @@ def plain_contexts(
     """The (forward, recompute) contexts of a block checkpointed whole (``recompute=
     "full"``): nothing stored; the forward's op outputs counted as recomputed, by a
     mode the first time the block's call signature runs, else from that count (NOTE
-    [plain blocks counted]); the recompute ends the step's counts."""
+    [plain blocks counted]), handed to the stats as the recompute begins (NOTE
+    [counted at the recompute])."""
     key = counts.key()
     known = counts.get(key)
-    forward: TorchDispatchMode | _OnEnter = (
-        _OnEnter(functools.partial(stats.forward_op, 2, known))
-        if known is not None
-        else _Counting(stats, counts, key)
-    )
-    return forward, _OnEnter(stats.recompute_ran)
+    tally = [0, 0, 0]
+    if not in_backward():  # (a forward replayed by an outer checkpoint's recompute: no)
+        stats.forward_began()
+    if known is not None:
+        tally[2] = known
+    forward = _OnEnter(lambda: None) if known is not None else _Counting(tally, counts, key)
+    return forward, _OnEnter(functools.partial(stats.recompute_began, tally))
 
 
 class _Packed:
@@ -927,8 +952,9 @@ def selective_contexts(
 ) -> tuple[TorchDispatchMode, TorchDispatchMode]:
     """The (forward, recompute) contexts for one ``torch.utils.checkpoint`` call."""
     storage: dict[Any, Any] = {}
-    saving = _Saving(decider, hooks, storage, stats, allow_cache_entry_mutation)
+    tally = [0, 0, 0]  # NOTE [counted at the recompute]
+    saving = _Saving(decider, hooks, storage, stats, tally, allow_cache_entry_mutation)
     restoring = _Restoring(
-        decider, hooks, storage, stats, lambda: saving.block, allow_cache_entry_mutation
+        decider, hooks, storage, stats, tally, lambda: saving.block, allow_cache_entry_mutation
     )
     return saving, restoring

@@ -100,7 +100,8 @@ class OffloadStats:
     # (*_CPU_OFFLOAD; the tier figures above say where they went) and left to be
     # recomputed. A block checkpointed whole (recompute="full", or a plain block
     # of "auto") recomputes all of them (NOTE [plain blocks counted] in
-    # checkpointing.py).
+    # checkpointing.py). A call counts as its recompute begins (NOTE [counted at
+    # the recompute]): a forward no backward follows counts in no step.
     step_bytes_kept: int = 0
     step_bytes_offloaded: int = 0
     step_bytes_recomputed: int = 0

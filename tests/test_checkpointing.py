@@ -487,7 +487,7 @@ def test_only_a_write_over_a_stored_output_s_bytes_counts() -> None:
 
     stats = CheckpointStats()
     storage: dict[Any, Any] = {}
-    saving = _Saving(PolicyDecider(policy), None, storage, stats)
+    saving = _Saving(PolicyDecider(policy), None, storage, stats, [0, 0, 0])
     buffer = torch.zeros(16)
     first, second, middle = buffer[:8], buffer[8:], buffer[4:12]
     with saving:
@@ -804,23 +804,30 @@ def test_the_modes_report_their_own_time_beyond_the_ops_per_timed_pass(timing: b
 def test_checkpoint_stats_per_step_and_a_step_without_checkpointed_ops_counts_nothing() -> None:
     """A step's counts are the last finished step's until the next one finishes; with
     step_began (the automatic plan), a step that ran no checkpointed op reports zeros, not
-    the last step that did."""
+    the last step that did. A call counts as its recompute begins (NOTE [counted at the
+    recompute]): one whose recompute never runs, an abandoned forward's, counts nothing,
+    and one recomputed twice (a retained graph) counts once."""
     from prefetch_offload.checkpointing import CheckpointStats
 
     stats = CheckpointStats()
-    stats.forward_op(1, 100)  # offloaded
-    stats.forward_op(2, 10)  # recomputed
-    stats.recompute_ran()
+    stats.forward_began()
+    first = [0, 100, 10]  # offloaded, recomputed
+    stats.recompute_began(first)
     assert stats.last_step() == (0, 100, 10)
-    stats.forward_op(0, 7)  # the next step (no step_began: a recompute ran)
+    stats.recompute_began(first)  # (the same call again: counted already)
     assert stats.last_step() == (0, 100, 10)
-    stats.recompute_ran()
+    stats.forward_began()  # the next step (no step_began: a recompute ran)
+    stats.forward_began()  # an abandoned call: no recompute
+    assert stats.last_step() == (0, 100, 10)
+    stats.recompute_began([7, 0, 0])
     assert stats.last_step() == (7, 0, 0)
     stats.step_began()  # from here the plan says when steps begin
-    stats.forward_op(2, 5)
-    stats.recompute_ran()
+    stats.forward_began()
+    stats.recompute_began([0, 0, 5])
     assert stats.last_step() == (0, 0, 5)
     stats.step_began()  # a step of whole blocks: no checkpointed op
     assert stats.last_step() == (0, 0, 5)  # the step before is the last finished one
+    stats.step_ended()  # its backward ended: it is the last finished one now
+    assert stats.last_step() == (0, 0, 0)
     stats.step_began()
     assert stats.last_step() == (0, 0, 0)

@@ -1792,3 +1792,29 @@ def test_the_plan_s_bytes_are_its_steps_where_a_block_runs_at_two_places(
     assert plan is not None and plan.measured["blocks_whole"] == 1, plan
     steps = s.step_bytes_kept + s.step_bytes_offloaded + s.step_bytes_recomputed
     assert plan.bytes_kept + plan.bytes_offloaded + plan.bytes_recomputed == steps > 0
+
+
+@pytest.mark.parametrize("how", ["raised", "dropped"])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_forward_no_backward_follows_counts_in_no_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, how: str
+) -> None:
+    """NOTE [counted at the recompute] in checkpointing.py: the step after a forward
+    that raised in a block, or whose loss was dropped, reports what a clean step
+    reports: the abandoned forward's ops were never recomputed."""
+    steps = _steps_for(mode) + 1
+    seen: dict[int, list[tuple[int, int, int]]] = {}
+    for at in (-1, steps - 2):
+
+        def after(engine: OffloadEngine, at: int = at) -> None:
+            s = engine.stats()
+            seen.setdefault(at, []).append(
+                (s.step_bytes_kept, s.step_bytes_offloaded, s.step_bytes_recomputed)
+            )
+
+        _train_alike(
+            tmp_path / str(at), monkeypatch, _model(RaisingStack), _abandoning_step(at, how),
+            mode, steps=steps, after_step=after,
+        )  # fmt: skip
+    clean, abandoned = seen[-1][-2], seen[steps - 2][-2]
+    assert sum(clean) > 0 and abandoned == clean, (clean, abandoned)
