@@ -123,14 +123,21 @@ learned prefetch order brings it back ahead of the recompute that needs it.
 # NOTE [counted at the recompute]
 # A checkpointed call's forward adds up its bytes kept, offloaded and
 # recomputed in a tally of its own, and the stats count the tally when the
-# call's recompute begins, once. A forward that no backward follows (one that
-# raised, or whose loss was dropped: an evaluation with grad on) then counts
-# nothing, where counting in forward would add it to the next step's figures;
-# a graph kept for a second backward counts once; and a forward replayed by an
-# outer checkpoint's recompute counts only where its own recompute runs. A step's
-# counts still begin at its first checkpointed forward after a recompute (or
-# where the automatic plan says a step begins), so a step's figures are
-# complete once its backward has recomputed every call.
+# call's recompute begins, once, in the step running then: the automatic
+# plan's step where it says when steps begin, else the one that the first
+# count after a checkpointed forward (outside backward) began. A forward that
+# no backward follows (one that raised, or whose loss was dropped: an
+# evaluation with grad on) then counts nothing, where counting in forward
+# would add it to the next step's figures; a graph kept for a second backward
+# counts once (the second pass leaves the figures of the first); a forward
+# replayed by an outer checkpoint's recompute counts where its own recompute
+# runs; and a call whose output the loss does not use counts in no step (what
+# it offloaded shows in the tier figures). A step's figures are complete once
+# its backward has recomputed every call; with gradient accumulation they
+# cover the forwards since the last backward. Under a reentrant outer
+# checkpoint, whose forward runs the blocks without grad, every checkpointed
+# forward is a replay inside backward, and each of its backward passes counts
+# as a step of its own: the figures are the last one's.
 """
 
 from __future__ import annotations
@@ -147,7 +154,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
-from .blocks import current_block, current_call, in_backward
+from .blocks import _graph_task_id, current_block, current_call, in_backward
 from .errors import OffloadError
 from .packed import view_span
 from .records import version_probe
@@ -374,61 +381,62 @@ class PolicyDecider:
 class CheckpointStats:
     """Bytes of checkpointed op outputs kept, offloaded and recomputed, per step.
 
-    A step's counts start at its first checkpointed forward after a recompute ran, or
-    after :meth:`step_began` (the automatic plan says when its steps begin): then a
-    step with no checkpointed op counts nothing. A call's bytes count when its
-    recompute begins (NOTE [counted at the recompute]).
+    A call's bytes count when its recompute begins (NOTE [counted at the recompute]),
+    in the step running then: the automatic plan's step where it says when steps
+    begin (:meth:`step_began`), else the one the last checkpointed forward outside
+    backward began.
     """
 
     def __init__(self) -> None:
         self.current = [0, 0, 0]  # kept, offloaded, recomputed
-        self.last = [0, 0, 0]
-        self._recomputed_since = False
-        self._step = 0  # the engine's step now
-        self._cur_step = 0  # the step ``current`` counts
-        self._last_step = -1  # the step ``last`` counted
+        self._key: tuple[str, int] | None = None  # the step ``current`` counts
+        self._step = 0  # the automatic plan's step now
+        self._stepped = False  # whether the plan says when steps begin
         self._ended = -1  # the last step whose backward ended (step_ended)
+        # A checkpointed forward outside backward ran since the last count, and ever.
+        self._fresh = self._forwards = False
+
+    def forward_began(self) -> None:
+        """A checkpointed call's forward begins outside backward: the next count
+        begins a step."""
+        self._fresh = self._forwards = True
 
     def step_began(self) -> None:
         self._step += 1
+        self._stepped = True
 
     def step_ended(self) -> None:
         """The step now has finished its backward (the automatic plan says so): a step
         that counted nothing, as a step of whole blocks, is the last step now."""
         self._ended = self._step
 
-    def forward_began(self) -> None:
-        """A checkpointed call's forward begins (not a replay inside backward): the first
-        after a recompute, or after :meth:`step_began`, starts the step's counts."""
-        if self._recomputed_since or self._cur_step != self._step:
-            self._recomputed_since = False
-            self.last, self._last_step = self.current, self._cur_step
-            self.current, self._cur_step = [0, 0, 0], self._step
-
     def recompute_began(self, tally: list[int]) -> None:
         """A checkpointed call's recompute begins: what its forward counted (``tally``,
-        kept, offloaded and recomputed bytes) is the step's now, once (NOTE [counted at
-        the recompute])."""
+        kept, offloaded and recomputed bytes) is the running step's now, once."""
+        if not any(tally):
+            return  # (counted already: a kept graph's next backward)
+        if self._stepped:
+            key = ("step", self._step)
+            new = key != self._key
+        else:  # (no forward outside backward, as under a reentrant outer checkpoint:
+            key = ("pass", _graph_task_id())  # each backward pass counts on its own)
+            new = self._fresh or (not self._forwards and key != self._key)
+        if new:
+            self.current = [0, 0, 0]
+        self._key, self._fresh = key, False
         for which in range(3):
             self.current[which] += tally[which]
             tally[which] = 0
-        self._recomputed_since = True
 
     def last_step(self) -> tuple[int, int, int]:
-        """(kept, offloaded, recomputed) of the last finished step: the current one once
-        its recompute ran, else the one before it."""
-        ended = self._ended == self._step
-        if (self._recomputed_since or ended) and self._cur_step == self._step:
-            source = self.current
-        elif ended:  # (nothing counted in it)
-            return 0, 0, 0
-        elif self._cur_step == self._step - 1:
-            source = self.current
-        elif self._last_step in (self._step - 1, self._step):
-            source = self.last  # (the same step: begun by a recompute, no step_began)
-        else:
-            return 0, 0, 0
-        return source[0], source[1], source[2]
+        """(kept, offloaded, recomputed) of the last step: the running one once a
+        recompute in it began, else the one before it (a step that counted nothing:
+        zeros); without steps from the plan, the last that counted."""
+        if self._stepped and self._key != ("step", self._step):
+            if self._ended == self._step or self._key != ("step", self._step - 1):
+                return 0, 0, 0
+        kept, offloaded, recomputed = self.current
+        return kept, offloaded, recomputed
 
 
 # Whether the running backward keeps its graph (NOTE [packs inside backward] in engine.py).

@@ -806,7 +806,6 @@ class AutoDecider:
         # steps measured before it began.
         self._calls = [0, 0, 0]
         self._abandoned = False
-        self._again: bool | None = None  # decided for the step that ends now
         self._before: tuple[dict[Position, _Obs], collections.Counter[Any], dict[Any, str]]
         self._before = ({}, collections.Counter(), {})
         self._in_backward = False
@@ -1001,7 +1000,7 @@ class AutoDecider:
         if self._phase == _PLANNED:  # (with ranks agreeing, this rank's view of a check)
             checks = self._checks(self._planned_steps + 1)
             return _PROFILE[0] if self._stale and checks else _PLANNED
-        if self._runs_again():  # NOTE [abandoned forwards]: a step of the same kind
+        if self._runs_again(alone=True):  # NOTE [abandoned forwards]: its own kind again
             return self._phase
         following = self._step_no + 1
         return _PROFILE[following] if following < len(_PROFILE) else _PLANNED
@@ -1021,7 +1020,7 @@ class AutoDecider:
         if self._ckpt_stats is not None:
             self._ckpt_stats.step_began()
         again = self._runs_again()  # NOTE [abandoned forwards]
-        self._again, self._calls = None, [0, 0, 0]
+        self._abandoned, self._calls = self._abandoned_calls(), [0, 0, 0]
         if self._phase == _PLANNED:
             stale = self._agreed_stale()
             if self._trial_left and not stale and not again:
@@ -1075,20 +1074,23 @@ class AutoDecider:
         if self._phase == _OFFLOAD_ALL:  # its moves count from the step that runs again
             self._s0 = self._stats()
 
-    def _runs_again(self) -> bool:
+    def _abandoned_calls(self) -> bool:
+        """Whether a block call of the step so far raised, or backward has not reached it
+        (NOTE [abandoned forwards])."""
+        entered, returned, reached = self._calls
+        return entered > returned or returned > reached
+
+    def _runs_again(self, *, alone: bool = False) -> bool:
         """Whether the step that ends now runs again (NOTE [abandoned forwards]): a
         measured step with a block call that raised or that backward never reached,
-        unless the step before had one too. Decided once, by the first of trim_basis and
-        _step_started to ask; with ranks agreeing on the plan, together for a profiling
-        or trial step (NOTE [ranks agree] in agreement.py), so that they stay in step."""
-        if self._again is None:
-            entered, returned, reached = self._calls
-            abandoned = entered > returned or returned > reached
-            again = abandoned and not self._abandoned and self._measuring()
-            if self._agreement is not None and self._timing():
-                again = self._agreement.any(again)
-            self._again, self._abandoned = again, abandoned
-        return self._again
+        unless the step before had one too. With ranks agreeing on the plan, decided
+        together for a profiling or trial step (NOTE [ranks agree] in agreement.py), so
+        that they stay in step; ``alone``: this rank's guess, which changes nothing
+        (trim_basis asks at a pack, which may come between two backwards)."""
+        again = self._abandoned_calls() and not self._abandoned and self._measuring()
+        if self._agreement is not None and self._timing() and not alone:
+            again = self._agreement.any(again)
+        return again
 
     def _unplanned(self, what: Any) -> None:
         """A block or op position the plan lacks: the next step profiles again, once for

@@ -801,32 +801,45 @@ def test_the_modes_report_their_own_time_beyond_the_ops_per_timed_pass(timing: b
     assert 0.0 < passes[1] < 0.2
 
 
-def test_checkpoint_stats_per_step_and_a_step_without_checkpointed_ops_counts_nothing() -> None:
-    """A step's counts are the last finished step's until the next one finishes; with
-    step_began (the automatic plan), a step that ran no checkpointed op reports zeros, not
-    the last step that did. A call counts as its recompute begins (NOTE [counted at the
-    recompute]): one whose recompute never runs, an abandoned forward's, counts nothing,
-    and one recomputed twice (a retained graph) counts once."""
+def test_checkpoint_stats_per_step_and_a_step_without_checkpointed_ops_counts_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call counts as its recompute begins (NOTE [counted at the recompute]): without
+    checkpointed forwards outside backward (a reentrant outer checkpoint), in the
+    backward pass running then; with them, in the step the first count after one
+    began; with step_began (the automatic plan), in its step. A step that recomputed
+    nothing reports zeros once its backward ended, the step before until then. A call
+    counted already (a kept graph's next backward) counts nothing more."""
+    from prefetch_offload import checkpointing
     from prefetch_offload.checkpointing import CheckpointStats
 
+    task = [7]
+    monkeypatch.setattr(checkpointing, "_graph_task_id", lambda: task[0])
     stats = CheckpointStats()
-    stats.forward_began()
+    assert stats.last_step() == (0, 0, 0)
     first = [0, 100, 10]  # offloaded, recomputed
     stats.recompute_began(first)
-    assert stats.last_step() == (0, 100, 10)
-    stats.recompute_began(first)  # (the same call again: counted already)
-    assert stats.last_step() == (0, 100, 10)
-    stats.forward_began()  # the next step (no step_began: a recompute ran)
-    stats.forward_began()  # an abandoned call: no recompute
-    assert stats.last_step() == (0, 100, 10)
-    stats.recompute_began([7, 0, 0])
+    stats.recompute_began([5, 0, 0])  # the same backward pass
+    assert stats.last_step() == (5, 100, 10)
+    task[0] = 8  # the graph kept: its next backward
+    stats.recompute_began(first)
+    assert stats.last_step() == (5, 100, 10)
+    stats.recompute_began([7, 0, 0])  # another backward pass: another step
     assert stats.last_step() == (7, 0, 0)
-    stats.step_began()  # from here the plan says when steps begin
+    stats.forward_began()  # two forwards, then their backwards: one step
     stats.forward_began()
-    stats.recompute_began([0, 0, 5])
+    stats.recompute_began([0, 0, 2])
+    task[0] = 10
+    stats.recompute_began([0, 0, 3])
     assert stats.last_step() == (0, 0, 5)
+    stats.step_began()  # from here the plan says when steps begin
+    assert stats.last_step() == (0, 0, 0)  # (the step before counted under no plan step)
+    stats.recompute_began([0, 0, 5])
+    task[0] = 9
+    stats.recompute_began([0, 0, 1])  # another pass, the same step (accumulation)
+    assert stats.last_step() == (0, 0, 6)
     stats.step_began()  # a step of whole blocks: no checkpointed op
-    assert stats.last_step() == (0, 0, 5)  # the step before is the last finished one
+    assert stats.last_step() == (0, 0, 6)  # the step before is the last finished one
     stats.step_ended()  # its backward ended: it is the last finished one now
     assert stats.last_step() == (0, 0, 0)
     stats.step_began()

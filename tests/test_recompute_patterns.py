@@ -1818,3 +1818,35 @@ def test_a_forward_no_backward_follows_counts_in_no_step(
         )  # fmt: skip
     clean, abandoned = seen[-1][-2], seen[steps - 2][-2]
     assert sum(clean) > 0 and abandoned == clean, (clean, abandoned)
+
+
+def test_two_forwards_whose_losses_come_before_each_backward_profile_as_one_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Accumulation with each loss computed just before its backward: the engine sees a
+    pack between the two backwards, and the decider is asked there for the next step's
+    trim bound; the step is still whole (every call reached by a backward), and the
+    profile takes no step more (NOTE [abandoned forwards])."""
+    lengths: list[int] = []
+
+    def step(m: nn.Module, s: int) -> StepResult:
+        xs = [_seeded(10 * s + i, 4, 16) for i in range(2)]
+        hidden = [m.out(_through(m, x)) for x in xs]  # type: ignore[operator]
+        for h in hidden:
+            h.square().mean().backward()  # the loss's ops pack between the backwards
+        return [x.grad for x in xs]
+
+    def after(engine: OffloadEngine) -> None:
+        decider = engine._decider
+        assert isinstance(decider, recompute.AutoDecider)
+        lengths.append(decider.profiling)
+
+    _train_alike(tmp_path, monkeypatch, _model(Stack), step, "auto", after_step=after)
+    assert lengths.index(False) == len(recompute._PROFILE), lengths
+
+
+def _through(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    h = m.inp(x)  # type: ignore[operator]
+    for layer in m.layers:  # type: ignore[attr-defined]
+        h = layer(h)
+    return h
