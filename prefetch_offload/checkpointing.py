@@ -134,10 +134,11 @@ learned prefetch order brings it back ahead of the recompute that needs it.
 # runs; and a call whose output the loss does not use counts in no step (what
 # it offloaded shows in the tier figures). A step's figures are complete once
 # its backward has recomputed every call; with gradient accumulation they
-# cover the forwards since the last backward. Under a reentrant outer
-# checkpoint, whose forward runs the blocks without grad, every checkpointed
-# forward is a replay inside backward, and each of its backward passes counts
-# as a step of its own: the figures are the last one's.
+# cover the forwards since the last backward. A call replayed inside backward
+# counts in the step of its backward pass: under a reentrant outer checkpoint,
+# whose forward runs the blocks without grad, every checkpointed forward is a
+# replay, and each of its backward passes counts as a step of its own (the
+# figures are the last one's).
 """
 
 from __future__ import annotations
@@ -383,8 +384,9 @@ class CheckpointStats:
 
     A call's bytes count when its recompute begins (NOTE [counted at the recompute]),
     in the step running then: the automatic plan's step where it says when steps
-    begin (:meth:`step_began`), else the one the last checkpointed forward outside
-    backward began.
+    begin (:meth:`step_began`), else the one the first count after a checkpointed
+    forward outside backward began (a call replayed inside backward: its backward
+    pass).
     """
 
     def __init__(self) -> None:
@@ -393,13 +395,12 @@ class CheckpointStats:
         self._step = 0  # the automatic plan's step now
         self._stepped = False  # whether the plan says when steps begin
         self._ended = -1  # the last step whose backward ended (step_ended)
-        # A checkpointed forward outside backward ran since the last count, and ever.
-        self._fresh = self._forwards = False
+        self._fresh = False  # a checkpointed forward outside backward since the last count
 
     def forward_began(self) -> None:
-        """A checkpointed call's forward begins outside backward: the next count
-        begins a step."""
-        self._fresh = self._forwards = True
+        """A checkpointed call's forward begins outside backward: the next count of such
+        a call begins a step."""
+        self._fresh = True
 
     def step_began(self) -> None:
         self._step += 1
@@ -411,16 +412,17 @@ class CheckpointStats:
         self._ended = self._step
 
     def recompute_began(self, tally: list[int]) -> None:
-        """A checkpointed call's recompute begins: what its forward counted (``tally``,
-        kept, offloaded and recomputed bytes) is the running step's now, once."""
-        if not any(tally):
+        """A checkpointed call's recompute begins: what its forward counted (``tally``:
+        kept, offloaded and recomputed bytes, then 1 for a forward replayed inside
+        backward) is the running step's now, once."""
+        if not any(tally[:3]):
             return  # (counted already: a kept graph's next backward)
         if self._stepped:
             key = ("step", self._step)
             new = key != self._key
-        else:  # (no forward outside backward, as under a reentrant outer checkpoint:
-            key = ("pass", _graph_task_id())  # each backward pass counts on its own)
-            new = self._fresh or (not self._forwards and key != self._key)
+        else:  # (a replayed call's step is its backward pass: under a reentrant outer
+            key = ("pass", _graph_task_id())  # checkpoint, every call is replayed)
+            new = key != self._key if tally[3] else self._fresh
         if new:
             self.current = [0, 0, 0]
         self._key, self._fresh = key, False
@@ -528,7 +530,7 @@ class _Mode(TorchDispatchMode):
         self.stats = stats
         # The call's bytes kept, offloaded and recomputed, counted by its forward and
         # handed to the stats as its recompute begins (NOTE [counted at the recompute]).
-        self.tally = tally
+        self.tally = tally  # (and 1 at its end for a forward replayed inside backward)
         self.counts: collections.Counter[Any] = collections.Counter()
         # NOTE [dispatch cost]: seconds in __torch_dispatch__, and in the ops it called,
         # in a pass the decider times (``timing()`` when the pass began).
@@ -605,6 +607,7 @@ class _Saving(_Mode):
 
     def __enter__(self) -> _Saving:
         replayed = in_backward()  # before the push: nothing that may raise after it
+        self.tally[3] = int(replayed)
         if not replayed:
             self.stats.forward_began()
         super().__enter__()
@@ -924,11 +927,10 @@ def plain_contexts(
     [counted at the recompute])."""
     key = counts.key()
     known = counts.get(key)
-    tally = [0, 0, 0]
-    if not in_backward():  # (a forward replayed by an outer checkpoint's recompute: no)
+    replayed = in_backward()  # (a forward replayed by an outer checkpoint's recompute)
+    tally = [0, 0, known or 0, int(replayed)]
+    if not replayed:
         stats.forward_began()
-    if known is not None:
-        tally[2] = known
     forward = _OnEnter(lambda: None) if known is not None else _Counting(tally, counts, key)
     return forward, _OnEnter(functools.partial(stats.recompute_began, tally))
 
@@ -960,7 +962,7 @@ def selective_contexts(
 ) -> tuple[TorchDispatchMode, TorchDispatchMode]:
     """The (forward, recompute) contexts for one ``torch.utils.checkpoint`` call."""
     storage: dict[Any, Any] = {}
-    tally = [0, 0, 0]  # NOTE [counted at the recompute]
+    tally = [0, 0, 0, 0]  # NOTE [counted at the recompute]
     saving = _Saving(decider, hooks, storage, stats, tally, allow_cache_entry_mutation)
     restoring = _Restoring(
         decider, hooks, storage, stats, tally, lambda: saving.block, allow_cache_entry_mutation

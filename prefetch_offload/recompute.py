@@ -196,7 +196,12 @@
 # trial step: a step one rank runs again, every rank runs again, or their
 # later exchanges would not meet. A step that runs again is of its own kind
 # for the heap trims too (NOTE [profiling under trims]): its bound, and no
-# trim for a change of plan.
+# trim for a change of plan. The engine asks for the bound at a pack, which
+# may come between two backwards of one step, so there the decider only
+# guesses from this rank's calls so far, and decides when the next block
+# forward begins: with ranks agreeing, a rank whose own forwards all returned
+# takes, in a step another rank's abandoned forward makes run again, the next
+# kind's bound and one trim.
 #
 # NOTE [a budget no plan reaches]
 # A ``device_budget`` below what one block's recompute holds at once is met by no

@@ -487,7 +487,7 @@ def test_only_a_write_over_a_stored_output_s_bytes_counts() -> None:
 
     stats = CheckpointStats()
     storage: dict[Any, Any] = {}
-    saving = _Saving(PolicyDecider(policy), None, storage, stats, [0, 0, 0])
+    saving = _Saving(PolicyDecider(policy), None, storage, stats, [0, 0, 0, 0])
     buffer = torch.zeros(16)
     first, second, middle = buffer[:8], buffer[8:], buffer[4:12]
     with saving:
@@ -804,12 +804,12 @@ def test_the_modes_report_their_own_time_beyond_the_ops_per_timed_pass(timing: b
 def test_checkpoint_stats_per_step_and_a_step_without_checkpointed_ops_counts_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A call counts as its recompute begins (NOTE [counted at the recompute]): without
-    checkpointed forwards outside backward (a reentrant outer checkpoint), in the
-    backward pass running then; with them, in the step the first count after one
-    began; with step_began (the automatic plan), in its step. A step that recomputed
-    nothing reports zeros once its backward ended, the step before until then. A call
-    counted already (a kept graph's next backward) counts nothing more."""
+    """A call counts as its recompute begins (NOTE [counted at the recompute]): a call
+    replayed inside backward (a reentrant outer checkpoint's) in its backward pass; the
+    others in the step that the first count after a checkpointed forward outside
+    backward began; with step_began (the automatic plan), in its step. A step that
+    recomputed nothing reports zeros once its backward ended, the step before until
+    then. A call counted already (a kept graph's next backward) counts nothing more."""
     from prefetch_offload import checkpointing
     from prefetch_offload.checkpointing import CheckpointStats
 
@@ -817,26 +817,27 @@ def test_checkpoint_stats_per_step_and_a_step_without_checkpointed_ops_counts_no
     monkeypatch.setattr(checkpointing, "_graph_task_id", lambda: task[0])
     stats = CheckpointStats()
     assert stats.last_step() == (0, 0, 0)
-    first = [0, 100, 10]  # offloaded, recomputed
+    stats.forward_began()  # an evaluation forward: its calls never count
+    first = [0, 100, 10, 1]  # offloaded, recomputed; replayed
     stats.recompute_began(first)
-    stats.recompute_began([5, 0, 0])  # the same backward pass
+    stats.recompute_began([5, 0, 0, 1])  # the same backward pass
     assert stats.last_step() == (5, 100, 10)
     task[0] = 8  # the graph kept: its next backward
     stats.recompute_began(first)
     assert stats.last_step() == (5, 100, 10)
-    stats.recompute_began([7, 0, 0])  # another backward pass: another step
+    stats.recompute_began([7, 0, 0, 1])  # another backward pass: another step
     assert stats.last_step() == (7, 0, 0)
     stats.forward_began()  # two forwards, then their backwards: one step
     stats.forward_began()
-    stats.recompute_began([0, 0, 2])
+    stats.recompute_began([0, 0, 2, 0])
     task[0] = 10
-    stats.recompute_began([0, 0, 3])
+    stats.recompute_began([0, 0, 3, 0])
     assert stats.last_step() == (0, 0, 5)
     stats.step_began()  # from here the plan says when steps begin
     assert stats.last_step() == (0, 0, 0)  # (the step before counted under no plan step)
-    stats.recompute_began([0, 0, 5])
-    task[0] = 9
-    stats.recompute_began([0, 0, 1])  # another pass, the same step (accumulation)
+    stats.recompute_began([0, 0, 5, 0])
+    task[0] = 11
+    stats.recompute_began([0, 0, 1, 0])  # another pass, the same step (accumulation)
     assert stats.last_step() == (0, 0, 6)
     stats.step_began()  # a step of whole blocks: no checkpointed op
     assert stats.last_step() == (0, 0, 6)  # the step before is the last finished one

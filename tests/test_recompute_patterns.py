@@ -1850,3 +1850,23 @@ def _through(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     for layer in m.layers:  # type: ignore[attr-defined]
         h = layer(h)
     return h
+
+
+@pytest.mark.parametrize("mode", ["full", "matmuls-offloaded"])
+def test_under_a_reentrant_checkpoint_of_the_user_s_each_step_reports_its_last_pass(
+    tmp_path: Path, mode: str
+) -> None:
+    """NOTE [counted at the recompute]: a reentrant checkpoint around the model runs its
+    forward without grad, so every block checkpoint runs replayed inside backward; each
+    step reports the same figures, also after a forward outside it whose loss was
+    dropped, and they do not grow from step to step."""
+    model = _model(Stack)
+    seen = []
+    value = MODES[mode]
+    with offload_context("disk", str(tmp_path), model=model, recompute=value) as engine:
+        model(_seeded(99, 4, 16))  # dropped: its calls count in no step
+        for s in range(4):
+            checkpoint(model, _seeded(s, 4, 16), use_reentrant=True).backward()
+            st = engine.stats()
+            seen.append((st.step_bytes_kept, st.step_bytes_offloaded, st.step_bytes_recomputed))
+    assert len(set(seen)) == 1 and sum(seen[0]) > 0, seen
