@@ -1319,9 +1319,9 @@ class AutoDecider:
                 reasons[pos] = ("moving is cheaper than recompute", seconds, move)
                 gain += seconds - move
         # NOTE [a budget no plan reaches]: then the leanest plan, every block plain.
+        self._block_hold = self._recompute_hold()
         unreachable = self._unreachable()
         lean = unreachable is not None
-        self._block_hold = self._recompute_hold()
         # Selective only where its offloads save more than its dispatch modes cost.
         selective = not lean and gain > overhead * rest
         if not selective:
@@ -1552,11 +1552,12 @@ class AutoDecider:
         }
 
     def _unreachable(self) -> tuple[int, str] | None:
-        """What one block's recompute holds at once, and what that is, where it is more
-        than a ``device_budget`` given (NOTE [a budget no plan reaches]); else None."""
+        """What one block's recompute holds at once (``_block_hold``, set first), and
+        what that is, where it is more than a ``device_budget`` given (NOTE [a budget no
+        plan reaches]); else None."""
         if self._budget <= 0 or not self._block_bytes:
             return None  # (0: no budget given; the engine moves what it can)
-        floor = self._recompute_hold()
+        floor = self._block_hold
         whole = self._spans.get(_WHOLE_ALL_STEP, {}).values()
         what = (
             "what the largest block saves for backward"
