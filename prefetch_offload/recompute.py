@@ -94,7 +94,9 @@
 #   steps (6) and (7) took less time than steps (4) and (9) less the dispatch
 #   modes' cost per block (NOTE [trial steps]); where the two are within 5%,
 #   one that held at least 5% less memory wins (NOTE [plans within the noise]).
-#   A plan between the two is tried against both. On the CPU, where the IO
+#   A plan between the two is tried against both; where offload alone runs, plain
+#   checkpointing is tried again without the heap trims (NOTE [plain without
+#   trims]). On the CPU, where the IO
 #   threads and the recompute share the cores, offload alone is often faster at
 #   small budgets on a fast disk; never on a disk slower than forward saves.
 #   The plan also prints estimates from block medians (``step_whole_s``,
@@ -322,6 +324,23 @@
 # auto then ran 1.04x the step of ``full`` (the same plan without the engine;
 # per round 0.96-1.07) at a peak of 315 MiB against its 306.
 #
+# NOTE [plain without trims]
+# The profile weighs plain checkpointing against offload alone under heap trims
+# (NOTE [keep, offload, recompute]), and the trims cost plain checkpointing
+# their page faults where they may buy it nothing (NOTE [trims a plan does
+# without]). So where offload alone runs (chosen by the profile, or by a trial),
+# plain checkpointing gets the trims' trial in its place: one step under trims,
+# two without, the trims' verdict as for a plan that moves nothing. Where its
+# trims would be held off, the faster of its two steps without them is weighed
+# against offload alone's profiled steps, with its most memory (NOTE [plans
+# within the noise]); plain checkpointing runs from then on if it wins, its
+# trims held off. Else (its trims bought more than the budget it leaves unused:
+# the profile weighed it as it would run; or offload alone won) offload alone
+# runs again, under trims, with one trim at once. Three steps of plain
+# checkpointing, once per profile. Ranks that agree on the plan take rank 0's
+# choice. Not weighed: a block class that draws from a generator of the
+# caller's own (never plain), no sampled peaks, no trims (a CUDA model).
+#
 # The measured figures decide, not a list of op names: on the benchmark
 # transformer the norms, activation functions and residual adds come out cheap
 # to recompute and the matmul and attention outputs expensive, on the CPU as
@@ -461,7 +480,15 @@ class RecomputePlan:
                 f"{m['trial_alone_s']:.3f} s{_peak_text(m, 'peak_alone_MiB')}: "
                 f"{verdict[int(m['trial_choice'])]}"
             )
-        if "trims_held" in m:  # NOTE [trims a plan does without]
+        if "untrimmed_plain_s" in m:  # NOTE [plain without trims]
+            lines.append(
+                f"  without heap trims: plain checkpointing ran {m['untrimmed_plain_s']:.3f} s "
+                f"a step at {m['untrimmed_peak_MiB']:.0f} MiB ({m['trims_peak_MiB']:.0f} MiB "
+                f"with them, {m['unused_budget_MiB']:.0f} MiB of device_budget unused by it), "
+                f"offload alone {m['wall_alone_s']:.3f} s{_peak_text(m, 'peak_alone_MiB')}: "
+                + ("plain checkpointing runs" if m["untrimmed_choice"] else "offload alone runs")
+            )
+        elif "trims_held" in m:  # NOTE [trims a plan does without]
             lines.append(
                 f"  heap trims: {m['trims_peak_MiB']:.0f} MiB held with them, "
                 f"{m['untrimmed_peak_MiB']:.0f} MiB without, "
@@ -673,6 +700,14 @@ def _leanest_of_the_fastest(plans: dict[str, tuple[float, int]]) -> str:
     return min(leaner, key=lambda name: (plans[name][1], plans[name][0])) if leaner else fastest
 
 
+def _than(faster: bool, other: str) -> str:
+    """Why a plan replaced ``other``: it ran faster, or (NOTE [plans within the noise])
+    within _TIE of it and held less."""
+    if faster:
+        return f"ran faster than {other}"
+    return f"ran within {_TIE:.0%} of {other} and held less memory"
+
+
 def _copied(obs: dict[Position, _Obs]) -> dict[Position, _Obs]:
     """The measurements, each a copy of its own (NOTE [abandoned forwards])."""
     return {pos: dataclasses.replace(o, seconds=list(o.seconds)) for pos, o in obs.items()}
@@ -760,13 +795,17 @@ class AutoDecider:
         self._planned_steps = 0  # NOTE [ranks agree]: since the last plan, for the checks
         self._trim_heap = trim_heap  # NOTE [a trim where the plan changes]
         # NOTE [trims a plan does without]: holds the engine's heap trims off, or lets them
-        # run; the steps of the trims' trial left, their peaks, what the plan keeps of the
-        # budget at the end of forward, and what one block's recompute holds.
+        # run; the steps of the trims' trial left, their walls and peaks, what the plan
+        # keeps of the budget at the end of forward, what one block's recompute holds, and
+        # whether the trial runs plain checkpointing against offload alone (NOTE [plain
+        # without trims]).
         self._hold_trims = hold_trims
         self._trims_held = False
         self._trim_trial_left = 0
+        self._trim_trial_walls: list[float] = []
         self._trim_trial_peaks: list[int] = []
         self._trim_trial_kept = 0
+        self._challenging = False
         self._block_hold = 0
         # NOTE [plans within the noise]: the most memory each profiling step held, and each
         # trial step; sampled while the plan is measured.
@@ -788,8 +827,9 @@ class AutoDecider:
         # they cost, "generator" (NOTE [random ops] in checkpointing.py).
         self._fixed: dict[Position, str] = {}
         # Block classes with an op that draws from a generator of the caller's own: their
-        # blocks never run plainly (their recompute would draw again).
+        # blocks never run plainly (their recompute would draw again); those op positions.
         self._own_rng: set[str] = set()
+        self._own_draws: set[Position] = set()
         # Per profiling step (its index in _PROFILE): each block's span, and the step's
         # end (the next one's start).
         self._spans: dict[int, dict[tuple[str, int], _Span]] = {}
@@ -912,6 +952,7 @@ class AutoDecider:
             pos: Position = (key[0], func, key[3])
             if draws_own_generator(func, args, kwargs):  # NOTE [random ops]
                 self._own_rng.add(key[0])
+                self._own_draws.add(pos)
                 if self._phase == _OFFLOAD_ALL:
                     self._fixed[pos] = "generator"
                 return CheckpointPolicy.PREFER_CPU_OFFLOAD
@@ -1031,10 +1072,10 @@ class AutoDecider:
             if self._trial_left and not stale and not again:
                 self._trial_step_ended(wall, peak)
             elif self._trim_trial_left and not stale and not again:
-                self._trim_step_ended(peak)
+                self._trim_step_ended(wall, peak)
             if stale:
                 self._trial_left, self._trial_obs = 0, {}
-                self._trim_trial_left = 0
+                self._trim_trial_left, self._challenging = 0, False
                 self._hold(False)
                 self._reset_profile()
                 self._moved_by.clear()  # NOTE [profiling under trims]: a new profile
@@ -1132,9 +1173,10 @@ class AutoDecider:
         return since if peak is None else peak
 
     def _timing(self) -> bool:
-        """Whether the step now is timed: a profiling step or a trial step (NOTE [trial
-        steps])."""
-        return self._phase != _PLANNED or bool(self._trial_left)
+        """Whether the step now is timed: a profiling step, a trial step (NOTE [trial
+        steps]) or a step of plain checkpointing weighed against offload alone (NOTE
+        [plain without trims])."""
+        return self._phase != _PLANNED or bool(self._trial_left) or self._challenging
 
     def _measuring(self) -> bool:
         """Whether the step now is measured: a profiling step, a trial step (NOTE [trial
@@ -1421,7 +1463,7 @@ class AutoDecider:
         self._trial_walls, self._trial_peaks = [], []
         if self._agreement is not None:
             self._take_first_ranks_plan(self._agreement)
-        self._trial_obs = dict(self._obs) if self._trial_left else {}
+        self._trial_obs = dict(self._obs)  # (cleared once no trial can change the plan)
         self._last = self._summarize(self._share, self._obs)
         self._warn_budget(unreachable)
 
@@ -1498,9 +1540,9 @@ class AutoDecider:
             got = json.loads(self._agreement.first_rank(json.dumps(mine).encode()))
             choice, tried, plain, alone, trial_peak = got
         if choice:
-            self._switch(PLAIN if choice == 1 else WHOLE, faster=(plain, alone)[choice - 1] < tried)
+            faster = (plain, alone)[choice - 1] < tried
+            self._switch(PLAIN if choice == 1 else WHOLE, _than(faster, "this plan's trial"))
             self._trim_heap()  # NOTE [a trim where the plan changes]
-        self._begin_trim_trial()
         self.measured.update(
             trial_step_s=tried,
             trial_plain_s=plain,
@@ -1509,22 +1551,18 @@ class AutoDecider:
             trial_peak_MiB=trial_peak / _MiB,
         )
         self._last = self._summarize(self._share, self._trial_obs)
-        self._trial_obs = {}
+        self._begin_trim_trial()
 
-    def _switch(self, how: str, *, faster: bool) -> None:
-        """Every profiled block checkpointed plainly (PLAIN) or whole (WHOLE), which ran
-        faster than the trial or (NOTE [plans within the noise]) held less."""
-        than = (
-            "ran faster than this plan's trial"
-            if faster
-            else f"ran within {_TIE:.0%} of this plan's trial and held less memory"
-        )
+    def _switch(self, how: str, than: str) -> None:
+        """Every profiled block checkpointed plainly (PLAIN) or whole (WHOLE), which
+        ``than`` says why."""
         if how == PLAIN:
             why = f"plain checkpointing of every block {than}"
+            alone = bool(self.measured.get("offload_alone"))  # (its reason on every op)
             moved = [
                 pos
                 for pos, policy in self._plan.items()
-                if policy in OFFLOAD and self._fixed.get(pos) != "generator"
+                if (policy in OFFLOAD or alone) and pos not in self._own_draws
             ]
         else:
             why = f"offload alone {than}"
@@ -1585,18 +1623,28 @@ class AutoDecider:
             self._trims_held = on
 
     def _begin_trim_trial(self) -> None:
-        """The plan holds: weigh its heap trims where it moves nothing, else stop
-        sampling memory."""
-        moves = self.measured.get("blocks_selective") or self.measured.get("offload_alone")
-        if self._hold_trims is None or self._peak_source is None or moves:
+        """The plan holds: weigh its heap trims where it moves nothing, or plain
+        checkpointing's against offload alone where offload alone runs (NOTE [plain
+        without trims]); else stop sampling memory."""
+        weighs = self._hold_trims is not None and self._peak_source is not None
+        alone = bool(self.measured.get("offload_alone"))
+        if alone and weighs:  # (a block class that draws its own numbers is never plain)
+            weighs = math.isfinite(self._profiled_plans["plain"][0]) and not self._own_rng
+        if not weighs or self.measured.get("blocks_selective"):
             self._sample_peaks(False)
+            self._trial_obs = {}
             return
+        if alone:
+            self._challenging = True
+            self._modes = dict.fromkeys(self._profiled, PLAIN)
+            self._trim_heap()  # NOTE [a trim where the plan changes]
         self._trim_trial_left = 1 + _UNTRIMMED_STEPS
-        self._trim_trial_peaks, self._trim_trial_kept = [], 0
+        self._trim_trial_walls, self._trim_trial_peaks, self._trim_trial_kept = [], [], 0
 
-    def _trim_step_ended(self, peak: int) -> None:
-        """A step of the trims' trial ended, holding at most ``peak`` bytes: the first ran
-        under trims, the others without."""
+    def _trim_step_ended(self, wall: float, peak: int) -> None:
+        """A step of the trims' trial ended, taking ``wall`` and holding at most ``peak``
+        bytes: the first ran under trims, the others without."""
+        self._trim_trial_walls.append(wall)
         self._trim_trial_peaks.append(peak)
         self._trim_trial_left -= 1
         if self._trim_trial_left == _UNTRIMMED_STEPS:
@@ -1607,10 +1655,16 @@ class AutoDecider:
     def _judge_trims(self) -> None:
         """Hold the trims off for good where they bought less than the budget the plan
         leaves unused, and 5% (NOTE [trims a plan does without]); else let them run, with
-        one trim now for what the steps without them left."""
+        one trim now for what the steps without them left. Where plain checkpointing ran
+        in place of offload alone, it stays only where its trims are held off and it ran
+        faster without them, or within 5% and held 5% less (NOTE [plain without
+        trims])."""
         trimmed, untrimmed = self._trim_trial_peaks[0], _most(self._trim_trial_peaks[1:])
         unused = max(self._budget - self._trim_trial_kept - self._block_hold, 0)
         held = 0 < trimmed and 0 < untrimmed and trimmed >= (1 - _LEANER) * (untrimmed - unused)
+        if self._challenging:
+            self._challenging = False
+            held = self._weigh_plain(held, min(self._trim_trial_walls[1:]), untrimmed)
         if not held:
             self._hold(False)
             self._trim_heap()
@@ -1621,7 +1675,26 @@ class AutoDecider:
             untrimmed_peak_MiB=untrimmed / _MiB,
             unused_budget_MiB=unused / _MiB,
         )
-        self._last = dataclasses.replace(self._last, measured=dict(self.measured))
+        self._last = self._summarize(self._share, self._trial_obs)
+        self._trial_obs = {}
+
+    def _weigh_plain(self, held: bool, wall: float, peak: int) -> bool:
+        """Plain checkpointing ran in place of offload alone, ``wall`` a step at ``peak``
+        without trims, ``held``: its trims bought less than the budget it leaves unused.
+        Keep it where it beat offload alone's profiled steps so, else offload alone runs
+        again (NOTE [plain without trims]). Whether plain runs, its trims held off."""
+        alone, alone_peak = self._profiled_plans["alone"]
+        plans = {"plain": (wall, peak), "alone": (alone, alone_peak)}
+        plain = held and _leanest_of_the_fastest(plans) == "plain"
+        if self._agreement is not None:  # NOTE [ranks agree] in agreement.py: rank 0's
+            plain = json.loads(self._agreement.first_rank(json.dumps(plain).encode()))
+        self.measured.update(untrimmed_plain_s=wall, untrimmed_choice=float(plain))
+        if plain:
+            than = "with heap trims held off " + _than(wall < alone, "offload alone")
+            self._switch(PLAIN, than)
+            return held
+        self._modes = dict.fromkeys(self._profiled, WHOLE)
+        return False
 
     def _warn_budget(self, unreachable: tuple[int, str] | None) -> None:
         """Warn once where a budget no plan reaches (what :meth:`_unreachable` said)."""

@@ -928,21 +928,113 @@ def test_a_new_profile_runs_under_trims_again() -> None:
     assert calls == [True, False]
 
 
+_CHEAP = [(MM, GB // 2, 0.01), (GELU, GB // 2, 0.01), (VIEW, GB // 2, 0.0)]
+
+
 @pytest.mark.parametrize("plan", ["selective", "alone"])
-def test_a_plan_that_moves_bytes_keeps_its_trims_untried(plan: str) -> None:
+def test_a_plan_that_moves_bytes_keeps_its_trims_untried(
+    plan: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Offload alone or selective blocks move activations, which the trims give back:
-    their heap is not weighed (NOTE [trims a plan does without])."""
+    their heap is not weighed (NOTE [trims a plan does without]); offload alone, where a
+    block class draws from a generator of its own (never plain), runs on untried."""
     calls: list[bool] = []
     source = _Peaks(_LEAN_PLAIN, planned=100 << 20)
-    cheap = [(MM, GB // 2, 0.01), (GELU, GB // 2, 0.01), (VIEW, GB // 2, 0.0)]
     kw: dict[str, Any] = (
-        {"dispatch_s": 0.01} if plan == "selective" else {"whole_s": 2.0, "ops": cheap}
+        {"dispatch_s": 0.01} if plan == "selective" else {"whole_s": 2.0, "ops": _CHEAP}
     )
+    if plan == "alone":  # (an op draws from a generator of the block's own)
+        real = AutoDecider._make_plan
+        monkeypatch.setattr(AutoDecider, "_make_plan", lambda d: d._own_rng.add("Block") or real(d))
     decider = _plan(3.0, 2.5, peaks=source, hold_trims=calls.append, **kw, **_SLOW_LINK)
     mode = SELECTIVE if plan == "selective" else WHOLE
     assert _planned_steps(decider, [2.0] * 6, 1) == [mode]  # (a trial kept: faster)
     assert calls == [] and not source.running
     assert "trims_held" not in decider.plan().measured
+
+
+@pytest.mark.parametrize(
+    ("trimmed", "untrimmed", "walls", "plain"),
+    [
+        (100, 100, [1.8, 1.9], True),  # trims bought nothing, plain 10% faster
+        (100, 100, [2.5, 2.4], False),  # trims bought nothing, plain 20% slower
+        (100, 300, [1.8, 1.9], False),  # trims bought 200 MiB: it lost under them
+        (145, 150, [2.08, 2.05], True),  # 2.5% slower, held 25% less than 200 MiB
+        (195, 198, [2.08, 2.05], False),  # 2.5% slower, held 1% less
+        (100, 0, [1.8, 1.9], False),  # a failed sample: as it was weighed
+    ],
+)
+def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
+    trimmed: int, untrimmed: int, walls: list[float], plain: bool
+) -> None:
+    """NOTE [plain without trims]: the profile measured offload alone 2 s a step at 200
+    MiB, plain checkpointing (under trims) 2.5 s. Plain checkpointing then runs three
+    steps, the first under trims (``trimmed`` MiB), two without (``untrimmed``, taking
+    ``walls``); where trims bought less than 5%, plain stays if it ran faster than
+    offload alone, or within 5% and 5% leaner, its trims held off; else offload alone
+    runs again under trims, with a trim at once."""
+    calls: list[bool] = []
+    trims: list[int] = []
+    source = _Peaks(_LEAN_PLAIN, planned=[trimmed << 20, untrimmed << 20, untrimmed << 20, 0])
+    decider = _plan(
+        3.0, 2.5, blocks=2, whole_s=2.0, ops=_CHEAP, peaks=source, hold_trims=calls.append,
+        trim_heap=lambda: trims.append(1), **_SLOW_LINK,
+    )  # fmt: skip
+    assert decider.plan().measured["offload_alone"] == 1.0  # (the profile's choice)
+    assert trims == [1] and calls == []  # plain began, under trims
+    assert _planned_steps(decider, [walls[0]], 2) == [PLAIN, PLAIN] and calls == [True]
+    assert decider.timing() is False and decider._timing()  # timed, its ops not
+    modes = _planned_steps(decider, [walls[1]], 2)
+    assert modes == [PLAIN if plain else WHOLE] * 2 and not source.running
+    assert calls == ([True] if plain else [True, False])
+    assert trims == ([1] if plain else [1, 1])
+    plan = decider.plan()
+    m = plan.measured
+    assert m["untrimmed_choice"] == float(plain) and m["offload_alone"] == float(not plain)
+    assert m["untrimmed_plain_s"] == pytest.approx(min(walls))
+    assert m["trims_held"] == float(plain) and m["blocks_plain"] == (2 if plain else 0)
+    line = str(plan).split("without heap trims: ")[1].splitlines()[0]
+    assert line.startswith(f"plain checkpointing ran {min(walls):.3f} s a step")
+    assert line.endswith("plain checkpointing runs" if plain else "offload alone runs")
+    assert "offload alone 2.000 s at 200 MiB" in line
+    if plain:
+        assert {d.choice for d in plan.ops} == {"recompute"} and plan.bytes_recomputed > 0
+        faster = "faster than" if min(walls) < 2.0 else "within 5% of"
+        assert f"every block with heap trims held off ran {faster} offload alone" in str(plan)
+    else:
+        assert {d.choice for d in plan.ops} == {"whole"} and plan.bytes_recomputed == 0
+    assert _planned_steps(decider, [9.0] * 4, 2) == modes and len(calls) == 2 - plain
+
+
+def test_a_new_structure_while_plain_is_weighed_profiles_again_under_trims() -> None:
+    """NOTE [plain without trims]: a block the profile did not see, in plain
+    checkpointing's second step: the weighing ends, trims run again, a profile begins."""
+    calls: list[bool] = []
+    source = _Peaks(_LEAN_PLAIN, planned=100 << 20)
+    decider = _plan(
+        3.0, 2.5, whole_s=2.0, ops=_CHEAP, peaks=source, hold_trims=calls.append, **_SLOW_LINK
+    )
+    assert _planned_steps(decider, [1.8], 1) == [PLAIN] and calls == [True]
+    assert decider.mode("Block", 7) == PLAIN and decider._stale
+    decider.backward("Block", 7)
+    assert decider.mode("Block", 0) == WHOLE and decider.profiling
+    assert calls == [True, False] and not decider._challenging
+
+
+def test_ranks_weighing_plain_without_trims_run_rank_0_s_choice() -> None:
+    """NOTE [plain without trims], NOTE [ranks agree]: rank 0's plain steps without
+    trims ran 1.8 s, rank 1's 9 s; both keep plain checkpointing."""
+
+    def rank(agreement: Any) -> tuple[str, float]:
+        source = _Peaks(_LEAN_PLAIN, planned=100 << 20)
+        d = _plan(
+            3.0, 2.5, whole_s=2.0, ops=_CHEAP, peaks=source, hold_trims=lambda on: None,
+            agreement=agreement, **_SLOW_LINK,
+        )  # fmt: skip
+        wall = 1.8 if agreement.rank == 0 else 9.0
+        return _planned_steps(d, [wall, wall], 1)[0], d.plan().measured["untrimmed_choice"]
+
+    assert on_ranks(2, rank) == [(PLAIN, 1.0), (PLAIN, 1.0)]
 
 
 def _grads(model: nn.Module, steps: int, seq: int | list[int] = 16) -> list[list[torch.Tensor]]:
@@ -984,7 +1076,9 @@ def test_auto_is_bit_identical_and_plans_once(
         AutoDecider, "trim_basis", lambda d, moved: bases.append(real_basis(d, moved)) or bases[-1]
     )
     warm_up_unary_ops()
-    steps = len(recompute._PROFILE) + 2
+    # The profile, three steps of plain checkpointing where offload alone runs (NOTE
+    # [plain without trims]), one of the plan.
+    steps = len(recompute._PROFILE) + 4
     # Another length: the same structure, no new plan.
     lengths = ([16, 16, 16, 12, 16, 20, 16, 12] * 2)[:steps]
     ref = _grads(_model(), steps, lengths)
@@ -1130,6 +1224,42 @@ def test_the_trims_trial_holds_the_engine_s_trims_as_judged_and_stays_bit_identi
         assert heap.held == held
     assert plan is not None and plan.measured["trims_held"] == float(held)
     assert plan.measured["blocks_plain"] == 4 and plan.plans_made == 1
+    assert _exact(ref, got)
+
+
+@pytest.mark.parametrize("to", ["plain", "alone"])
+def test_plain_weighed_without_trims_runs_as_judged_and_stays_bit_identical(
+    tmp_path: Path, to: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [plain without trims], with the engine: the profile made to choose offload
+    alone; plain checkpointing runs three steps (the last two with the engine's trimmer
+    held off), then the plan ``to`` runs, the trimmer held off only for plain, and every
+    step's gradients match training without offload or checkpointing."""
+    answers = iter(["alone", to])  # the profile's choice, then the weighing's
+    monkeypatch.setattr(recompute, "_leanest_of_the_fastest", lambda plans: next(answers))
+    monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", math.inf)  # (not selective)
+    monkeypatch.setattr(recompute, "_LEANER", 1.0)  # the trims would be held off
+    warm_up_unary_ops()
+    plain = _model()
+    ref = _grads(plain, len(recompute._PROFILE) + 1) + _grads(plain, 1) + _grads(plain, 3)
+    model = _model()
+    with offload_context("disk", tmp_path, model=model, recompute="auto") as engine:
+        heap = engine._heap
+        if not heap.enabled:
+            pytest.skip("no heap trims here (not glibc)")
+        decider = engine._decider
+        got = _grads(model, len(recompute._PROFILE) + 1)
+        assert set(decider._modes.values()) == {PLAIN} and not heap.held  # under trims
+        got += _grads(model, 1)
+        assert set(decider._modes.values()) == {PLAIN} and heap.held
+        got += _grads(model, 3)
+        plan = engine.recompute_plan()
+        stats = engine.stats()
+        assert heap.held == (to == "plain")
+        assert set(decider._modes.values()) == {PLAIN if to == "plain" else WHOLE}
+    assert plan is not None and plan.measured["untrimmed_choice"] == float(to == "plain")
+    assert plan.measured["blocks_whole"] == (0 if to == "plain" else 4)
+    assert (stats.step_bytes_recomputed > 0) == (to == "plain") and plan.plans_made == 1
     assert _exact(ref, got)
 
 
