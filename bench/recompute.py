@@ -7,9 +7,10 @@ step of each mode per round in a balanced Latin square's order (as ``bench/ab.py
 entered over all its steps. ``--warmup`` rounds (>= 16: ``recompute="auto"``
 profiles nine steps, tries its plan for three, keeps or replaces it as the
 next step begins, which also releases what the steps before held, and on the
-CPU weighs the heap trims of a plan that moves nothing for three more: NOTE
-[trial steps], NOTE [a trim where the plan changes], NOTE [trims a plan does
-without]), then ``--steps`` timed rounds.
+CPU weighs the heap trims of a plan that moves nothing, or plain
+checkpointing without them against offload alone, for three more: NOTE [trial
+steps], NOTE [a trim where the plan changes], NOTE [trims a plan does
+without], NOTE [plain without trims]), then ``--steps`` timed rounds.
 
 Per mode: ``peak MiB`` is the largest peak RSS (``VmHWM``, reset before each
 timed step) over the timed steps minus the process's RSS before its first
@@ -544,7 +545,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.warmup < WARMUP or args.steps < 1:
         p.error(
             f"--warmup must be >= {WARMUP} (auto profiles nine steps, tries its plan for "
-            "three, weighs its heap trims for three and settles as the next begins); "
+            "three, weighs its heap trims or plain checkpointing without them for three and "
+            "settles as the next begins); "
             "--steps >= 1"
         )
     return args
