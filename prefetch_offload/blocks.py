@@ -103,8 +103,10 @@ This module knows nothing of tiers or of the engine: it wraps each block's
 # number each recent forward began at, and a replay takes the latest forward
 # that began before that node was made (the last one where no node runs, or none
 # began before it). Under a reentrant checkpoint the forward runs without grad
-# and so is not seen: its recompute is the block's first run with grad, asked
-# and told as a forward.
+# and so is not seen: its recompute (run by the checkpoint's own backward node)
+# is the block's first run with grad, asked and told as a forward, also where
+# a forward with grad ran outside that checkpoint before (an evaluation with
+# grad on), which a replay would otherwise repeat for good.
 """
 
 from __future__ import annotations
@@ -450,7 +452,7 @@ def _checkpointed(
             fn = compiled  # type: ignore[assignment]
         elif modes is not None:  # NOTE [block modes]
             backward = in_backward()
-            replay = backward and last[0] is not None
+            replay = backward and last[0] is not None and not _reentrant_recompute()
             if replay:
                 how = _replayed(history, last[0])  # type: ignore[arg-type]
             else:
@@ -620,6 +622,13 @@ def _replayed(history: collections.deque[tuple[int, str]], last: str) -> str:
         if began <= made:
             return how
     return last
+
+
+def _reentrant_recompute() -> bool:
+    """Whether a block forward inside backward is a reentrant checkpoint's recompute
+    (NOTE [block modes]): the node backward runs now is that checkpoint's."""
+    node = torch._C._current_autograd_node()
+    return node is not None and node.name() == "CheckpointFunctionBackward"
 
 
 def _hook_backward(out: Any, call: Callable[[], None]) -> None:

@@ -1291,25 +1291,30 @@ class _CheckpointsItsLayers(nn.Module):
         return self.head(ckpt(self.body, x, use_reentrant=self.reentrant))
 
 
-@pytest.mark.parametrize("how", ["auto", "selective", "full", "auto-reentrant"])
+@pytest.mark.parametrize(
+    "how", ["auto", "selective", "full", "auto-reentrant", "auto-reentrant-after-eval"]
+)
 def test_blocks_inside_the_model_s_own_checkpoint_replay_their_forward(
     tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """NOTE [block modes]: the outer checkpoint's recompute runs each block's forward
     again inside backward; it runs as that forward did, and the plan's steps do not
     move (profiling, then the plan, bit-identical with dropout). Under a reentrant one
-    the forward runs without grad: the recompute is the blocks' step, and plans."""
+    the forward runs without grad: the recompute is the blocks' step, and plans, also
+    after a forward with grad outside the checkpoint (an evaluation, its loss dropped)."""
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
     monkeypatch.setattr(recompute, "TRIAL", False)  # the plan it made stays
     if how == "selective":
         monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", 0.0)  # selective on a toy
     torch.manual_seed(0)
-    ref_model = _CheckpointsItsLayers(reentrant=how == "auto-reentrant")
+    ref_model = _CheckpointsItsLayers(reentrant=how.startswith("auto-reentrant"))
     model = copy.deepcopy(ref_model)
 
     def grads(m: nn.Module) -> list[list[torch.Tensor]]:
         out = []
         for step in range(len(recompute._PROFILE) + 3):
+            if step == 1 and how.endswith("eval"):
+                m.body(torch.randn(4, 32)).sum()  # (with grad, dropped)
             torch.manual_seed(100 + step)
             x = torch.randn(4, 32, requires_grad=True)
             m.zero_grad(set_to_none=True)
