@@ -477,6 +477,8 @@ class HeapTrimmer:
         step_share: if set, the bound is the larger of ``threshold`` and this share
             of the bytes the last step moved out of memory (:meth:`step_moved`);
             None keeps ``threshold`` fixed.
+        resident: the process's anonymous resident memory now, which a held
+            trimmer's ceiling bounds (:meth:`hold`).
     """
 
     def __init__(
@@ -490,6 +492,7 @@ class HeapTrimmer:
         interval: float = _CHECK_INTERVAL_S,
         allowance: Callable[[], int] = lambda: 0,
         step_share: float | None = None,
+        resident: Callable[[], int] = anon_resident_bytes,
     ) -> None:
         self.threshold = threshold if _MALLOC_TRIM is not None else None
         self._step_share = step_share
@@ -501,12 +504,16 @@ class HeapTrimmer:
         self._submit = submit if submit is not None else self._thread.submit  # type: ignore[union-attr]
         self._interval = interval
         self._allowance = allowance
+        self._resident = resident
         if self._thread is not None:  # a trimmer dropped without close() stops its thread
             weakref.finalize(self, self._thread.close, wait=False)
         self._lock = threading.Lock()
         self._saved = False  # CPU activations were saved (ever: backward frees them later)
         self._queued = False  # a trim is queued or running: the next one would add nothing
         self._held = False  # NOTE [trims a plan does without] in recompute.py
+        # While held: the resident memory above which a trim comes, once a step at most.
+        self._ceiling: int | None = None
+        self._ceiling_due = True
         self._floor: int | None = None  # the slack after the last trim, or its lowest since
         # The most malloc had handed out at a measure this step and the last (NOTE [heap
         # trim]: the ceiling); under _lock.
@@ -534,11 +541,13 @@ class HeapTrimmer:
         """Whether trims are held off (:meth:`hold`)."""
         return self._held
 
-    def hold(self, on: bool) -> None:
+    def hold(self, on: bool, ceiling: int | None = None) -> None:
         """Hold trims off (``on``), or let them run again, with the bound and the
         allowance they had (NOTE [trims a plan does without] in recompute.py). While
-        held, :meth:`check` measures nothing and :meth:`trim_now` queues nothing."""
-        self._held = on
+        held, :meth:`trim_now` queues nothing and :meth:`check` reads only the
+        process's anonymous resident memory, and queues a trim where it is above
+        ``ceiling`` bytes (None: never), once a step (:meth:`step_moved`) at most."""
+        self._held, self._ceiling = on, ceiling if on else None
 
     @property
     def bound(self) -> int:
@@ -553,6 +562,7 @@ class HeapTrimmer:
             self._bound = max(self.threshold, int(self._step_share * nbytes))
         with self._lock:
             self._last_peak, self._peak = self._peak, 0
+            self._ceiling_due = True
 
     def saved(self) -> None:
         """CPU activations were saved: the slack may now be the engine's doing."""
@@ -561,10 +571,13 @@ class HeapTrimmer:
     def check(self) -> None:
         """Called by the hooks: queue a trim if the slack has grown by the bound plus
         the larger of the allowance and the room below the peak (NOTE [heap trim])."""
-        if self.threshold is None or not self._saved or self._queued or self._held:
+        if self.threshold is None or not self._saved or self._queued:
             return  # (while a trim runs, measuring would wait on glibc's arena locks)
         start = time.perf_counter()
         if start < self._next_check:
+            return
+        if self._held:
+            self._check_ceiling(start)
             return
         generation = self._generation
         try:
@@ -594,6 +607,25 @@ class HeapTrimmer:
                 return
             self._queued = True
         self._queue()
+
+    def _check_ceiling(self, start: float) -> None:
+        """Held: queue a trim where the resident memory is above the ceiling (NOTE
+        [trims a plan does without] in recompute.py)."""
+        ceiling = self._ceiling
+        if ceiling is None or not self._ceiling_due:
+            return
+        self._next_check = start + self._interval
+        try:
+            over = self._resident() > ceiling
+        except (OSError, ValueError, IndexError) as exc:
+            self._turn_off(f"cannot measure the process's resident memory ({exc})")
+            return
+        if over:
+            with self._lock:
+                if self._queued or not self._ceiling_due:
+                    return
+                self._queued, self._ceiling_due = True, False
+            self._queue()
 
     def trim_now(self) -> None:
         """Queue one trim whatever the slack, unless one is queued or running: the steps

@@ -311,8 +311,13 @@
 # engine keeps at the end of forward (the block inputs) less what one
 # block's recompute holds. That share of the budget is memory the user gave
 # to activations and the plan does not fill; free heap may take it, as the
-# trims' allowance lets it (NOTE [heap trim]). Else the trims run again, with
-# one trim at once for what the steps without them left. A plan that moves
+# trims' allowance lets it (NOTE [heap trim]). Held off, one trim a step at
+# most still comes where the process's anonymous resident memory is above 105%
+# of the most the steps without trims held: glibc's heap drifts up over many
+# steps without them (``bench/recompute.py``, the 24-block transformer at 50%,
+# every block plain with trims held off: peaks of 793-794 MiB in the first four
+# timed rounds, then 910-942, over the limit of 926). Else the trims run again,
+# with one trim at once for what the steps without them left. A plan that moves
 # activations keeps its trims untried: they give back what its moves free,
 # and its steps without them would hold what the moves were asked to save. A
 # CUDA model (no trims) and a run with no sampled peaks are not weighed.
@@ -493,7 +498,11 @@ class RecomputePlan:
                 f"  heap trims: {m['trims_peak_MiB']:.0f} MiB held with them, "
                 f"{m['untrimmed_peak_MiB']:.0f} MiB without, "
                 f"{m['unused_budget_MiB']:.0f} MiB of device_budget unused by the plan: "
-                + ("held off" if m["trims_held"] else "kept")
+                + (
+                    f"held off (but one a step above {m['trims_ceiling_MiB']:.0f} MiB)"
+                    if m["trims_held"]
+                    else "kept"
+                )
             )
         if self.measured:  # (a bandwidth with nothing moved is unmeasured: left out)
             shown = sorted((k, v) for k, v in self.measured.items() if math.isfinite(v))
@@ -770,8 +779,10 @@ class AutoDecider:
         checkpoint_stats: told when each step begins and when its backward ends.
         trim_heap: asks the engine for one heap trim (NOTE [a trim where the plan
             changes]).
-        hold_trims: holds the engine's heap trims off (True) or lets them run (NOTE
-            [trims a plan does without]); None: no trims to weigh.
+        hold_trims: holds the engine's heap trims off (True; but for one trim a step
+            where the process's anonymous resident memory is above the ceiling given,
+            if any) or lets them run (False) (NOTE [trims a plan does without]); None:
+            no trims to weigh.
         peaks: samples the memory the measured steps hold (NOTE [plans within the
             noise]); None: plans go by time alone.
         agreement: the ranks that decide together (NOTE [ranks agree] in
@@ -786,7 +797,7 @@ class AutoDecider:
         clock: Callable[[], float] = time.perf_counter,
         checkpoint_stats: CheckpointStats | None = None,
         trim_heap: Callable[[], None] = lambda: None,
-        hold_trims: Callable[[bool], None] | None = None,
+        hold_trims: Callable[[bool, int | None], None] | None = None,
         peaks: PeakSampler | None = None,
         agreement: RankAgreement | None = None,
     ) -> None:
@@ -1616,10 +1627,11 @@ class AutoDecider:
 
     # -- the trims' trial (NOTE [trims a plan does without]) ---------------------------------
 
-    def _hold(self, on: bool) -> None:
-        """Hold the engine's heap trims off, or let them run."""
-        if self._hold_trims is not None and self._trims_held != on:
-            self._hold_trims(on)
+    def _hold(self, on: bool, ceiling: int | None = None) -> None:
+        """Hold the engine's heap trims off (but where the process holds more than
+        ``ceiling`` bytes), or let them run."""
+        if self._hold_trims is not None and (self._trims_held != on or ceiling is not None):
+            self._hold_trims(on, ceiling)
             self._trims_held = on
 
     def _begin_trim_trial(self) -> None:
@@ -1628,8 +1640,10 @@ class AutoDecider:
         without trims]); else stop sampling memory."""
         weighs = self._hold_trims is not None and self._peak_source is not None
         alone = bool(self.measured.get("offload_alone"))
-        if alone and weighs:  # (a block class that draws its own numbers is never plain)
-            weighs = math.isfinite(self._profiled_plans["plain"][0]) and not self._own_rng
+        if alone and weighs:  # (rank 0's figure where ranks agree: each weighs or none;
+            # a block class that draws its own numbers is never plain)
+            weighs = math.isfinite(self.measured.get("wall_plain_s", math.inf))
+            weighs = weighs and not self._own_rng
         if not weighs or self.measured.get("blocks_selective"):
             self._sample_peaks(False)
             self._trial_obs = {}
@@ -1665,12 +1679,17 @@ class AutoDecider:
         if self._challenging:
             self._challenging = False
             held = self._weigh_plain(held, min(self._trim_trial_walls[1:]), untrimmed)
-        if not held:
+        ceiling = 0
+        if held:  # (a trim where the heap drifts beyond what the steps without them held)
+            ceiling = int(untrimmed * (1 + _LEANER))
+            self._hold(True, ceiling)
+        else:
             self._hold(False)
             self._trim_heap()
         self._sample_peaks(False)
         self.measured.update(
             trims_held=float(held),
+            trims_ceiling_MiB=ceiling / _MiB,
             trims_peak_MiB=trimmed / _MiB,
             untrimmed_peak_MiB=untrimmed / _MiB,
             unused_budget_MiB=unused / _MiB,

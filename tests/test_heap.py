@@ -66,6 +66,7 @@ def _trimmer(
     own: Callable[[], int] = lambda: 0,
     allowance: Callable[[], int] = lambda: 0,
     step_share: float | None = None,
+    resident: Callable[[], int] = lambda: 0,
 ) -> tuple[HeapTrimmer, _Jobs, _Slack, StatsCounter]:
     jobs, slack, stats = _Jobs(), _Slack(), StatsCounter()
     trimmer = HeapTrimmer(
@@ -77,6 +78,7 @@ def _trimmer(
         interval=0.0,
         allowance=allowance,
         step_share=step_share,
+        resident=resident,
     )
     return trimmer, jobs, slack, stats
 
@@ -133,6 +135,36 @@ def test_a_held_trimmer_measures_and_trims_nothing_until_let_go() -> None:
     trimmer.hold(False)
     trimmer.check()
     assert len(jobs.jobs) == 1 and not trimmer.held
+
+
+@glibc_only
+def test_a_held_trimmer_trims_once_a_step_above_its_ceiling() -> None:
+    """NOTE [trims a plan does without] in recompute.py: held with a ceiling, the
+    slack queues nothing, the resident memory above the ceiling queues one trim a step
+    (a heap that drifts up), measured without mallinfo2's walk."""
+    resident = [0]
+    trimmer, jobs, slack, stats = _trimmer(10 * MiB, resident=lambda: resident[0])
+    trimmer.saved()
+    trimmer.hold(True, 800 * MiB)
+    slack.value, resident[0] = 500 * MiB, 800 * MiB
+    trimmer.check()  # at the ceiling, whatever the slack: nothing
+    assert jobs.jobs == [] and slack.reads == 0
+    resident[0] = 801 * MiB
+    trimmer.check()
+    assert len(jobs.jobs) == 1
+    jobs.run_all()
+    trimmer.check()  # still above (live memory, not slack): not again this step
+    assert jobs.jobs == [] and stats.snapshot().heap_trims == 1
+    trimmer.step_moved(0)
+    trimmer.check()  # the next step's
+    assert len(jobs.jobs) == 1
+    jobs.run_all()
+    trimmer.hold(False)
+    trimmer.hold(True)  # held without a ceiling: nothing trims
+    trimmer.step_moved(0)
+    resident[0] = 10_000 * MiB
+    trimmer.check()
+    assert jobs.jobs == [] and trimmer.held
 
 
 @glibc_only

@@ -132,7 +132,7 @@ def _plan(
     ops: list[tuple[Any, int, float]] = _OPS,
     checkpoint_stats: Any = None,
     trim_heap: Callable[[], None] = lambda: None,
-    hold_trims: Callable[[bool], None] | None = None,
+    hold_trims: Callable[[bool, int | None], None] | None = None,
     peaks: Any = None,
     agreement: Any = None,
     **profile: float,
@@ -454,6 +454,18 @@ class _Peaks:
         if isinstance(self.planned, list):  # (one per planned step)
             return self.planned[step - len(profile)]
         return self.planned
+
+
+class _Holds(list[bool]):
+    """The decider's holds of the heap trims, in order, and each one's ceiling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ceilings: list[int | None] = []
+
+    def __call__(self, on: bool, ceiling: int | None) -> None:
+        self.append(on)
+        self.ceilings.append(ceiling)
 
 
 _LEAN_PLAIN = {recompute._WHOLE_ALL: 300 << 20, recompute._OFFLOAD_ALL: 250 << 20}
@@ -894,38 +906,39 @@ def test_a_plan_that_moves_nothing_holds_trims_off_where_they_buy_less_than_it_l
     then trims held off for good where the trimmed step held no less than 95% of the
     untrimmed ones' most less the budget the plan leaves unused; else trims run again,
     with one trim at once."""
-    calls: list[bool] = []
+    calls = _Holds()
     trims: list[int] = []
     source = _Peaks(_LEAN_PLAIN, planned=[trimmed << 20, *(p << 20 for p in untrimmed)])
     decider = _plan(
-        3.0, 2.5, budget=budget, dispatch_s=0.5, peaks=source, hold_trims=calls.append,
+        3.0, 2.5, budget=budget, dispatch_s=0.5, peaks=source, hold_trims=calls,
         trim_heap=lambda: trims.append(1), **_SLOW_LINK,
     )  # fmt: skip
     assert calls == [] and source.running  # the first planned step ran under trims
     assert _planned_steps(decider, [3.0], 1) == [PLAIN]
     assert calls == [True]  # it ended: two steps without
     _planned_steps(decider, [3.0], 1)
-    assert calls == ([True] if held else [True, False]) and not source.running
+    assert calls == [True, held] and not source.running
+    assert calls.ceilings == [None, int((max(untrimmed) << 20) * 1.05) if held else None]
     assert trims == ([] if held else [1])
     m = decider.plan().measured
     assert m["trims_held"] == float(held) and m["trims_peak_MiB"] == trimmed
     assert m["unused_budget_MiB"] == pytest.approx(max(budget - _OPS_HOLD, 0) / _MiB)
     assert ("held off" if held else "kept") in str(decider.plan()).split("heap trims:")[1]
     _planned_steps(decider, [3.0] * 5, 1)
-    assert calls == ([True] if held else [True, False])  # decided for good
+    assert calls == [True, held]  # decided for good
 
 
 def test_a_new_profile_runs_under_trims_again() -> None:
     """Trims held off for a plan come back when a new structure profiles again."""
-    calls: list[bool] = []
+    calls = _Holds()
     source = _Peaks(_LEAN_PLAIN, planned=[400 << 20, 400 << 20, 400 << 20, 0])
-    decider = _plan(3.0, 2.5, dispatch_s=0.5, peaks=source, hold_trims=calls.append, **_SLOW_LINK)
+    decider = _plan(3.0, 2.5, dispatch_s=0.5, peaks=source, hold_trims=calls, **_SLOW_LINK)
     _planned_steps(decider, [3.0, 3.0, 3.0], 1)
-    assert calls == [True]
+    assert calls == [True, True]
     assert decider.mode("Block", 7) == PLAIN and decider._stale  # a block not profiled
     decider.backward("Block", 7)
     assert decider.mode("Block", 0) == WHOLE and decider.profiling
-    assert calls == [True, False]
+    assert calls == [True, True, False]
 
 
 _CHEAP = [(MM, GB // 2, 0.01), (GELU, GB // 2, 0.01), (VIEW, GB // 2, 0.0)]
@@ -938,7 +951,7 @@ def test_a_plan_that_moves_bytes_keeps_its_trims_untried(
     """Offload alone or selective blocks move activations, which the trims give back:
     their heap is not weighed (NOTE [trims a plan does without]); offload alone, where a
     block class draws from a generator of its own (never plain), runs on untried."""
-    calls: list[bool] = []
+    calls = _Holds()
     source = _Peaks(_LEAN_PLAIN, planned=100 << 20)
     kw: dict[str, Any] = (
         {"dispatch_s": 0.01} if plan == "selective" else {"whole_s": 2.0, "ops": _CHEAP}
@@ -946,7 +959,7 @@ def test_a_plan_that_moves_bytes_keeps_its_trims_untried(
     if plan == "alone":  # (an op draws from a generator of the block's own)
         real = AutoDecider._make_plan
         monkeypatch.setattr(AutoDecider, "_make_plan", lambda d: d._own_rng.add("Block") or real(d))
-    decider = _plan(3.0, 2.5, peaks=source, hold_trims=calls.append, **kw, **_SLOW_LINK)
+    decider = _plan(3.0, 2.5, peaks=source, hold_trims=calls, **kw, **_SLOW_LINK)
     mode = SELECTIVE if plan == "selective" else WHOLE
     assert _planned_steps(decider, [2.0] * 6, 1) == [mode]  # (a trial kept: faster)
     assert calls == [] and not source.running
@@ -973,11 +986,11 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     ``walls``); where trims bought less than 5%, plain stays if it ran faster than
     offload alone, or within 5% and 5% leaner, its trims held off; else offload alone
     runs again under trims, with a trim at once."""
-    calls: list[bool] = []
+    calls = _Holds()
     trims: list[int] = []
     source = _Peaks(_LEAN_PLAIN, planned=[trimmed << 20, untrimmed << 20, untrimmed << 20, 0])
     decider = _plan(
-        3.0, 2.5, blocks=2, whole_s=2.0, ops=_CHEAP, peaks=source, hold_trims=calls.append,
+        3.0, 2.5, blocks=2, whole_s=2.0, ops=_CHEAP, peaks=source, hold_trims=calls,
         trim_heap=lambda: trims.append(1), **_SLOW_LINK,
     )  # fmt: skip
     assert decider.plan().measured["offload_alone"] == 1.0  # (the profile's choice)
@@ -986,7 +999,8 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     assert decider.timing() is False and decider._timing()  # timed, its ops not
     modes = _planned_steps(decider, [walls[1]], 2)
     assert modes == [PLAIN if plain else WHOLE] * 2 and not source.running
-    assert calls == ([True] if plain else [True, False])
+    assert calls == [True, plain]
+    assert calls.ceilings[1] == (int((untrimmed << 20) * 1.05) if plain else None)
     assert trims == ([1] if plain else [1, 1])
     plan = decider.plan()
     m = plan.measured
@@ -1003,17 +1017,15 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
         assert f"every block with heap trims held off ran {faster} offload alone" in str(plan)
     else:
         assert {d.choice for d in plan.ops} == {"whole"} and plan.bytes_recomputed == 0
-    assert _planned_steps(decider, [9.0] * 4, 2) == modes and len(calls) == 2 - plain
+    assert _planned_steps(decider, [9.0] * 4, 2) == modes and len(calls) == 2
 
 
 def test_a_new_structure_while_plain_is_weighed_profiles_again_under_trims() -> None:
     """NOTE [plain without trims]: a block the profile did not see, in plain
     checkpointing's second step: the weighing ends, trims run again, a profile begins."""
-    calls: list[bool] = []
+    calls = _Holds()
     source = _Peaks(_LEAN_PLAIN, planned=100 << 20)
-    decider = _plan(
-        3.0, 2.5, whole_s=2.0, ops=_CHEAP, peaks=source, hold_trims=calls.append, **_SLOW_LINK
-    )
+    decider = _plan(3.0, 2.5, whole_s=2.0, ops=_CHEAP, peaks=source, hold_trims=calls, **_SLOW_LINK)
     assert _planned_steps(decider, [1.8], 1) == [PLAIN] and calls == [True]
     assert decider.mode("Block", 7) == PLAIN and decider._stale
     decider.backward("Block", 7)
@@ -1028,7 +1040,7 @@ def test_ranks_weighing_plain_without_trims_run_rank_0_s_choice() -> None:
     def rank(agreement: Any) -> tuple[str, float]:
         source = _Peaks(_LEAN_PLAIN, planned=100 << 20)
         d = _plan(
-            3.0, 2.5, whole_s=2.0, ops=_CHEAP, peaks=source, hold_trims=lambda on: None,
+            3.0, 2.5, whole_s=2.0, ops=_CHEAP, peaks=source, hold_trims=lambda on, ceiling: None,
             agreement=agreement, **_SLOW_LINK,
         )  # fmt: skip
         wall = 1.8 if agreement.rank == 0 else 9.0
@@ -1166,8 +1178,10 @@ def test_a_trial_that_changes_the_plan_mid_training_stays_bit_identical(
     tmp_path: Path, to: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """NOTE [trial steps]: the plan is tried whatever it is and the profiled plan ``to``
-    made to look fastest; from the third planned step on every block runs that way, and
-    the gradients of every step match training without offload or checkpointing."""
+    made to look fastest; from the fourth planned step on every block runs that way (for
+    offload alone, after plain checkpointing weighed without trims lost to its profiled
+    0 s), and the gradients of every step match training without offload or
+    checkpointing."""
     real_make_plan = AutoDecider._make_plan
 
     def make_plan(decider: AutoDecider) -> None:
@@ -1181,7 +1195,9 @@ def test_a_trial_that_changes_the_plan_mid_training_stays_bit_identical(
     monkeypatch.setattr(AutoDecider, "_make_plan", make_plan)
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)  # the plan checkpoints
     warm_up_unary_ops()
-    steps = len(recompute._PROFILE) + 3 + 2  # the profile, the trial, two of the plan chosen
+    # The profile, the trial, three steps weighing heap trims (for offload alone, plain
+    # checkpointing without them: NOTE [plain without trims]), two of the plan chosen.
+    steps = len(recompute._PROFILE) + 3 + 3 + 2
     ref = _grads(_model(), steps)
     model = _model()
     with offload_context("disk", tmp_path, model=model, recompute="auto") as engine:
