@@ -330,21 +330,24 @@
 # per round 0.96-1.07) at a peak of 315 MiB against its 306.
 #
 # NOTE [plain without trims]
-# The profile weighs plain checkpointing against offload alone under heap trims
-# (NOTE [keep, offload, recompute]), and the trims cost plain checkpointing
-# their page faults where they may buy it nothing (NOTE [trims a plan does
-# without]). So where offload alone runs (chosen by the profile, or by a trial),
-# plain checkpointing gets the trims' trial in its place: one step under trims,
-# two without, the trims' verdict as for a plan that moves nothing. Where its
+# The profile and the trial weigh plain checkpointing against the other plans
+# under heap trims (NOTE [keep, offload, recompute], NOTE [trial steps]), and
+# the trims cost plain checkpointing their page faults where they may buy it
+# nothing (NOTE [trims a plan does without]). So where offload alone runs
+# (chosen by the profile, or by a trial) or a tried plan was kept, plain
+# checkpointing gets the trims' trial in its place: one step under trims, two
+# without, the trims' verdict as for a plan that moves nothing. Where its
 # trims would be held off, the faster of its two steps without them is weighed
-# against offload alone's profiled steps, with its most memory (NOTE [plans
-# within the noise]); plain checkpointing runs from then on if it wins, its
-# trims held off. Else (its trims bought more than the budget it leaves unused:
-# the profile weighed it as it would run; or offload alone won) offload alone
-# runs again, under trims, with one trim at once. Three steps of plain
-# checkpointing, once per profile. Ranks that agree on the plan take rank 0's
-# choice. Not weighed: a block class that draws from a generator of the
-# caller's own (never plain), no sampled peaks, no trims (a CUDA model).
+# against the plan's measured steps (offload alone's profiled ones, or the
+# trial's), with its most memory (NOTE [plans within the noise]); plain
+# checkpointing runs from then on if it wins, its trims held off (with their
+# ceiling). Else (its trims bought more than the budget it leaves unused: it
+# was weighed as it would run; or the plan won) the plan runs again as it was,
+# under trims, with one trim at once; a tried plan that moves nothing then
+# keeps its trims untried. Three steps of plain checkpointing, once per
+# profile. Ranks that agree on the plan take rank 0's choice. Not weighed: a block class that draws
+# from a generator of the caller's own (never plain), no sampled peaks, no
+# trims (a CUDA model).
 #
 # The measured figures decide, not a list of op names: on the benchmark
 # transformer the norms, activation functions and residual adds come out cheap
@@ -486,12 +489,13 @@ class RecomputePlan:
                 f"{verdict[int(m['trial_choice'])]}"
             )
         if "untrimmed_plain_s" in m:  # NOTE [plain without trims]
+            rival = _ALONE if m["rival_alone"] else "the plan's trial"
             lines.append(
                 f"  without heap trims: plain checkpointing ran {m['untrimmed_plain_s']:.3f} s "
                 f"a step at {m['untrimmed_peak_MiB']:.0f} MiB ({m['trims_peak_MiB']:.0f} MiB "
                 f"with them, {m['unused_budget_MiB']:.0f} MiB of device_budget unused by it), "
-                f"offload alone {m['wall_alone_s']:.3f} s{_peak_text(m, 'peak_alone_MiB')}: "
-                + ("plain checkpointing runs" if m["untrimmed_choice"] else "offload alone runs")
+                f"{rival} {m['rival_s']:.3f} s{_peak_text(m, 'rival_peak_MiB')}: "
+                + ("plain checkpointing runs" if m["untrimmed_choice"] else "the plan runs")
             )
         elif "trims_held" in m:  # NOTE [trims a plan does without]
             lines.append(
@@ -694,6 +698,7 @@ _OFFLOAD_ALL_STEP = _PROFILE.index(_OFFLOAD_ALL)
 # memory than the fastest runs instead (the one that held least).
 _TIE = 0.05
 _LEANER = 0.05
+_ALONE = "offload alone"
 
 
 def _leanest_of_the_fastest(plans: dict[str, tuple[float, int]]) -> str:
@@ -817,6 +822,7 @@ class AutoDecider:
         self._trim_trial_peaks: list[int] = []
         self._trim_trial_kept = 0
         self._challenging = False
+        self._rival_modes: dict[tuple[str, int], str] = {}  # the plan plain runs in place of
         self._block_hold = 0
         # NOTE [plans within the noise]: the most memory each profiling step held, and each
         # trial step; sampled while the plan is measured.
@@ -1634,22 +1640,33 @@ class AutoDecider:
             self._hold_trims(on, ceiling)
             self._trims_held = on
 
+    def _rival(self) -> tuple[str, float, int] | None:
+        """The plan that plain checkpointing is weighed against without trims (NOTE
+        [plain without trims]): offload alone, or a tried plan its trial kept; its name,
+        its step's seconds and the most memory it held (0: unknown). From the printed
+        figures, which ranks that agree take from rank 0."""
+        m = self.measured
+        if m.get("offload_alone"):
+            return _ALONE, m["wall_alone_s"], round(m["peak_alone_MiB"] * _MiB)
+        if m.get("trial_choice") == 0 and "trial_step_s" in m:
+            return "this plan's trial", m["trial_step_s"], round(m["trial_peak_MiB"] * _MiB)
+        return None
+
     def _begin_trim_trial(self) -> None:
-        """The plan holds: weigh its heap trims where it moves nothing, or plain
-        checkpointing's against offload alone where offload alone runs (NOTE [plain
-        without trims]); else stop sampling memory."""
+        """The plan holds: where it is offload alone or a tried plan, weigh plain
+        checkpointing without trims against it (NOTE [plain without trims]); where it
+        moves nothing, weigh its heap trims; else stop sampling memory."""
         weighs = self._hold_trims is not None and self._peak_source is not None
-        alone = bool(self.measured.get("offload_alone"))
-        if alone and weighs:  # (rank 0's figure where ranks agree: each weighs or none;
-            # a block class that draws its own numbers is never plain)
-            weighs = math.isfinite(self.measured.get("wall_plain_s", math.inf))
-            weighs = weighs and not self._own_rng
-        if not weighs or self.measured.get("blocks_selective"):
+        rival = self._rival()
+        # (A block class that draws its own numbers is never plain.)
+        plain = math.isfinite(self.measured.get("wall_plain_s", math.inf)) and not self._own_rng
+        moves = self.measured.get("blocks_selective") or self.measured.get("offload_alone")
+        if not weighs or (moves and not (rival and plain)):
             self._sample_peaks(False)
             self._trial_obs = {}
             return
-        if alone:
-            self._challenging = True
+        if rival is not None and plain:
+            self._challenging, self._rival_modes = True, dict(self._modes)
             self._modes = dict.fromkeys(self._profiled, PLAIN)
             self._trim_heap()  # NOTE [a trim where the plan changes]
         self._trim_trial_left = 1 + _UNTRIMMED_STEPS
@@ -1698,21 +1715,24 @@ class AutoDecider:
         self._trial_obs = {}
 
     def _weigh_plain(self, held: bool, wall: float, peak: int) -> bool:
-        """Plain checkpointing ran in place of offload alone, ``wall`` a step at ``peak``
-        without trims, ``held``: its trims bought less than the budget it leaves unused.
-        Keep it where it beat offload alone's profiled steps so, else offload alone runs
-        again (NOTE [plain without trims]). Whether plain runs, its trims held off."""
-        alone, alone_peak = self._profiled_plans["alone"]
-        plans = {"plain": (wall, peak), "alone": (alone, alone_peak)}
+        """Plain checkpointing ran in place of the plan (offload alone, or a tried plan),
+        ``wall`` a step at ``peak`` without trims, ``held``: its trims bought less than
+        the budget it leaves unused. Keep it where it beat the plan's measured steps so,
+        else the plan runs again (NOTE [plain without trims]). Whether plain runs, its
+        trims held off."""
+        name, rival, rival_peak = self._rival() or ("", math.inf, 0)
+        plans = {"plain": (wall, peak), "rival": (rival, rival_peak)}
         plain = held and _leanest_of_the_fastest(plans) == "plain"
         if self._agreement is not None:  # NOTE [ranks agree] in agreement.py: rank 0's
             plain = json.loads(self._agreement.first_rank(json.dumps(plain).encode()))
         self.measured.update(untrimmed_plain_s=wall, untrimmed_choice=float(plain))
+        self.measured.update(
+            rival_s=rival, rival_peak_MiB=rival_peak / _MiB, rival_alone=float(name == _ALONE)
+        )
         if plain:
-            than = "with heap trims held off " + _than(wall < alone, "offload alone")
-            self._switch(PLAIN, than)
+            self._switch(PLAIN, "with heap trims held off " + _than(wall < rival, name))
             return held
-        self._modes = dict.fromkeys(self._profiled, WHOLE)
+        self._modes = self._rival_modes
         return False
 
     def _warn_budget(self, unreachable: tuple[int, str] | None) -> None:

@@ -949,16 +949,16 @@ def test_a_plan_that_moves_bytes_keeps_its_trims_untried(
     plan: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Offload alone or selective blocks move activations, which the trims give back:
-    their heap is not weighed (NOTE [trims a plan does without]); offload alone, where a
-    block class draws from a generator of its own (never plain), runs on untried."""
+    their heap is not weighed (NOTE [trims a plan does without]); where a block class
+    draws from a generator of its own (never plain), no plain checkpointing is weighed
+    against them either (NOTE [plain without trims]): they run on untried."""
     calls = _Holds()
     source = _Peaks(_LEAN_PLAIN, planned=100 << 20)
     kw: dict[str, Any] = (
         {"dispatch_s": 0.01} if plan == "selective" else {"whole_s": 2.0, "ops": _CHEAP}
     )
-    if plan == "alone":  # (an op draws from a generator of the block's own)
-        real = AutoDecider._make_plan
-        monkeypatch.setattr(AutoDecider, "_make_plan", lambda d: d._own_rng.add("Block") or real(d))
+    real = AutoDecider._make_plan  # (an op draws from a generator of the block's own)
+    monkeypatch.setattr(AutoDecider, "_make_plan", lambda d: d._own_rng.add("Block") or real(d))
     decider = _plan(3.0, 2.5, peaks=source, hold_trims=calls, **kw, **_SLOW_LINK)
     mode = SELECTIVE if plan == "selective" else WHOLE
     assert _planned_steps(decider, [2.0] * 6, 1) == [mode]  # (a trial kept: faster)
@@ -1009,7 +1009,7 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     assert m["trims_held"] == float(plain) and m["blocks_plain"] == (2 if plain else 0)
     line = str(plan).split("without heap trims: ")[1].splitlines()[0]
     assert line.startswith(f"plain checkpointing ran {min(walls):.3f} s a step")
-    assert line.endswith("plain checkpointing runs" if plain else "offload alone runs")
+    assert line.endswith("plain checkpointing runs" if plain else "the plan runs")
     assert "offload alone 2.000 s at 200 MiB" in line
     if plain:
         assert {d.choice for d in plan.ops} == {"recompute"} and plan.bytes_recomputed > 0
@@ -1018,6 +1018,42 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     else:
         assert {d.choice for d in plan.ops} == {"whole"} and plan.bytes_recomputed == 0
     assert _planned_steps(decider, [9.0] * 4, 2) == modes and len(calls) == 2
+
+
+@pytest.mark.parametrize(("walls", "plain"), [([1.8, 1.9], True), ([2.5, 2.4], False)])
+def test_a_tried_plan_kept_is_weighed_against_plain_checkpointing_without_trims(
+    walls: list[float], plain: bool
+) -> None:
+    """NOTE [plain without trims]: the budget keeps two of three blocks whole, and the
+    trial kept that plan (2 s a step at 150 MiB, against 2.455 s for plain
+    checkpointing under trims in the profile). Plain checkpointing then runs three
+    steps, two without trims taking ``walls`` at 100 MiB: it stays where it ran faster;
+    else the tried plan runs again, as it was, under trims."""
+    calls = _Holds()
+    trims: list[int] = []
+    planned = [150 << 20] * 3 + [100 << 20] * 3 + [0]
+    source = _Peaks(_LEAN_PLAIN, planned=planned)
+    decider = _plan(
+        3.0, 2.5, blocks=3, budget=250, saved=100, dispatch_s=0.01, peaks=source,
+        hold_trims=calls, trim_heap=lambda: trims.append(1), **_SLOW_LINK,
+    )  # fmt: skip
+    first = [decider.mode("Block", b) for b in range(3)]
+    assert WHOLE in first and first != [WHOLE] * 3
+    assert _planned_steps(decider, [4.0, 2.0], 3) == [PLAIN] * 3  # kept; plain weighed
+    assert decider.plan().measured["trial_choice"] == 0 and trims == [1]
+    modes = _planned_steps(decider, [3.0, *walls], 3)  # (the first under trims)
+    assert modes == ([PLAIN] * 3 if plain else first) and calls == [True, plain]
+    assert trims == ([1] if plain else [1, 1]) and not source.running
+    plan = decider.plan()
+    m = plan.measured
+    assert m["untrimmed_choice"] == float(plain) and m["rival_s"] == pytest.approx(2.0)
+    assert m["blocks_plain"] == (3 if plain else 0) and m["blocks_whole"] == (0 if plain else 2)
+    line = str(plan).split("without heap trims: ")[1].splitlines()[0]
+    assert "the plan's trial 2.000 s at 150 MiB" in line
+    assert line.endswith("plain checkpointing runs" if plain else "the plan runs")
+    if plain:
+        assert "held off ran faster than this plan's trial" in str(plan)
+    assert _planned_steps(decider, [9.0] * 4, 3) == modes and len(calls) == 2
 
 
 def test_a_new_structure_while_plain_is_weighed_profiles_again_under_trims() -> None:
