@@ -345,9 +345,16 @@
 # was weighed as it would run; or the plan won) the plan runs again as it was,
 # under trims, with one trim at once; a tried plan that moves nothing then
 # keeps its trims untried. Three steps of plain checkpointing, once per
-# profile. Ranks that agree on the plan take rank 0's choice. Not weighed: a block class that draws
-# from a generator of the caller's own (never plain), no sampled peaks, no
-# trims (a CUDA model).
+# profile. Measured with ``bench/recompute.py --steps 8`` (the 24-block
+# transformer, one run, 2 CPU threads) at 50% of the saved bytes: the trial
+# yielded to offload alone (1.561 s a step, plain checkpointing under trims
+# 1.629 s); plain checkpointing without trims then ran 1.420 s at 966 MiB
+# (901 MiB with them, 397 MiB of the budget unused) and runs: 1.03x the step
+# of ``full`` (per round 0.97-1.15), where offload alone (``offload50``) ran
+# 1.13x, at a peak of 767 MiB against ``full``'s 755. Ranks that agree on the
+# plan take rank 0's choice. Not weighed: a block class that draws from a
+# generator of the caller's own (never plain), no sampled peaks, no trims (a
+# CUDA model).
 #
 # The measured figures decide, not a list of op names: on the benchmark
 # transformer the norms, activation functions and residual adds come out cheap
