@@ -4,13 +4,14 @@ Every mode trains its own copy of one model (same weights, same batch) in a
 process of its own (its peak RSS is its own heap's), stepped one at a time, one
 step of each mode per round in a balanced Latin square's order (as ``bench/ab.py
 --isolate``); each mode's ``offload_context`` or checkpoint wrapping stays
-entered over all its steps. ``--warmup`` rounds (>= 16: ``recompute="auto"``
+entered over all its steps. ``--warmup`` rounds (>= 20: ``recompute="auto"``
 profiles nine steps, tries its plan for three, keeps or replaces it as the
 next step begins, which also releases what the steps before held, and on the
-CPU weighs the heap trims of a plan that moves nothing, or plain
-checkpointing without them against offload alone, for three more: NOTE [trial
-steps], NOTE [a trim where the plan changes], NOTE [trims a plan does
-without], NOTE [plain without trims]), then ``--steps`` timed rounds.
+CPU weighs plain checkpointing without heap trims against offload alone or a
+tried plan, for four more, and the heap trims of a plan that moves nothing,
+for four more at most: NOTE [trial steps], NOTE [a trim where the plan
+changes], NOTE [trims a plan does without], NOTE [plain without trims]), then
+``--steps`` timed rounds.
 
 Per mode: ``peak MiB`` is the largest peak RSS (``VmHWM``, reset before each
 timed step) over the timed steps minus the process's RSS before its first
@@ -99,7 +100,7 @@ MODES: dict[str, str] = {
 # device_budget as a share of the saved bytes, for the modes that take one.
 BUDGETS = {f"{kind}{p}": p / 100 for kind in ("offload", "auto") for p in (10, 25, 50)}
 # The rounds before auto's plan settles (the module docstring).
-WARMUP = 16
+WARMUP = 20
 # Issue 23's targets for recompute="auto".
 PEAK_SLACK, TIME_LIMIT, TIME_WIN, MOVE_CUT = 0.05, 1.03, 0.90, 0.30
 # The common save list of selective checkpointing: matmul and attention outputs.
@@ -545,8 +546,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.warmup < WARMUP or args.steps < 1:
         p.error(
             f"--warmup must be >= {WARMUP} (auto profiles nine steps, tries its plan for "
-            "three, weighs its heap trims or plain checkpointing without them for three and "
-            "settles as the next begins); "
+            "three, weighs plain checkpointing without trims for four and its heap trims for "
+            "four, and settles as the next begins); "
             "--steps >= 1"
         )
     return args

@@ -452,13 +452,14 @@ def _checkpointed(
             fn = compiled  # type: ignore[assignment]
         elif modes is not None:  # NOTE [block modes]
             backward = in_backward()
-            replay = backward and last[0] is not None and not _reentrant_recompute()
+            reentrant = backward and _reentrant_recompute()
+            replay = backward and last[0] is not None and not reentrant
             if replay:
                 how = _replayed(history, last[0])  # type: ignore[arg-type]
             else:
                 how = modes.mode(kind, index)
                 modes.entered(kind, index)
-                if not backward:
+                if not backward or reentrant:  # (a checkpoint inside it replays it)
                     last[0] = how
                     history.append((_sequence_nr(), how))
         if how == PLAIN and not replay and not torch.compiler.is_compiling():

@@ -548,6 +548,7 @@ class HeapTrimmer:
         process's anonymous resident memory, and queues a trim where it is above
         ``ceiling`` bytes (None: never), once a step (:meth:`step_moved`) at most."""
         self._held, self._ceiling = on, ceiling if on else None
+        self._ceiling_due = True
 
     @property
     def bound(self) -> int:

@@ -335,26 +335,29 @@
 # the trims cost plain checkpointing their page faults where they may buy it
 # nothing (NOTE [trims a plan does without]). So where offload alone runs
 # (chosen by the profile, or by a trial) or a tried plan was kept, plain
-# checkpointing gets the trims' trial in its place: one step under trims, two
-# without, the trims' verdict as for a plan that moves nothing. Where its
-# trims would be held off, the faster of its two steps without them is weighed
-# against the plan's measured steps (offload alone's profiled ones, or the
-# trial's), with its most memory (NOTE [plans within the noise]); plain
-# checkpointing runs from then on if it wins, its trims held off (with their
-# ceiling). Else (its trims bought more than the budget it leaves unused: it
-# was weighed as it would run; or the plan won) the plan runs again as it was,
-# under trims, with one trim at once; a tried plan that moves nothing then
-# keeps its trims untried. Three steps of plain checkpointing, once per
-# profile. Measured with ``bench/recompute.py --steps 8`` (the 24-block
-# transformer, one run, 2 CPU threads) at 50% of the saved bytes: the trial
-# yielded to offload alone (1.561 s a step, plain checkpointing under trims
-# 1.629 s); plain checkpointing without trims then ran 1.420 s at 966 MiB
-# (901 MiB with them, 397 MiB of the budget unused) and runs: 1.03x the step
-# of ``full`` (per round 0.97-1.15), where offload alone (``offload50``) ran
-# 1.13x, at a peak of 767 MiB against ``full``'s 755. Ranks that agree on the
-# plan take rank 0's choice. Not weighed: a block class that draws from a
-# generator of the caller's own (never plain), no sampled peaks, no trims (a
-# CUDA model).
+# checkpointing gets the trims' trial in its place: a first step not counted
+# (the trim bound follows what the last step moved: NOTE [profiling under
+# trims]; there, the other plan's), one under trims, two without, the trims'
+# verdict as for a plan that moves nothing. Where its trims would be held off,
+# the faster of its two steps without them is weighed against the plan's
+# measured steps (offload alone's profiled ones, or the trial's), with its
+# most memory (NOTE [plans within the noise]); plain checkpointing runs from
+# then on if it wins, its trims held off (with their ceiling). Else (its trims
+# bought more than the budget it leaves unused: it was weighed as it would
+# run; or the plan won) the plan runs again as it was, under trims, with one
+# trim at once (its first step trims at plain's bound); a tried plan that
+# moves nothing then weighs its own trims, in four steps alike. Four steps of
+# plain checkpointing, once per profile. Measured with ``bench/recompute.py
+# --steps 8`` (the 24-block transformer, one run, 2 CPU threads) at 50% of the
+# saved bytes: the trial yielded to offload alone (1.561 s a step, plain
+# checkpointing under trims 1.629 s); plain checkpointing without trims then
+# ran 1.420 s at 966 MiB (901 MiB with them, 397 MiB of the budget unused) and
+# runs: 1.03x the step of ``full`` (per round 0.97-1.15), where offload alone
+# (``offload50``) ran 1.13x, at a peak of 767 MiB against ``full``'s 755.
+# Ranks that agree on the plan take rank 0's word on whether plain is weighed
+# and on whether it runs; where it runs, every rank holds its trims off. Not
+# weighed: a block class that draws from a generator of the caller's own
+# (never plain), no sampled peaks, no trims (a CUDA model).
 #
 # The measured figures decide, not a list of op names: on the benchmark
 # transformer the norms, activation functions and residual adds come out cheap
@@ -499,21 +502,18 @@ class RecomputePlan:
             rival = _ALONE if m["rival_alone"] else "the plan's trial"
             lines.append(
                 f"  without heap trims: plain checkpointing ran {m['untrimmed_plain_s']:.3f} s "
-                f"a step at {m['untrimmed_peak_MiB']:.0f} MiB ({m['trims_peak_MiB']:.0f} MiB "
-                f"with them, {m['unused_budget_MiB']:.0f} MiB of device_budget unused by it), "
+                f"a step at {m['plain_untrimmed_peak_MiB']:.0f} MiB "
+                f"({m['plain_trims_peak_MiB']:.0f} MiB with them, "
+                f"{m['plain_unused_budget_MiB']:.0f} MiB of device_budget unused by it), "
                 f"{rival} {m['rival_s']:.3f} s{_peak_text(m, 'rival_peak_MiB')}: "
                 + ("plain checkpointing runs" if m["untrimmed_choice"] else "the plan runs")
             )
-        elif "trims_held" in m:  # NOTE [trims a plan does without]
+        if "trims_held" in m:  # NOTE [trims a plan does without]
             lines.append(
                 f"  heap trims: {m['trims_peak_MiB']:.0f} MiB held with them, "
                 f"{m['untrimmed_peak_MiB']:.0f} MiB without, "
                 f"{m['unused_budget_MiB']:.0f} MiB of device_budget unused by the plan: "
-                + (
-                    f"held off (but one a step above {m['trims_ceiling_MiB']:.0f} MiB)"
-                    if m["trims_held"]
-                    else "kept"
-                )
+                + _trims_verdict(m)
             )
         if self.measured:  # (a bandwidth with nothing moved is unmeasured: left out)
             shown = sorted((k, v) for k, v in self.measured.items() if math.isfinite(v))
@@ -705,6 +705,9 @@ _OFFLOAD_ALL_STEP = _PROFILE.index(_OFFLOAD_ALL)
 # memory than the fastest runs instead (the one that held least).
 _TIE = 0.05
 _LEANER = 0.05
+# NOTE [trims a plan does without]: trims held off still trim above this much over the
+# most the steps without them held.
+_CEILING = 0.05
 _ALONE = "offload alone"
 
 
@@ -719,6 +722,14 @@ def _leanest_of_the_fastest(plans: dict[str, tuple[float, int]]) -> str:
         return fastest
     leaner = [name for name in close if plans[name][1] <= peak * (1 - _LEANER)]
     return min(leaner, key=lambda name: (plans[name][1], plans[name][0])) if leaner else fastest
+
+
+def _trims_verdict(m: dict[str, float]) -> str:
+    """The printed verdict on a plan's heap trims (NOTE [trims a plan does without])."""
+    if not m["trims_held"]:
+        return "kept"
+    ceiling = m.get("trims_ceiling_MiB", 0.0)
+    return f"held off (but one a step above {ceiling:.0f} MiB)" if ceiling else "held off"
 
 
 def _than(faster: bool, other: str) -> str:
@@ -1664,24 +1675,36 @@ class AutoDecider:
         checkpointing without trims against it (NOTE [plain without trims]); where it
         moves nothing, weigh its heap trims; else stop sampling memory."""
         weighs = self._hold_trims is not None and self._peak_source is not None
-        rival = self._rival()
         # (A block class that draws its own numbers is never plain.)
         plain = math.isfinite(self.measured.get("wall_plain_s", math.inf)) and not self._own_rng
-        moves = self.measured.get("blocks_selective") or self.measured.get("offload_alone")
-        if not weighs or (moves and not (rival and plain)):
-            self._sample_peaks(False)
-            self._trial_obs = {}
-            return
-        if rival is not None and plain:
+        challenge = weighs and plain and self._rival() is not None
+        if self._agreement is not None and self._rival() is not None:  # NOTE [ranks agree]
+            challenge = json.loads(self._agreement.first_rank(json.dumps(challenge).encode()))
+        if challenge:
             self._challenging, self._rival_modes = True, dict(self._modes)
             self._modes = dict.fromkeys(self._profiled, PLAIN)
             self._trim_heap()  # NOTE [a trim where the plan changes]
-        self._trim_trial_left = 1 + _UNTRIMMED_STEPS
+            self._start_trim_steps(settling=True)
+        elif weighs and not self._moves():
+            self._start_trim_steps(settling=False)
+        else:
+            self._sample_peaks(False)
+            self._trial_obs = {}
+
+    def _moves(self) -> bool:
+        """Whether the plan moves activations: selective blocks, or offload alone."""
+        return bool(self.measured.get("blocks_selective") or self.measured.get("offload_alone"))
+
+    def _start_trim_steps(self, *, settling: bool) -> None:
+        """The trims' trial: one step under trims, then _UNTRIMMED_STEPS without; after
+        a first, uncounted step where ``settling`` (plain checkpointing in place of
+        another plan: its trim bound follows what that plan moved)."""
+        self._trim_trial_left = 1 + _UNTRIMMED_STEPS + settling
         self._trim_trial_walls, self._trim_trial_peaks, self._trim_trial_kept = [], [], 0
 
     def _trim_step_ended(self, wall: float, peak: int) -> None:
         """A step of the trims' trial ended, taking ``wall`` and holding at most ``peak``
-        bytes: the first ran under trims, the others without."""
+        bytes: the last but _UNTRIMMED_STEPS ran under trims, those after it without."""
         self._trim_trial_walls.append(wall)
         self._trim_trial_peaks.append(peak)
         self._trim_trial_left -= 1
@@ -1694,51 +1717,74 @@ class AutoDecider:
         """Hold the trims off for good where they bought less than the budget the plan
         leaves unused, and 5% (NOTE [trims a plan does without]); else let them run, with
         one trim now for what the steps without them left. Where plain checkpointing ran
-        in place of offload alone, it stays only where its trims are held off and it ran
+        in place of another plan, it stays only where its trims are held off and it ran
         faster without them, or within 5% and held 5% less (NOTE [plain without
         trims])."""
-        trimmed, untrimmed = self._trim_trial_peaks[0], _most(self._trim_trial_peaks[1:])
+        peaks = self._trim_trial_peaks[-1 - _UNTRIMMED_STEPS :]
+        trimmed, untrimmed = peaks[0], _most(peaks[1:])
         unused = max(self._budget - self._trim_trial_kept - self._block_hold, 0)
         held = 0 < trimmed and 0 < untrimmed and trimmed >= (1 - _LEANER) * (untrimmed - unused)
-        if self._challenging:
-            self._challenging = False
-            held = self._weigh_plain(held, min(self._trim_trial_walls[1:]), untrimmed)
-        ceiling = 0
-        if held:  # (a trim where the heap drifts beyond what the steps without them held)
-            ceiling = int(untrimmed * (1 + _LEANER))
+        again = False  # the plan that ran again moves nothing: its own trims' trial
+        challenged, self._challenging = self._challenging, False
+        if challenged:
+            wall = min(self._trim_trial_walls[-_UNTRIMMED_STEPS:])
+            held = self._weigh_plain(held, wall, untrimmed)
+            self.measured.update(
+                plain_trims_peak_MiB=trimmed / _MiB,
+                plain_untrimmed_peak_MiB=untrimmed / _MiB,
+                plain_unused_budget_MiB=unused / _MiB,
+            )
+            again = not held and not self._moves()
+        # NOTE [trims a plan does without]: a trim where the heap drifts beyond what
+        # the steps without them held (none where that is unknown).
+        ceiling = int(untrimmed * (1 + _CEILING)) if held and untrimmed else None
+        if held:
             self._hold(True, ceiling)
+            self.measured.update(
+                trims_held=1.0,
+                trims_ceiling_MiB=(ceiling or 0) / _MiB,
+                trims_peak_MiB=trimmed / _MiB,
+                untrimmed_peak_MiB=untrimmed / _MiB,
+                unused_budget_MiB=unused / _MiB,
+            )
         else:
             self._hold(False)
             self._trim_heap()
-        self._sample_peaks(False)
-        self.measured.update(
-            trims_held=float(held),
-            trims_ceiling_MiB=ceiling / _MiB,
-            trims_peak_MiB=trimmed / _MiB,
-            untrimmed_peak_MiB=untrimmed / _MiB,
-            unused_budget_MiB=unused / _MiB,
-        )
+            if not challenged:  # (a plan's own trims, weighed)
+                self.measured.update(
+                    trims_held=0.0,
+                    trims_peak_MiB=trimmed / _MiB,
+                    untrimmed_peak_MiB=untrimmed / _MiB,
+                    unused_budget_MiB=unused / _MiB,
+                )
         self._last = self._summarize(self._share, self._trial_obs)
+        if again:
+            self._start_trim_steps(settling=True)  # (its bound follows plain's moves)
+            return
+        self._sample_peaks(False)
         self._trial_obs = {}
 
     def _weigh_plain(self, held: bool, wall: float, peak: int) -> bool:
         """Plain checkpointing ran in place of the plan (offload alone, or a tried plan),
         ``wall`` a step at ``peak`` without trims, ``held``: its trims bought less than
         the budget it leaves unused. Keep it where it beat the plan's measured steps so,
-        else the plan runs again (NOTE [plain without trims]). Whether plain runs, its
-        trims held off."""
+        else the plan runs again (NOTE [plain without trims]). Whether plain runs (its
+        trims held off: rank 0's choice, where ranks agree)."""
         name, rival, rival_peak = self._rival() or ("", math.inf, 0)
         plans = {"plain": (wall, peak), "rival": (rival, rival_peak)}
         plain = held and _leanest_of_the_fastest(plans) == "plain"
         if self._agreement is not None:  # NOTE [ranks agree] in agreement.py: rank 0's
             plain = json.loads(self._agreement.first_rank(json.dumps(plain).encode()))
-        self.measured.update(untrimmed_plain_s=wall, untrimmed_choice=float(plain))
         self.measured.update(
-            rival_s=rival, rival_peak_MiB=rival_peak / _MiB, rival_alone=float(name == _ALONE)
+            untrimmed_plain_s=wall,
+            untrimmed_choice=float(plain),
+            rival_s=rival,
+            rival_peak_MiB=rival_peak / _MiB,
+            rival_alone=float(name == _ALONE),
         )
         if plain:
             self._switch(PLAIN, "with heap trims held off " + _than(wall < rival, name))
-            return held
+            return True
         self._modes = self._rival_modes
         return False
 

@@ -981,20 +981,21 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     trimmed: int, untrimmed: int, walls: list[float], plain: bool
 ) -> None:
     """NOTE [plain without trims]: the profile measured offload alone 2 s a step at 200
-    MiB, plain checkpointing (under trims) 2.5 s. Plain checkpointing then runs three
-    steps, the first under trims (``trimmed`` MiB), two without (``untrimmed``, taking
-    ``walls``); where trims bought less than 5%, plain stays if it ran faster than
-    offload alone, or within 5% and 5% leaner, its trims held off; else offload alone
-    runs again under trims, with a trim at once."""
+    MiB, plain checkpointing (under trims) 2.5 s. Plain checkpointing then runs four
+    steps, the first uncounted, the second under trims (``trimmed`` MiB), two without
+    (``untrimmed``, taking ``walls``); where trims bought less than 5%, plain stays if
+    it ran faster than offload alone, or within 5% and 5% leaner, its trims held off;
+    else offload alone runs again under trims, with a trim at once."""
     calls = _Holds()
     trims: list[int] = []
-    source = _Peaks(_LEAN_PLAIN, planned=[trimmed << 20, untrimmed << 20, untrimmed << 20, 0])
+    source = _Peaks(_LEAN_PLAIN, planned=[trimmed << 20] * 2 + [untrimmed << 20] * 2 + [0])
     decider = _plan(
         3.0, 2.5, blocks=2, whole_s=2.0, ops=_CHEAP, peaks=source, hold_trims=calls,
         trim_heap=lambda: trims.append(1), **_SLOW_LINK,
     )  # fmt: skip
     assert decider.plan().measured["offload_alone"] == 1.0  # (the profile's choice)
-    assert trims == [1] and calls == []  # plain began, under trims
+    assert trims == [1] and calls == []  # plain began, under trims (its first uncounted)
+    assert _planned_steps(decider, [3.0], 2) == [PLAIN, PLAIN] and calls == [True]  # trimmed
     assert _planned_steps(decider, [walls[0]], 2) == [PLAIN, PLAIN] and calls == [True]
     assert decider.timing() is False and decider._timing()  # timed, its ops not
     modes = _planned_steps(decider, [walls[1]], 2)
@@ -1006,7 +1007,9 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     m = plan.measured
     assert m["untrimmed_choice"] == float(plain) and m["offload_alone"] == float(not plain)
     assert m["untrimmed_plain_s"] == pytest.approx(min(walls))
-    assert m["trims_held"] == float(plain) and m["blocks_plain"] == (2 if plain else 0)
+    assert m.get("trims_held") == (1.0 if plain else None)  # (alone's trims untried)
+    assert m["blocks_plain"] == (2 if plain else 0)
+    assert m["plain_trims_peak_MiB"] == trimmed and m["plain_untrimmed_peak_MiB"] == untrimmed
     line = str(plan).split("without heap trims: ")[1].splitlines()[0]
     assert line.startswith(f"plain checkpointing ran {min(walls):.3f} s a step")
     assert line.endswith("plain checkpointing runs" if plain else "the plan runs")
@@ -1026,12 +1029,12 @@ def test_a_tried_plan_kept_is_weighed_against_plain_checkpointing_without_trims(
 ) -> None:
     """NOTE [plain without trims]: the budget keeps two of three blocks whole, and the
     trial kept that plan (2 s a step at 150 MiB, against 2.455 s for plain
-    checkpointing under trims in the profile). Plain checkpointing then runs three
-    steps, two without trims taking ``walls`` at 100 MiB: it stays where it ran faster;
+    checkpointing under trims in the profile). Plain checkpointing then runs four
+    steps, the last two without trims taking ``walls`` at 100 MiB: it stays where it ran faster;
     else the tried plan runs again, as it was, under trims."""
     calls = _Holds()
     trims: list[int] = []
-    planned = [150 << 20] * 3 + [100 << 20] * 3 + [0]
+    planned = [150 << 20] * 3 + [100 << 20] * 4 + [0]
     source = _Peaks(_LEAN_PLAIN, planned=planned)
     decider = _plan(
         3.0, 2.5, blocks=3, budget=250, saved=100, dispatch_s=0.01, peaks=source,
@@ -1041,7 +1044,7 @@ def test_a_tried_plan_kept_is_weighed_against_plain_checkpointing_without_trims(
     assert WHOLE in first and first != [WHOLE] * 3
     assert _planned_steps(decider, [4.0, 2.0], 3) == [PLAIN] * 3  # kept; plain weighed
     assert decider.plan().measured["trial_choice"] == 0 and trims == [1]
-    modes = _planned_steps(decider, [3.0, *walls], 3)  # (the first under trims)
+    modes = _planned_steps(decider, [3.0, 3.0, *walls], 3)  # (the first two under trims)
     assert modes == ([PLAIN] * 3 if plain else first) and calls == [True, plain]
     assert trims == ([1] if plain else [1, 1]) and not source.running
     plan = decider.plan()
@@ -1071,18 +1074,59 @@ def test_a_new_structure_while_plain_is_weighed_profiles_again_under_trims() -> 
 
 def test_ranks_weighing_plain_without_trims_run_rank_0_s_choice() -> None:
     """NOTE [plain without trims], NOTE [ranks agree]: rank 0's plain steps without
-    trims ran 1.8 s, rank 1's 9 s; both keep plain checkpointing."""
+    trims ran 1.8 s and held what they held under trims; rank 1's ran 9 s and held 200
+    MiB more, and rank 2 samples no peaks (it would not weigh plain at all). Every rank
+    weighs plain, keeps it, and holds its trims off (with a ceiling where it knows the
+    peak), as rank 0 judged."""
 
-    def rank(agreement: Any) -> tuple[str, float]:
-        source = _Peaks(_LEAN_PLAIN, planned=100 << 20)
+    def rank(agreement: Any) -> tuple[str, float, list[bool], list[Any]]:
+        planned = [100 << 20] * 2 + [(300 if agreement.rank == 1 else 100) << 20] * 2
+        source = None if agreement.rank == 2 else _Peaks(_LEAN_PLAIN, planned=planned)
+        calls = _Holds()
         d = _plan(
-            3.0, 2.5, whole_s=2.0, ops=_CHEAP, peaks=source, hold_trims=lambda on, ceiling: None,
+            3.0, 2.5, whole_s=2.0, ops=_CHEAP, peaks=source, hold_trims=calls,
             agreement=agreement, **_SLOW_LINK,
         )  # fmt: skip
         wall = 1.8 if agreement.rank == 0 else 9.0
-        return _planned_steps(d, [wall, wall], 1)[0], d.plan().measured["untrimmed_choice"]
+        steps = _planned_steps(d, [3.0, wall, wall], 1)
+        return steps[0], d.plan().measured["untrimmed_choice"], calls, calls.ceilings
 
-    assert on_ranks(2, rank) == [(PLAIN, 1.0), (PLAIN, 1.0)]
+    got = on_ranks(3, rank)
+    assert [g[:2] for g in got] == [(PLAIN, 1.0)] * 3 and all(g[2][-1] for g in got)
+    assert [g[3][-1] for g in got] == [int((100 << 20) * 1.05), int((300 << 20) * 1.05), None]
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_tried_plan_that_moves_nothing_weighs_its_own_trims_after_plain_lost(
+    held: bool,
+) -> None:
+    """NOTE [plain without trims]: two of three blocks whole within the budget, the
+    third plain (it moves nothing); its trial kept it (2 s a step, against 2.75 s for
+    plain checkpointing in the profile, less its dispatch modes' cost). Plain
+    checkpointing without trims ran 2.5 s and lost: the tried plan runs again and then
+    its own trims' trial (an uncounted step, one under trims, two without) judges its
+    trims."""
+    calls = _Holds()
+    trims: list[int] = []
+    own = [150 << 20] * 2 + [(150 if held else 400) << 20] * 2
+    planned = [150 << 20] * 3 + [100 << 20] * 4 + own + [0]
+    source = _Peaks(_LEAN_PLAIN, planned=planned)
+    decider = _plan(
+        3.0, 5.0, blocks=3, budget=250, saved=100, dispatch_s=0.5, ops=_CHEAP, peaks=source,
+        hold_trims=calls, trim_heap=lambda: trims.append(1), **_SLOW_LINK,
+    )  # fmt: skip
+    first = [decider.mode("Block", b) for b in range(3)]
+    assert sorted(first) == [PLAIN, WHOLE, WHOLE]
+    assert _planned_steps(decider, [4.0, 2.0], 3) == [PLAIN] * 3  # kept; plain weighed
+    assert _planned_steps(decider, [3.0, 3.0, 2.5, 2.5], 3) == first  # plain lost
+    assert calls == [True, False] and trims == [1, 1] and source.running
+    assert _planned_steps(decider, [2.0] * 4, 3) == first and not source.running
+    assert calls == [True, False, True, held] and trims == ([1, 1] if held else [1, 1, 1])
+    plan = decider.plan()
+    m = plan.measured
+    assert m["untrimmed_choice"] == 0.0 and m["trims_held"] == float(held)
+    assert m["untrimmed_peak_MiB"] == (150 if held else 400)
+    assert "without heap trims: " in str(plan) and "\n  heap trims: " in str(plan)
 
 
 def _grads(model: nn.Module, steps: int, seq: int | list[int] = 16) -> list[list[torch.Tensor]]:
@@ -1124,9 +1168,9 @@ def test_auto_is_bit_identical_and_plans_once(
         AutoDecider, "trim_basis", lambda d, moved: bases.append(real_basis(d, moved)) or bases[-1]
     )
     warm_up_unary_ops()
-    # The profile, three steps of plain checkpointing where offload alone runs (NOTE
+    # The profile, four steps of plain checkpointing where offload alone runs (NOTE
     # [plain without trims]), one of the plan.
-    steps = len(recompute._PROFILE) + 4
+    steps = len(recompute._PROFILE) + 5
     # Another length: the same structure, no new plan.
     lengths = ([16, 16, 16, 12, 16, 20, 16, 12] * 2)[:steps]
     ref = _grads(_model(), steps, lengths)
@@ -1284,7 +1328,7 @@ def test_plain_weighed_without_trims_runs_as_judged_and_stays_bit_identical(
     tmp_path: Path, to: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """NOTE [plain without trims], with the engine: the profile made to choose offload
-    alone; plain checkpointing runs three steps (the last two with the engine's trimmer
+    alone; plain checkpointing runs four steps (the last two with the engine's trimmer
     held off), then the plan ``to`` runs, the trimmer held off only for plain, and every
     step's gradients match training without offload or checkpointing."""
     answers = iter(["alone", to])  # the profile's choice, then the weighing's
@@ -1293,14 +1337,14 @@ def test_plain_weighed_without_trims_runs_as_judged_and_stays_bit_identical(
     monkeypatch.setattr(recompute, "_LEANER", 1.0)  # the trims would be held off
     warm_up_unary_ops()
     plain = _model()
-    ref = _grads(plain, len(recompute._PROFILE) + 1) + _grads(plain, 1) + _grads(plain, 3)
+    ref = _grads(plain, len(recompute._PROFILE) + 2) + _grads(plain, 1) + _grads(plain, 3)
     model = _model()
     with offload_context("disk", tmp_path, model=model, recompute="auto") as engine:
         heap = engine._heap
         if not heap.enabled:
             pytest.skip("no heap trims here (not glibc)")
         decider = engine._decider
-        got = _grads(model, len(recompute._PROFILE) + 1)
+        got = _grads(model, len(recompute._PROFILE) + 2)
         assert set(decider._modes.values()) == {PLAIN} and not heap.held  # under trims
         got += _grads(model, 1)
         assert set(decider._modes.values()) == {PLAIN} and heap.held
@@ -1344,7 +1388,15 @@ class _CheckpointsItsLayers(nn.Module):
 
 
 @pytest.mark.parametrize(
-    "how", ["auto", "selective", "full", "auto-reentrant", "auto-reentrant-after-eval"]
+    "how",
+    [
+        "auto",
+        "selective",
+        "full",
+        "auto-reentrant",
+        "auto-reentrant-after-eval",
+        "auto-in-reentrant-after-eval",
+    ],
 )
 def test_blocks_inside_the_model_s_own_checkpoint_replay_their_forward(
     tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch
@@ -1353,7 +1405,9 @@ def test_blocks_inside_the_model_s_own_checkpoint_replay_their_forward(
     again inside backward; it runs as that forward did, and the plan's steps do not
     move (profiling, then the plan, bit-identical with dropout). Under a reentrant one
     the forward runs without grad: the recompute is the blocks' step, and plans, also
-    after a forward with grad outside the checkpoint (an evaluation, its loss dropped)."""
+    after a forward with grad outside the checkpoint (an evaluation, its loss dropped),
+    and where the loop puts a reentrant checkpoint around the model's own: its
+    recompute runs the model's checkpoint, whose recompute replays that."""
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
     monkeypatch.setattr(recompute, "TRIAL", False)  # the plan it made stays
     if how == "selective":
@@ -1370,7 +1424,11 @@ def test_blocks_inside_the_model_s_own_checkpoint_replay_their_forward(
             torch.manual_seed(100 + step)
             x = torch.randn(4, 32, requires_grad=True)
             m.zero_grad(set_to_none=True)
-            m(x).square().sum().backward()
+            if how == "auto-in-reentrant-after-eval":
+                y = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=True)
+            else:
+                y = m(x)
+            y.square().sum().backward()
             out.append([*(p.grad.clone() for p in m.parameters()), x.grad])
         return out
 
