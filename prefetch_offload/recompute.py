@@ -348,12 +348,14 @@
 # trim at once (its first step trims at plain's bound); a tried plan that
 # moves nothing then weighs its own trims, in four steps alike. Four steps of
 # plain checkpointing, once per profile. Measured with ``bench/recompute.py
-# --steps 8`` (the 24-block transformer, one run, 2 CPU threads) at 50% of the
-# saved bytes: the trial yielded to offload alone (1.561 s a step, plain
-# checkpointing under trims 1.629 s); plain checkpointing without trims then
-# ran 1.420 s at 966 MiB (901 MiB with them, 397 MiB of the budget unused) and
-# runs: 1.03x the step of ``full`` (per round 0.97-1.15), where offload alone
-# (``offload50``) ran 1.13x, at a peak of 767 MiB against ``full``'s 755.
+# --steps 8`` (the 24-block transformer, one run, 2 CPU threads): at 50% of
+# the saved bytes the trial kept the plan it tried (1.581 s a step; plain
+# checkpointing under trims 1.756 s in the profile); plain checkpointing
+# without trims then ran 1.463 s at 984 MiB (953 MiB with them, 397 MiB of the
+# budget unused) and runs: 1.02x the step of ``full`` by medians, where
+# offload alone (``offload50``) ran 1.14x, at a peak of 710 MiB against
+# ``full``'s 756. At 10% it ran 1.525 s without trims but held 1060 MiB
+# against 570 with them, 9 MiB of the budget unused: offload alone stays.
 # Ranks that agree on the plan take rank 0's word on whether plain is weighed
 # and on whether it runs; where it runs, every rank holds its trims off. Not
 # weighed: a block class that draws from a generator of the caller's own
