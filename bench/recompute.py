@@ -4,14 +4,15 @@ Every mode trains its own copy of one model (same weights, same batch) in a
 process of its own (its peak RSS is its own heap's), stepped one at a time, one
 step of each mode per round in a balanced Latin square's order (as ``bench/ab.py
 --isolate``); each mode's ``offload_context`` or checkpoint wrapping stays
-entered over all its steps. ``--warmup`` rounds (>= 20: ``recompute="auto"``
+entered over all its steps. ``--warmup`` rounds (>= 21: ``recompute="auto"``
 profiles nine steps, tries its plan for three, keeps or replaces it as the
 next step begins, which also releases what the steps before held, and on the
 CPU weighs plain checkpointing without heap trims against offload alone or a
 tried plan, for four more, and the heap trims of a plan that moves nothing,
-for four more at most: NOTE [trial steps], NOTE [a trim where the plan
-changes], NOTE [trims a plan does without], NOTE [plain without trims]), then
-``--steps`` timed rounds.
+for four more at most, the last of which leaves a heap untrimmed that the
+trims give back as the next step begins: NOTE [trial steps], NOTE [a trim
+where the plan changes], NOTE [trims a plan does without], NOTE [plain without
+trims]), then ``--steps`` timed rounds.
 
 Per mode: ``peak MiB`` is the largest peak RSS (``VmHWM``, reset before each
 timed step) over the timed steps minus the process's RSS before its first
@@ -100,7 +101,7 @@ MODES: dict[str, str] = {
 # device_budget as a share of the saved bytes, for the modes that take one.
 BUDGETS = {f"{kind}{p}": p / 100 for kind in ("offload", "auto") for p in (10, 25, 50)}
 # The rounds before auto's plan settles (the module docstring).
-WARMUP = 20
+WARMUP = 21
 # Issue 23's targets for recompute="auto".
 PEAK_SLACK, TIME_LIMIT, TIME_WIN, MOVE_CUT = 0.05, 1.03, 0.90, 0.30
 # The common save list of selective checkpointing: matmul and attention outputs.
@@ -547,7 +548,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(
             f"--warmup must be >= {WARMUP} (auto profiles nine steps, tries its plan for "
             "three, weighs plain checkpointing without trims for four and its heap trims for "
-            "four, and settles as the next begins); "
+            "four, and settles a step after that); "
             "--steps >= 1"
         )
     return args
