@@ -323,11 +323,11 @@
 # CUDA model (no trims) and a run with no sampled peaks are not weighed.
 # Measured with ``bench/recompute.py --model llama`` (the 8-layer Llama, one
 # run, 2 CPU threads; every layer checkpointed plainly at each budget): at 10%
-# and 25% of the saved bytes the trims bought 111 and 80 MiB (449 against 560,
-# 501 against 580) with 0 and 31 MiB of the budget unused, and stayed; at 50%
-# they bought 45 MiB (566 against 611) with 119 unused, and were held off:
-# auto then ran 1.04x the step of ``full`` (the same plan without the engine;
-# per round 0.96-1.07) at a peak of 315 MiB against its 306.
+# and 25% of the saved bytes the trims bought 119 and 70 MiB (449 against 568,
+# 508 against 578) with 0 and 31 MiB of the budget unused, and stayed; at 50%
+# they bought 33 MiB (564 against 597) with 119 unused, and were held off:
+# auto then ran 1.03x the step of ``full`` (the same plan without the engine;
+# per round 1.01-1.06) at a peak of 341 MiB against its 303.
 #
 # NOTE [plain without trims]
 # The profile and the trial weigh plain checkpointing against the other plans
