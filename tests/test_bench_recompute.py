@@ -15,7 +15,7 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 # Activations of 128 KiB (over min_offload_bytes) and write batches small enough for them to
 # reach the disk, so that the engine modes move bytes.
-TINY = "--depth 2 --width 64 --heads 2 --batch 4 --seq 128 --warmup 16 --steps 1".split()
+TINY = "--depth 2 --width 64 --heads 2 --batch 4 --seq 128 --warmup 21 --steps 1".split()
 TINY += ["--chunk-bytes", "16384"]
 ENGINE_MODES = {"offload10", "offload25", "offload50", "full_offload", "selective_offload"}
 
