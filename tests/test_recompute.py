@@ -989,7 +989,9 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     once."""
     calls = _Holds()
     trims: list[int] = []
-    source = _Peaks(_LEAN_PLAIN, planned=[trimmed << 20] * 2 + [untrimmed << 20] * 2 + [0])
+    # (The first step, not counted, held 9999 MiB: counted, trims would look bought.)
+    planned = [9999 << 20, trimmed << 20] + [untrimmed << 20] * 2 + [0]
+    source = _Peaks(_LEAN_PLAIN, planned=planned)
     decider = _plan(
         3.0, 2.5, blocks=2, whole_s=2.0, ops=_CHEAP, peaks=source, hold_trims=calls,
         trim_heap=lambda: trims.append(1), **_SLOW_LINK,
