@@ -574,6 +574,8 @@ class HeapTrimmer:
         the larger of the allowance and the room below the peak (NOTE [heap trim])."""
         if self.threshold is None or not self._saved or self._queued:
             return  # (while a trim runs, measuring would wait on glibc's arena locks)
+        if self._held and (self._ceiling is None or not self._ceiling_due):
+            return  # (held with nothing to watch: no clock read on the hooks' path)
         start = time.perf_counter()
         if start < self._next_check:
             return
@@ -613,7 +615,7 @@ class HeapTrimmer:
         """Held: queue a trim where the resident memory is above the ceiling (NOTE
         [trims a plan does without] in recompute.py)."""
         ceiling = self._ceiling
-        if ceiling is None or not self._ceiling_due:
+        if ceiling is None:
             return
         self._next_check = start + self._interval
         try:

@@ -1685,8 +1685,9 @@ class AutoDecider:
         weighs = self._hold_trims is not None and self._peak_source is not None
         # (A block class that draws its own numbers is never plain.)
         plain = math.isfinite(self.measured.get("wall_plain_s", math.inf)) and not self._own_rng
-        challenge = weighs and plain and self._rival() is not None
-        if self._agreement is not None and self._rival() is not None:  # NOTE [ranks agree]
+        rival = self._rival() is not None
+        challenge = weighs and plain and rival
+        if self._agreement is not None and rival:  # NOTE [ranks agree]
             challenge = json.loads(self._agreement.first_rank(json.dumps(challenge).encode()))
         if challenge:
             self._challenging, self._rival_modes = True, dict(self._modes)
@@ -1746,25 +1747,20 @@ class AutoDecider:
         # NOTE [trims a plan does without]: a trim where the heap drifts beyond what
         # the steps without them held (none where that is unknown).
         ceiling = int(untrimmed * (1 + _CEILING)) if held and untrimmed else None
+        figures = {
+            "trims_held": float(held),
+            "trims_peak_MiB": trimmed / _MiB,
+            "untrimmed_peak_MiB": untrimmed / _MiB,
+            "unused_budget_MiB": unused / _MiB,
+        }
         if held:
             self._hold(True, ceiling)
-            self.measured.update(
-                trims_held=1.0,
-                trims_ceiling_MiB=(ceiling or 0) / _MiB,
-                trims_peak_MiB=trimmed / _MiB,
-                untrimmed_peak_MiB=untrimmed / _MiB,
-                unused_budget_MiB=unused / _MiB,
-            )
+            self.measured.update(figures, trims_ceiling_MiB=(ceiling or 0) / _MiB)
         else:
             self._hold(False)
             self._trim_heap()
-            if not challenged:  # (a plan's own trims, weighed)
-                self.measured.update(
-                    trims_held=0.0,
-                    trims_peak_MiB=trimmed / _MiB,
-                    untrimmed_peak_MiB=untrimmed / _MiB,
-                    unused_budget_MiB=unused / _MiB,
-                )
+            if not challenged:  # (a plan's own trims, weighed; the other plan's go untried)
+                self.measured.update(figures)
         self._last = self._summarize(self._share, self._trial_obs)
         if again:
             self._start_trim_steps(settling=True)  # (its bound follows plain's moves)
