@@ -506,6 +506,11 @@ class RecomputePlan:
                 f"{m['trial_alone_s']:.3f} s{_peak_text(m, 'peak_alone_MiB')}: "
                 f"{verdict[int(m['trial_choice'])]}"
             )
+        if m.get("weighing_plain"):  # NOTE [plain without trims]
+            lines.append(
+                "  now: every block checkpointed plainly in the plan's place, for a few "
+                "steps, weighed without heap trims against it"
+            )
         if "untrimmed_plain_s" in m:  # NOTE [plain without trims]
             rival = _ALONE if m["rival_alone"] else "the plan's trial"
             lines.append(
@@ -1117,6 +1122,9 @@ class AutoDecider:
             elif self._trim_trial_left and not stale and not again:
                 self._trim_step_ended(wall, peak)
             if stale:
+                if self._challenging:  # (the plan made last runs no more: as it was)
+                    del self.measured["weighing_plain"]
+                    self._last = self._summarize(self._share, self._trial_obs)
                 self._trial_left, self._trial_obs = 0, {}
                 self._trim_trial_left, self._challenging = 0, False
                 self._hold(False)
@@ -1692,6 +1700,8 @@ class AutoDecider:
         if challenge:
             self._challenging, self._rival_modes = True, dict(self._modes)
             self._modes = dict.fromkeys(self._profiled, PLAIN)
+            self.measured["weighing_plain"] = 1.0  # (the printed plan says so meanwhile)
+            self._last = self._summarize(self._share, self._trial_obs)
             self._trim_heap()  # NOTE [a trim where the plan changes]
             self._start_trim_steps(settling=True)
         elif weighs and not self._moves():
@@ -1736,6 +1746,7 @@ class AutoDecider:
         again = False  # the plan that ran again moves nothing: its own trims' trial
         challenged, self._challenging = self._challenging, False
         if challenged:
+            del self.measured["weighing_plain"]
             wall = min(self._trim_trial_walls[-_UNTRIMMED_STEPS:])
             held = self._weigh_plain(held, wall, untrimmed)
             self.measured.update(

@@ -998,6 +998,7 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     )  # fmt: skip
     assert decider.plan().measured["offload_alone"] == 1.0  # (the profile's choice)
     assert trims == [1] and calls == []  # plain began, under trims (its first uncounted)
+    assert "\n  now: every block checkpointed plainly in the plan's place" in str(decider.plan())
     assert _planned_steps(decider, [3.0], 2) == [PLAIN, PLAIN] and calls == [True]  # trimmed
     assert _planned_steps(decider, [walls[0]], 2) == [PLAIN, PLAIN] and calls == [True]
     assert decider.timing() is False and decider._timing()  # timed, its ops not
@@ -1023,6 +1024,7 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     else:
         assert {d.choice for d in plan.ops} == {"whole"} and plan.bytes_recomputed == 0
     assert _planned_steps(decider, [9.0] * 4, 2) == modes and len(calls) == 2
+    assert "weighing_plain" not in m and "\n  now: " not in str(plan)
 
 
 @pytest.mark.parametrize(("walls", "plain"), [([1.8, 1.9], True), ([2.5, 2.4], False)])
@@ -1068,10 +1070,12 @@ def test_a_new_structure_while_plain_is_weighed_profiles_again_under_trims() -> 
     source = _Peaks(_LEAN_PLAIN, planned=100 << 20)
     decider = _plan(3.0, 2.5, whole_s=2.0, ops=_CHEAP, peaks=source, hold_trims=calls, **_SLOW_LINK)
     assert _planned_steps(decider, [1.8], 1) == [PLAIN] and calls == [True]
+    assert decider.plan().measured["weighing_plain"] == 1.0
     assert decider.mode("Block", 7) == PLAIN and decider._stale
     decider.backward("Block", 7)
     assert decider.mode("Block", 0) == WHOLE and decider.profiling
     assert calls == [True, False] and not decider._challenging
+    assert "weighing_plain" not in decider.plan().measured  # (the plan made last, as it was)
 
 
 def test_ranks_weighing_plain_without_trims_run_rank_0_s_choice() -> None:
@@ -1170,11 +1174,13 @@ def test_auto_is_bit_identical_and_plans_once(
         AutoDecider, "trim_basis", lambda d, moved: bases.append(real_basis(d, moved)) or bases[-1]
     )
     warm_up_unary_ops()
-    # The profile, four steps of plain checkpointing where offload alone runs (NOTE
-    # [plain without trims]), one of the plan.
-    steps = len(recompute._PROFILE) + 5
+    # The profile, the trial (a plan it did not run as it is: which one the clock
+    # decides), four steps of plain checkpointing where offload alone or a tried plan
+    # runs (NOTE [plain without trims]), four of a tried plan's own trims, one of the plan.
+    weighing = 2 + recompute._UNTRIMMED_STEPS  # (a first step uncounted, one trimmed)
+    steps = len(recompute._PROFILE) + 1 + recompute._TRIAL_STEPS + 2 * weighing + 1
     # Another length: the same structure, no new plan.
-    lengths = ([16, 16, 16, 12, 16, 20, 16, 12] * 2)[:steps]
+    lengths = ([16, 16, 16, 12, 16, 20, 16, 12] * 3)[:steps]
     ref = _grads(_model(), steps, lengths)
     model = _model()
     with offload_context(
@@ -1187,7 +1193,8 @@ def test_auto_is_bit_identical_and_plans_once(
         got = _grads(model, steps, lengths)
         plan = engine.recompute_plan()
         stats = engine.stats()
-        source = engine._decider._peak_source
+        decider = engine._decider
+        source = decider._peak_source
     # NOTE [plans within the noise]: sampled under trims (target disk), stopped at exit
     assert (source is not None) == (target == "disk")
     if target == "disk":  # sampled: the profile's plans held known peaks
@@ -1198,10 +1205,16 @@ def test_auto_is_bit_identical_and_plans_once(
         assert len(bases) == steps - 1 and bases[1] == 0  # the first recompute-all step: floor
     assert _exact(ref, got)
     assert plan is not None and plan.mode == "auto" and plan.plans_made == 1
+    assert not decider._trial_left and not decider._trim_trial_left  # settled
+    assert "weighing_plain" not in plan.measured
     if plan.measured["offload_alone"]:  # every block whole: nothing checkpointed
         assert alone and plan.bytes_recomputed == stats.step_bytes_recomputed == 0
         assert {d.choice for d in plan.ops} == {"whole"}
-        assert plan.measured["step_whole_s"] < plan.measured["step_checkpointed_s"]
+        m = plan.measured  # measured, not estimated: by the profile's walls, or a trial
+        if "trial_choice" in m:
+            assert m["trial_choice"] == 2  # (its tried plan replaced by offload alone)
+        else:
+            assert m["wall_alone_s"] <= (1 + recompute._TIE) * m["wall_plain_s"]
         return
     assert plan.bytes_recomputed > 0
     choices = {d.op: d.choice for d in plan.ops}
