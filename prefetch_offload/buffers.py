@@ -3,27 +3,28 @@
 # NOTE [read buffer pool]
 # Reading an offloaded span into a fresh allocation costs a page fault and a
 # page of zeroing per 4 KiB (measured here: 2-3x the CPU time of the read
-# itself), on a machine where compute already uses every core. So reads land
-# in pooled page-aligned anonymous mappings instead. A leased block is wrapped
-# with ``torch.frombuffer`` (zero-copy; the tensor's storage holds the block),
-# and a finalizer on that storage returns the block when the storage dies: that
-# is, when no tensor autograd or the user holds still uses the memory (NOTE
-# [memory handed to autograd] in reader.py), and no copy still reads or
-# writes it (NOTE [copies keep their buffers] in streams.py). Returned blocks
-# go through a deque (append is safe from any thread, including the garbage
-# collector) and are re-filed at the next lease. The engine's read pool keeps
-# idle blocks up to the most bytes leased at once in this step or the last one
-# (at least 16 MiB), across steps: each backward reads the same sizes again, so
-# its reads land in pages already faulted in; a step that reads less (a plan
-# that moves fewer bytes, a shorter sequence) lets the rest go when the next
-# one starts (``new_period``), instead of holding the largest step's blocks for
-# good. A block mapped afresh costs its zeroing, about 0.15 ms
-# per MiB for a huge-page block and three times that for 4 KiB pages. Measured
-# on the 24-block benchmark transformer (970 MiB read per step): 7-10 new
-# blocks per step instead of ~75 when the pool was emptied at every step's
-# end, for ~34 MiB held idle through forward, where a step that offloads
-# everything is well below its peak in backward. ``trim`` unmaps every idle
-# block; the engine calls it when it closes.
+# itself), on a machine where compute already uses every core. So reads land in
+# pooled page-aligned anonymous mappings instead. A leased block is wrapped with
+# ``torch.frombuffer`` (zero-copy; the tensor's storage holds the block), and a
+# finalizer on that storage returns the block when the storage dies: that is,
+# when no tensor autograd or the user holds still uses the memory (NOTE [memory
+# handed to autograd] in reader.py), and no copy still reads or writes it (NOTE
+# [copies keep their buffers] in streams.py). Returned blocks go through a deque
+# (append is safe from any thread, including the garbage collector) and are
+# re-filed at the next lease. The engine's read pool keeps idle blocks up to the
+# most bytes leased at once in this step or the last one (at least 16 MiB),
+# across steps: each backward reads the same sizes again, so its reads land in
+# pages already faulted in; a step that reads less (a plan that moves fewer
+# bytes, a shorter sequence) lets the rest go when the next one starts
+# (``new_period``), instead of holding the largest step's blocks for good, and a
+# step that read nothing (a plan that moves nothing) keeps none. A block mapped
+# afresh costs its zeroing, about 0.15 ms per MiB for a huge-page block and
+# three times that for 4 KiB pages. Measured on the 24-block benchmark
+# transformer (970 MiB read per step): 7-10 new blocks per step instead of ~75
+# when the pool was emptied at every step's end, for ~34 MiB held idle through
+# forward, where a step that offloads everything is well below its peak in
+# backward. ``trim`` unmaps every idle block; the engine calls it when it
+# closes.
 #
 # NOTE [huge pages]
 # Python's ``mmap.mmap(-1, n)`` is a *shared* anonymous mapping (shmem), which
@@ -236,7 +237,10 @@ class HostBufferPool:
         if self._closed:
             return 0
         if self.follow_peak:
-            return max(self.max_idle_bytes, self._period_peak, self._last_period_peak)
+            peaks = max(self._period_peak, self._last_period_peak)
+            # (A period that leased nothing, as a step of a plan that moves nothing,
+            # and nothing leased now: nothing to keep for the next.)
+            return max(self.max_idle_bytes, peaks) if peaks else 0
         return self.max_idle_bytes
 
     def _refile(self) -> None:

@@ -181,3 +181,28 @@ HELD_ARENA, _ = ARENA.lease(1 << 20)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["apart", "apart"]
+
+
+def test_follow_peak_keeps_its_floor_until_a_period_leased_nothing() -> None:
+    """NOTE [read buffer pool]: the floor (``max_idle_bytes``) keeps small steps' blocks;
+    a plan that moves nothing reads nothing, and once such a step ended the pool holds
+    no idle block (the engine's read pool held 14.6 MiB idle under such a plan)."""
+    factory = _Counting()
+    block = 320 * 1024
+    pool = HostBufferPool(4 * block, allocate=factory, follow_peak=True)
+    for _ in range(2):
+        pool.new_period()
+        step = [pool.lease(300_000)[0] for _ in range(2)]
+        del step
+        gc.collect()
+    pool.new_period()  # the last period leased two blocks, under the floor: both kept
+    assert pool.idle_bytes == 2 * block and factory.made == 2
+    pool.new_period()  # a period that leased nothing
+    assert pool.idle_bytes == pool.mapped_bytes == 0 and not factory.alive
+    again = pool.lease(300_000)[0]  # a step that reads again: the floor holds again
+    del again
+    gc.collect()
+    assert pool.idle_bytes == block
+    pool.new_period()
+    assert pool.idle_bytes == block and factory.made == 3
+    pool.close()
