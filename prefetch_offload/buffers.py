@@ -119,7 +119,8 @@ class HostBufferPool:
         allocate: makes a block of the given size (default: an anonymous mapping).
         follow_peak: keep idle blocks up to the most bytes leased at once in this
             period or the last one (:meth:`new_period`), if that is more than
-            ``max_idle_bytes`` (the next step needs the same blocks again).
+            ``max_idle_bytes`` (the next step needs the same blocks again); none
+            where neither leased anything.
     """
 
     def __init__(

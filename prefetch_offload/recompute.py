@@ -529,7 +529,11 @@ class RecomputePlan:
                 + _trims_verdict(m)
             )
         if self.measured:  # (a bandwidth with nothing moved is unmeasured: left out)
-            shown = sorted((k, v) for k, v in self.measured.items() if math.isfinite(v))
+            shown = sorted(
+                (k, v)
+                for k, v in self.measured.items()
+                if math.isfinite(v) and k != "weighing_plain"  # (the now: line says it)
+            )
             lines.append("  measured: " + ", ".join(f"{k}={v:.4g}" for k, v in shown))
         lines.append(
             f"  {'op':<36} {'choice':<10} {'MiB/step':>9} {'compute s':>10} {'move s':>9}  why"
@@ -1063,9 +1067,15 @@ class AutoDecider:
                 self._dispatch.setdefault(self._step_no, collections.Counter())[block] += seconds
 
     def close(self) -> None:
-        """Stop sampling memory, for good (the context exits)."""
+        """Stop sampling memory, for good (the context exits); a weighing of plain
+        checkpointing ends unjudged (the plan made last is the plan)."""
         with self._lock:
             self._closed = True
+            if self._challenging:
+                self._challenging, self._trim_trial_left = False, 0
+                self._modes = self._rival_modes
+                del self.measured["weighing_plain"]
+                self._last = self._summarize(self._share, self._trial_obs)
             self._sample_peaks(False)
 
     # -- the heap trims ---------------------------------------------------------------------

@@ -1078,6 +1078,20 @@ def test_a_new_structure_while_plain_is_weighed_profiles_again_under_trims() -> 
     assert "weighing_plain" not in decider.plan().measured  # (the plan made last, as it was)
 
 
+def test_a_context_closed_while_plain_is_weighed_leaves_the_plan_it_made() -> None:
+    """NOTE [plain without trims]: the weighing ends unjudged at close; the printed plan
+    is offload alone's, with no now: line."""
+    source = _Peaks(_LEAN_PLAIN, planned=100 << 20)
+    decider = _plan(3.0, 2.5, whole_s=2.0, ops=_CHEAP, peaks=source, hold_trims=_Holds(),
+                    **_SLOW_LINK)  # fmt: skip
+    assert "\n  now: " in str(decider.plan()) and decider.mode("Block", 0) == PLAIN
+    decider.close()
+    plan = decider.plan()
+    assert "\n  now: " not in str(plan) and "weighing_plain" not in plan.measured
+    assert plan.measured["offload_alone"] == 1.0 and decider.mode("Block", 0) == WHOLE
+    assert not source.running
+
+
 def test_ranks_weighing_plain_without_trims_run_rank_0_s_choice() -> None:
     """NOTE [plain without trims], NOTE [ranks agree]: rank 0's plain steps without
     trims ran 1.8 s and held what they held under trims; rank 1's ran 9 s and held 200
