@@ -889,40 +889,46 @@ _OPS_HOLD = sum(nbytes for _, nbytes, _ in _OPS)
 
 
 @pytest.mark.parametrize(
-    ("budget", "trimmed", "untrimmed", "held"),
+    ("budget", "saved", "trimmed", "untrimmed", "held"),
     [
-        (_OPS_HOLD + 1000 * _MiB, 400, [900, 1200], True),  # bought 800 MiB, 1000 unused
-        (_OPS_HOLD + 100 * _MiB, 400, [900, 1200], False),  # bought 800 MiB, 100 unused
-        (0, 400, [410, 420], True),  # bought nothing: no budget to weigh
-        (0, 400, [300, 450], False),  # bought 50 MiB, over 5%
-        (0, 400, [450, 0], False),  # a failed sample: trims stay
+        (_OPS_HOLD + 1000 * _MiB, 0, 400, [900, 1200], True),  # bought 800 MiB, 1000 unused
+        (_OPS_HOLD + 100 * _MiB, 0, 400, [900, 1200], False),  # bought 800 MiB, 100 unused
+        (0, 400, 400, [410, 420], True),  # bought 20 MiB: 5% of the 400 MiB saved
+        (0, 400, 400, [410, 421], False),  # bought 21 MiB
+        (0, 0, 400, [410, 420], False),  # bought 20 MiB (5% of the process): nothing saved
+        (0, 400, 400, [450, 0], False),  # a failed sample: trims stay
     ],
 )
 def test_a_plan_that_moves_nothing_holds_trims_off_where_they_buy_less_than_it_leaves(
-    budget: int, trimmed: int, untrimmed: list[int], held: bool
+    budget: int, saved: int, trimmed: int, untrimmed: list[int], held: bool
 ) -> None:
     """NOTE [trims a plan does without]: every block checkpointed plainly (selective
     would save less than its dispatch costs); one planned step under trims, two without,
-    then trims held off for good where the trimmed step held no less than 95% of the
-    untrimmed ones' most less the budget the plan leaves unused; else trims run again,
-    with one trim at once."""
+    then trims held off for good where the untrimmed ones' most is at most the trimmed
+    step's plus the budget the plan leaves unused plus 5% of the bytes the block saved
+    (``saved`` MiB) in the profile's whole step; else trims run again, with one trim at
+    once. Held off, a trim comes above the lower of 105% of the untrimmed steps' most
+    and the most that verdict allows."""
     calls = _Holds()
     trims: list[int] = []
     source = _Peaks(_LEAN_PLAIN, planned=[trimmed << 20, *(p << 20 for p in untrimmed)])
     decider = _plan(
-        3.0, 2.5, budget=budget, dispatch_s=0.5, peaks=source, hold_trims=calls,
-        trim_heap=lambda: trims.append(1), **_SLOW_LINK,
+        3.0, 2.5, budget=budget, saved=saved * _MiB, dispatch_s=0.5, peaks=source,
+        hold_trims=calls, trim_heap=lambda: trims.append(1), **_SLOW_LINK,
     )  # fmt: skip
     assert calls == [] and source.running  # the first planned step ran under trims
     assert _planned_steps(decider, [3.0], 1) == [PLAIN]
     assert calls == [True]  # it ended: two steps without
     _planned_steps(decider, [3.0], 1)
     assert calls == [True, held] and not source.running
-    assert calls.ceilings == [None, int((max(untrimmed) << 20) * 1.05) if held else None]
+    room = max(budget - _OPS_HOLD, 0) + 0.05 * saved * _MiB
+    ceiling = int(min((max(untrimmed) << 20) * 1.05, (trimmed << 20) + room))
+    assert calls.ceilings == [None, ceiling if held else None]
     assert trims == ([] if held else [1])
     m = decider.plan().measured
     assert m["trims_held"] == float(held) and m["trims_peak_MiB"] == trimmed
     assert m["unused_budget_MiB"] == pytest.approx(max(budget - _OPS_HOLD, 0) / _MiB)
+    assert m["step_saved_MiB"] == saved
     assert ("held off" if held else "kept") in str(decider.plan()).split("heap trims:")[1]
     _planned_steps(decider, [3.0] * 5, 1)
     assert calls == [True, held]  # decided for good
@@ -974,6 +980,7 @@ def test_a_plan_that_moves_bytes_keeps_its_trims_untried(
         (100, 300, [1.8, 1.9], False),  # trims bought 200 MiB: it lost under them
         (145, 150, [2.08, 2.05], False),  # 2.5% slower, though 25% leaner: by time
         (980, 1000, [1.99, 1.98], True),  # 1% faster, held 5 times alone's: by time
+        (980, 1001, [1.8, 1.9], False),  # trims bought 21 MiB, over 5% of 400 saved
         (100, 0, [1.8, 1.9], False),  # a failed sample: as it was weighed
     ],
 )
@@ -993,8 +1000,8 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     planned = [9999 << 20, trimmed << 20] + [untrimmed << 20] * 2 + [0]
     source = _Peaks(_LEAN_PLAIN, planned=planned)
     decider = _plan(
-        3.0, 2.5, blocks=2, whole_s=2.0, ops=_CHEAP, peaks=source, hold_trims=calls,
-        trim_heap=lambda: trims.append(1), **_SLOW_LINK,
+        3.0, 2.5, blocks=2, saved=200 * _MiB, whole_s=2.0, ops=_CHEAP, peaks=source,
+        hold_trims=calls, trim_heap=lambda: trims.append(1), **_SLOW_LINK,
     )  # fmt: skip
     assert decider.plan().measured["offload_alone"] == 1.0  # (the profile's choice)
     assert trims == [1] and calls == []  # plain began, under trims (its first uncounted)
@@ -1005,7 +1012,9 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     modes = _planned_steps(decider, [walls[1]], 2)
     assert modes == [PLAIN if plain else WHOLE] * 2 and not source.running
     assert calls == [True, plain]
-    assert calls.ceilings[1] == (int((untrimmed << 20) * 1.05) if plain else None)
+    room = 0.05 * (400 << 20)  # (5% of the two blocks' 400 MiB, no budget unused)
+    ceiling = int(min((untrimmed << 20) * 1.05, (trimmed << 20) + room))
+    assert calls.ceilings[1] == (ceiling if plain else None)
     assert trims == ([1] if plain else [1, 1])
     plan = decider.plan()
     m = plan.measured
@@ -1113,7 +1122,8 @@ def test_ranks_weighing_plain_without_trims_run_rank_0_s_choice() -> None:
 
     got = on_ranks(3, rank)
     assert [g[:2] for g in got] == [(PLAIN, 1.0)] * 3 and all(g[2][-1] for g in got)
-    assert [g[3][-1] for g in got] == [int((100 << 20) * 1.05), int((300 << 20) * 1.05), None]
+    # (The ceiling: the most each rank's own verdict allows; no saved bytes, no budget.)
+    assert [g[3][-1] for g in got] == [100 << 20, 100 << 20, None]
 
 
 @pytest.mark.parametrize("held", [True, False])
@@ -1332,13 +1342,17 @@ def test_the_trims_trial_holds_the_engine_s_trims_as_judged_and_stays_bit_identi
     training without offload or checkpointing."""
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)  # the plan checkpoints
     monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", math.inf)  # plainly
-    # The verdict: trimmed >= (1 - _LEANER) * (untrimmed - unused), 0 or infinite times.
-    monkeypatch.setattr(recompute, "_LEANER", 1.0 if held else -math.inf)
+    # The verdict: untrimmed - trimmed <= unused + _TRIMS_SLACK * saved, with an infinite
+    # slack or a negative infinite one.
+    monkeypatch.setattr(recompute, "_TRIMS_SLACK", math.inf if held else -math.inf)
     warm_up_unary_ops()
     plain = _model()
     ref = _grads(plain, len(recompute._PROFILE) + 2) + _grads(plain, 3)
     model = _model()
-    with offload_context("disk", tmp_path, model=model, recompute="auto") as engine:
+    # (Every saved tensor reaches the tiers: the whole step counts the bytes it saved.)
+    with offload_context(
+        "disk", tmp_path, model=model, recompute="auto", min_offload_bytes=0
+    ) as engine:
         heap = engine._heap
         if not heap.enabled:
             pytest.skip("no heap trims here (not glibc)")
@@ -1364,12 +1378,15 @@ def test_plain_weighed_without_trims_runs_as_judged_and_stays_bit_identical(
     rival = ("offload alone", math.inf if to == "plain" else 0.0, 0)  # what plain weighs against
     monkeypatch.setattr(AutoDecider, "_rival", lambda d: rival if d.measured else None)
     monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", math.inf)  # (not selective)
-    monkeypatch.setattr(recompute, "_LEANER", 1.0)  # the trims would be held off
+    monkeypatch.setattr(recompute, "_TRIMS_SLACK", math.inf)  # the trims would be held off
     warm_up_unary_ops()
     plain = _model()
     ref = _grads(plain, len(recompute._PROFILE) + 2) + _grads(plain, 1) + _grads(plain, 3)
     model = _model()
-    with offload_context("disk", tmp_path, model=model, recompute="auto") as engine:
+    # (Every saved tensor reaches the tiers: the whole step counts the bytes it saved.)
+    with offload_context(
+        "disk", tmp_path, model=model, recompute="auto", min_offload_bytes=0
+    ) as engine:
         heap = engine._heap
         if not heap.enabled:
             pytest.skip("no heap trims here (not glibc)")
