@@ -978,7 +978,9 @@ def test_a_plan_that_moves_bytes_keeps_its_trims_untried(
         (100, 100, [1.8, 1.9], True),  # trims bought nothing, plain 10% faster
         (100, 100, [2.5, 2.4], False),  # trims bought nothing, plain 20% slower
         (100, 300, [1.8, 1.9], False),  # trims bought 200 MiB: it lost under them
-        (145, 150, [2.08, 2.05], False),  # 2.5% slower, though 25% leaner: by time
+        (190, 195, [2.08, 2.05], False),  # 2.5% slower, 2.5% leaner
+        (100, 100, [2.08, 2.05], True),  # 2.5% slower, half alone's memory: leaner
+        (100, 100, [2.12, 2.11], False),  # 5.5% slower, though half alone's memory
         (980, 1000, [1.99, 1.98], True),  # 1% faster, held 5 times alone's: by time
         (980, 1001, [1.8, 1.9], False),  # trims bought 21 MiB, over 5% of 400 saved
         (100, 0, [1.8, 1.9], False),  # a failed sample: as it was weighed
@@ -990,10 +992,10 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     """NOTE [plain without trims]: the profile measured offload alone 2 s a step at 200
     MiB, plain checkpointing (under trims) 2.5 s. Plain checkpointing then runs four
     steps, the first uncounted, the second under trims (``trimmed`` MiB), two without
-    (``untrimmed``, taking ``walls``); where trims bought less than 5% (and the budget
-    left unused), plain stays if it ran faster than offload alone, whatever it held,
-    its trims held off; else offload alone runs again under trims, with a trim at
-    once."""
+    (``untrimmed``, taking ``walls``); where trims bought no more than 5% of the 400
+    MiB saved (no budget unused), plain stays if it ran faster than offload alone,
+    whatever it held, or within 5% of it holding 5% less, its trims held off; else
+    offload alone runs again under trims, with a trim at once."""
     calls = _Holds()
     trims: list[int] = []
     # (The first step, not counted, held 9999 MiB: counted, trims would look bought.)
