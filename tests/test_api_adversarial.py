@@ -119,14 +119,22 @@ async def test_async_exit_cancelled_while_waiting_for_writes_still_cleans_up(
 ) -> None:
     ctx = offload_context("disk", save_dir, min_offload_bytes=0)
     started = asyncio.Event()
+    waits = [0, 0]  # the slow waits begun and ended (the one in the executor goes on)
+    lock = threading.Lock()
 
     async def body() -> None:
         async with ctx as engine:
             real = engine._wait_writes
 
             def slow() -> None:
-                time.sleep(0.3)
-                real()
+                with lock:
+                    waits[0] += 1
+                try:
+                    time.sleep(0.3)
+                    real()
+                finally:
+                    with lock:
+                        waits[1] += 1
 
             engine._wait_writes = slow
             (torch.randn(1 << 15, requires_grad=True) * 2).sin()
@@ -140,6 +148,10 @@ async def test_async_exit_cancelled_while_waiting_for_writes_still_cleans_up(
         await task
     engine = ctx._engine
     assert engine is not None and engine.closed
+    deadline = time.monotonic() + 10
+    while waits[1] < waits[0] and time.monotonic() < deadline:  # the executor's wait ends
+        await asyncio.sleep(0.01)
+    assert waits[0] == waits[1] >= 1
     before = engine.stats()
     (torch.randn(1 << 15, requires_grad=True) * 2).sin()
     assert engine.stats() == before  # the hooks came off
