@@ -1093,8 +1093,7 @@ class AutoDecider:
             if self._challenging:
                 self._challenging, self._trim_trial_left = False, 0
                 self._modes = self._rival_modes
-                del self.measured["weighing_plain"]
-                self._last = self._summarize(self._share, self._trial_obs)
+                self._end_weighing()
             self._sample_peaks(False)
 
     # -- the heap trims ---------------------------------------------------------------------
@@ -1152,8 +1151,7 @@ class AutoDecider:
                 self._trim_step_ended(wall, peak)
             if stale:
                 if self._challenging:  # (the plan made last runs no more: as it was)
-                    del self.measured["weighing_plain"]
-                    self._last = self._summarize(self._share, self._trial_obs)
+                    self._end_weighing()
                 self._trial_left, self._trial_obs = 0, {}
                 self._trim_trial_left, self._challenging = 0, False
                 self._hold(False)
@@ -1742,6 +1740,12 @@ class AutoDecider:
         else:
             self._sample_peaks(False)
             self._trial_obs = {}
+
+    def _end_weighing(self) -> None:
+        """Plain checkpointing no longer runs in the plan's place unjudged: the plan made
+        last is printed as it was (NOTE [plain without trims])."""
+        del self.measured["weighing_plain"]
+        self._last = self._summarize(self._share, self._trial_obs)
 
     def _moves(self) -> bool:
         """Whether the plan moves activations: selective blocks, or offload alone."""
