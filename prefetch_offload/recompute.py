@@ -1842,7 +1842,7 @@ class AutoDecider:
             rival_alone=float(name == _ALONE),
         )
         if plain:
-            self._switch(PLAIN, f"with heap trims held off ran faster than {name}")
+            self._switch(PLAIN, "with heap trims held off " + _than(wall < rival, name))
             return True
         self._modes = self._rival_modes
         return False

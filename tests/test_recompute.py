@@ -1031,7 +1031,8 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     assert "offload alone 2.000 s at 200 MiB" in line
     if plain:
         assert {d.choice for d in plan.ops} == {"recompute"} and plan.bytes_recomputed > 0
-        assert "every block with heap trims held off ran faster than offload alone" in str(plan)
+        why = "ran faster than" if min(walls) < 2.0 else "ran within 5% of"  # (and leaner)
+        assert f"every block with heap trims held off {why} offload alone" in str(plan)
     else:
         assert {d.choice for d in plan.ops} == {"whole"} and plan.bytes_recomputed == 0
     assert _planned_steps(decider, [9.0] * 4, 2) == modes and len(calls) == 2
