@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import faulthandler
 import mmap
 import os
 import random
 import signal
-import socket
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -254,14 +256,35 @@ def on_ranks(world: int, body: Callable[[Any], Any], store: Any = None) -> list[
 
 
 def on_two_processes(target: Callable[..., None], *args: Any) -> None:
-    """``target(rank, 2, port, *args)`` in two spawned processes, ``port`` a free local
-    one for their process group; raises what either raised."""
+    """``target(rank, *args)`` in two spawned processes, each a rank of one gloo process
+    group (rendezvous through a file); raises what either raised."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    mp.start_processes(target, args=(2, port, *args), nprocs=2, join=True, start_method="spawn")
+    with tempfile.TemporaryDirectory() as folder:
+        store = os.path.join(folder, "store")
+        mp.start_processes(
+            _gloo_rank, args=(target, store, *args), nprocs=2, join=True, start_method="spawn"
+        )
+
+
+def _gloo_rank(rank: int, target: Callable[..., None], store: str, *args: Any) -> None:
+    """One rank of :func:`on_two_processes`: joins the group, runs ``target(rank,
+    *args)``, waits for the other rank, and exits the process at once.
+
+    The exit skips tearing gloo down: gloo's teardown in two processes ending together
+    aborted a rank now and then ("terminate called without an active exception"),
+    with or without offload, after both had passed the barrier and saved their
+    results. A signal that kills the process prints every thread's Python stack."""
+    import torch.distributed as dist
+
+    faulthandler.enable(all_threads=True)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    target(rank, *args)
+    dist.barrier()  # the other rank is done too
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @contextlib.contextmanager

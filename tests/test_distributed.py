@@ -24,38 +24,28 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _rank(rank: int, world: int, port: int, save_dir: str | None, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)
-        model = torch.nn.parallel.DistributedDataParallel(
-            TinyTransformer(vocab=64, width=32, depth=2, heads=2)
-        )
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        for step in range(STEPS):
-            tokens, targets = make_batch(4, 32, vocab=64, seed=100 * rank + step)
-            opt.zero_grad(set_to_none=True)
-            if save_dir is None:
-                model(tokens, targets).backward()
-            else:
-                with offload_context(
-                    "disk", save_dir, min_offload_bytes=0, chunk_bytes=1 << 14
-                ) as engine:
-                    loss = model(tokens, targets)
-                    engine.flush()  # on disk before backward: the reads are exercised
-                    loss.backward()
-                assert engine.stats().tensors_offloaded > 0 and engine.stats().bytes_read > 0
-            opt.step()
-        if rank == 0:
-            torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, out)
-        # Both ranks done before either tears gloo down: without it, a rank could
-        # abort ("terminate called without an active exception") about 1 run in 10,
-        # with or without offload.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int, save_dir: str | None, out: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        TinyTransformer(vocab=64, width=32, depth=2, heads=2)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(STEPS):
+        tokens, targets = make_batch(4, 32, vocab=64, seed=100 * rank + step)
+        opt.zero_grad(set_to_none=True)
+        if save_dir is None:
+            model(tokens, targets).backward()
+        else:
+            with offload_context(
+                "disk", save_dir, min_offload_bytes=0, chunk_bytes=1 << 14
+            ) as engine:
+                loss = model(tokens, targets)
+                engine.flush()  # on disk before backward: the reads are exercised
+                loss.backward()
+            assert engine.stats().tensors_offloaded > 0 and engine.stats().bytes_read > 0
+        opt.step()
+    if rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, out)
 
 
 def _train(tmp_path: Path, save_dir: str | None, name: str) -> dict[str, torch.Tensor]:
@@ -110,18 +100,11 @@ def _fsdp_train(rank: int, save_dir: str | None) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
 
 
-def _fsdp_rank(rank: int, world: int, port: int, save_dir: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        plain = _fsdp_train(rank, None)
-        offloaded = _fsdp_train(rank, save_dir)
-        if rank == 0:
-            torch.save({"plain": plain, "offloaded": offloaded}, out)
-        dist.barrier()  # as in _rank: both ranks done before gloo is torn down
-    finally:
-        dist.destroy_process_group()
+def _fsdp_rank(rank: int, save_dir: str, out: str) -> None:
+    plain = _fsdp_train(rank, None)
+    offloaded = _fsdp_train(rank, save_dir)
+    if rank == 0:
+        torch.save({"plain": plain, "offloaded": offloaded}, out)
 
 
 @pytest.mark.slow

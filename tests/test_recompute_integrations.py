@@ -379,18 +379,11 @@ def _dist_train(rank: int, wrap: str, save_dir: str | None) -> dict[str, Any]:
     return {"params": params, "choices": choices, "agreeing": plan.measured.get("ranks_agreeing")}
 
 
-def _dist_rank(rank: int, world: int, port: int, wrap: str, save_dir: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _dist_rank(rank: int, wrap: str, save_dir: str, out: str) -> None:
     recompute_module.OFFLOAD_ALONE = False  # checkpointed blocks on both ranks
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        plain = _dist_train(rank, wrap, None)
-        recomputed = _dist_train(rank, wrap, save_dir)
-        torch.save({"plain": plain, **recomputed}, f"{out}.{rank}")
-        dist.barrier()  # both ranks done before gloo is torn down
-    finally:
-        dist.destroy_process_group()
+    plain = _dist_train(rank, wrap, None)
+    recomputed = _dist_train(rank, wrap, save_dir)
+    torch.save({"plain": plain, **recomputed}, f"{out}.{rank}")
 
 
 @_distributed
@@ -431,39 +424,32 @@ class _ParallelBlock(torch.nn.Module):
         return x + self.down(torch.nn.functional.gelu(h))
 
 
-def _collective_rank(rank: int, world: int, port: int, save_dir: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _collective_rank(rank: int, save_dir: str, out: str) -> None:
     warnings.filterwarnings("ignore", "torch.distributed.nn.functional", FutureWarning)
     # Alone, rank 0 would checkpoint every block and rank 1 would run them whole: rank
     # 1's recomputes would meet no all-reduce on rank 0.
     recompute_module.OFFLOAD_ALONE = rank == 1
     if rank == 1:
         recompute_module._leanest_of_the_fastest = lambda plans: "alone"  # type: ignore[assignment]
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results = {}
-        for target in (None, "disk"):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(*[_ParallelBlock(32) for _ in range(4)])
-            opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            kwargs: dict[str, Any] = {"model": model, "recompute": "auto"} if target else {}
-            with offload_context(target, save_dir, min_offload_bytes=0, **kwargs) as engine:
-                for step in range(len(recompute_module._PROFILE) + 4):
-                    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step))
-                    opt.zero_grad(set_to_none=True)
-                    model(x).square().mean().backward()
-                    opt.step()
-            results[str(target)] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            if target:
-                plan = engine.recompute_plan()
-                assert plan is not None
-                blocks = ("blocks_whole", "blocks_plain", "blocks_selective")
-                results["modes"] = {k: plan.measured[k] for k in blocks}  # type: ignore[misc]
-        torch.save(results, f"{out}.{rank}")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    results = {}
+    for target in (None, "disk"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[_ParallelBlock(32) for _ in range(4)])
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        kwargs: dict[str, Any] = {"model": model, "recompute": "auto"} if target else {}
+        with offload_context(target, save_dir, min_offload_bytes=0, **kwargs) as engine:
+            for step in range(len(recompute_module._PROFILE) + 4):
+                x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step))
+                opt.zero_grad(set_to_none=True)
+                model(x).square().mean().backward()
+                opt.step()
+        results[str(target)] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if target:
+            plan = engine.recompute_plan()
+            assert plan is not None
+            blocks = ("blocks_whole", "blocks_plain", "blocks_selective")
+            results["modes"] = {k: plan.measured[k] for k in blocks}  # type: ignore[misc]
+    torch.save(results, f"{out}.{rank}")
 
 
 @_distributed
