@@ -306,36 +306,35 @@
 # one), one planned step runs under trims and two without (the first of them
 # on the heap the trims left), and their sampled peaks decide: the trims are
 # held off for good (until a new profile, which runs under trims) where the
-# most the others held is at most what the step under them held plus the
-# budget the plan leaves unused plus 5% (_TRIMS_SLACK) of the bytes a step
-# saves (the blocks' saved bytes in the profile's first step): the budget the
-# plan leaves unused is ``device_budget`` less what the engine keeps at the
-# end of forward (the block inputs) less what one block's recompute holds,
-# memory the user gave to activations and the plan does not fill; free heap
-# may take it, as the trims' allowance lets it (NOTE [heap trim]), and the 5%
-# is the slack of issue 23's peak target. A slack of 5% of the process's
-# memory instead (which counts the weights and the heap beside the
-# activations) held the trims off on the 8-layer Llama at 25% where they
-# bought 56 MiB (505 against 561) with 31 MiB unused, and that run peaked at
-# 327 MiB against a limit of 313. Held off, one trim a step at most still
-# comes where the process's anonymous resident memory is above the lower of
-# 105% of the most the steps without trims held and the most the verdict
-# allows (the trimmed step plus that room): glibc's heap drifts up over many
-# steps without them (``bench/recompute.py``, the 24-block transformer at 50%,
-# every block plain with trims held off: peaks of 793-794 MiB in the first four
-# timed rounds, then 910-942, over the limit of 926). Else the trims run again,
-# with one trim at once for what the steps without them left. A plan that moves
-# activations keeps its trims untried: they give back what its moves free,
-# and its steps without them would hold what the moves were asked to save. A
-# CUDA model (no trims) and a run with no sampled peaks are not weighed.
-# Measured with ``bench/recompute.py --model llama`` (the 8-layer Llama, one
-# run, 2 CPU threads; every layer checkpointed plainly at each budget): at 10%
-# and 25% of the saved bytes the trims bought 141 and 56 MiB (431 against 572,
-# 511 against 567), more than the 0 and 31 MiB of the budget unused and 17 MiB
-# (5% of the 331 MiB the layers save), and stayed; at 50% they bought 9 MiB
-# (568 against 577) with 119 unused, and were held off: auto then ran 1.03x
-# the step of ``full`` (the same plan without the engine; per round 0.96-1.12)
-# at a peak of 336 MiB against its 291.
+# most the others held is at most the larger of what the step under them held
+# and what offload alone held in the profile, plus 5% (_TRIMS_SLACK) of the
+# bytes a step saves (the blocks' saved bytes in the profile's first step).
+# Offload alone at this ``device_budget`` is the budget's own measure: it keeps
+# what the budget holds and moves the rest, so a heap that holds no more than
+# it did takes no more than the user gave to activations; the 5% is the slack
+# of issue 23's peak target. The step under trims is no measure of the budget:
+# the trims' allowance (NOTE [heap trim]) already lets its free heap fill the
+# budget the plan leaves unused, so that budget added to its peak counts
+# twice. Counted so, on the 24-block transformer of ``bench/recompute.py`` at
+# 50% of the saved bytes, every block plain, the trims were held off at 1072
+# MiB without them against 932 with them (397 MiB of the budget unused;
+# offload alone had held 1012), and the timed steps peaked at 882 MiB above
+# their start against the target's limit of 870. Held off, one trim a step at
+# most still comes where the process's anonymous resident memory is above the
+# lower of 105% of the most the steps without trims held and the most the
+# verdict allows: glibc's heap drifts up over many steps without them (the
+# same transformer at 50%, every block plain with trims held off: peaks of
+# 793-794 MiB in the first four timed rounds, then 910-942, over the limit of
+# 926). Else the trims run again, with one trim at once for what the steps
+# without them left. A plan that moves activations keeps its trims untried:
+# they give back what its moves free, and its steps without them would hold
+# what the moves were asked to save. A CUDA model (no trims) and a run with no
+# sampled peaks are not weighed. Measured with ``bench/recompute.py --model
+# llama`` (the 8-layer Llama, one run, 2 CPU threads; every layer checkpointed
+# plainly at each budget), under trims and without, against offload alone and
+# the 17 MiB slack (5% of the 331 MiB the layers save): at 10% and 25% of the
+# saved bytes 431 against 572 and 511 against 567 MiB, offload alone 494 and
+# 543: the trims stayed; at 50% 568 against 577, offload alone 623: held off.
 #
 # NOTE [plain without trims]
 # The profile and the trial weigh plain checkpointing against the other plans
@@ -356,23 +355,21 @@
 # the plan's time that held 5% (_LEANER) less than it wins too, as the
 # profile's choices take the leaner of two plans within the noise. Plain
 # checkpointing runs from then on if it won, its trims held off (with their
-# ceiling). Else (its trims
-# bought more than the budget it leaves unused and the 5% slack: it was
-# weighed as it would run; or the plan won) the plan runs again as it was, under trims, with one
-# trim at once (its first step trims at plain's bound); a tried plan that
+# ceiling). Else (without trims it held more than the verdict allows: it was
+# weighed as it would run; or the plan won) the plan runs again as it was,
+# under trims, with one trim at once (its first step trims at plain's bound); a tried plan that
 # moves nothing then weighs its own trims, in four steps alike. Four steps of
 # plain checkpointing, once per profile. Measured with ``bench/recompute.py
 # --steps 8`` (the 24-block transformer, 2 CPU threads) at 50% of the saved
 # bytes, in two runs: the trial kept the plan it tried (1.581 s a step; plain
 # checkpointing under trims 1.756 s in the profile), and plain checkpointing
-# without trims ran 1.463 s at 984 MiB (953 MiB with them, 397 MiB of the
-# budget unused) and replaced it: 1.02x the step of ``full`` by medians, where
-# offload alone (``offload50``) ran 1.14x. In the other, plain checkpointing
-# without trims ran 1.617 s, 3% faster than offload alone's 1.673 s in the
-# profile, at 1129 MiB against its 1019: weighed with memory (5% within the
-# time, 10% leaner) offload alone stayed, and ran 1.15x ``full``'s step. At
-# 10% it ran 1.496-1.525 s without trims but held 1028-1060 MiB against
-# 553-570 with them, 9 MiB of the budget unused: offload alone stays. With
+# without trims ran 1.463 s at 984 MiB (953 MiB with them, offload alone 1019)
+# and replaced it: 1.02x the step of ``full`` by medians, where offload alone
+# (``offload50``) ran 1.14x. In the other, plain checkpointing without trims
+# ran 1.617 s, 3% faster than offload alone's 1.673 s in the profile, but at
+# 1129 MiB against its 1019, more than the verdict allows: offload alone
+# stayed. At 10% plain ran 1.496-1.525 s without trims but held 1028-1060 MiB
+# against 553-570 with them: offload alone stays. With
 # glibc's fast reuse off (``GLIBC_TUNABLES``, ``--steps 5``) at 10%, plain
 # checkpointing without trims ran 1.522 s at 525 MiB against offload alone's
 # 1.518 s at 753 in the profile: by time alone offload alone ran, 1.07x
@@ -531,17 +528,16 @@ class RecomputePlan:
             lines.append(
                 f"  without heap trims: plain checkpointing ran {m['untrimmed_plain_s']:.3f} s "
                 f"a step at {m['plain_untrimmed_peak_MiB']:.0f} MiB "
-                f"({m['plain_trims_peak_MiB']:.0f} MiB with them, "
-                f"{m['plain_unused_budget_MiB']:.0f} MiB of device_budget unused by it), "
+                f"({m['plain_trims_peak_MiB']:.0f} MiB with them, at most "
+                f"{m['plain_allowed_MiB']:.0f} MiB allowed without), "
                 f"{rival} {m['rival_s']:.3f} s{_peak_text(m, 'rival_peak_MiB')}: "
                 + ("plain checkpointing runs" if m["untrimmed_choice"] else "the plan runs")
             )
         if "trims_held" in m:  # NOTE [trims a plan does without]
             lines.append(
                 f"  heap trims: {m['trims_peak_MiB']:.0f} MiB held with them, "
-                f"{m['untrimmed_peak_MiB']:.0f} MiB without, "
-                f"{m['unused_budget_MiB']:.0f} MiB of device_budget unused by the plan: "
-                + _trims_verdict(m)
+                f"{m['untrimmed_peak_MiB']:.0f} MiB without, at most "
+                f"{m['trims_allowed_MiB']:.0f} MiB allowed without: " + _trims_verdict(m)
             )
         if self.measured:  # (a bandwidth with nothing moved is unmeasured: left out)
             shown = sorted(
@@ -738,7 +734,7 @@ _OFFLOAD_ALL_STEP = _PROFILE.index(_OFFLOAD_ALL)
 _TIE = 0.05
 _LEANER = 0.05
 # NOTE [trims a plan does without]: the share of a step's saved bytes the heap may hold
-# without trims beyond the budget the plan leaves unused (the issue's peak slack).
+# without trims beyond the step under them or offload alone (the issue's peak slack).
 _TRIMS_SLACK = 0.05
 # NOTE [trims a plan does without]: trims held off still trim above this much over the
 # most the steps without them held.
@@ -873,7 +869,6 @@ class AutoDecider:
         self._trim_trial_left = 0
         self._trim_trial_walls: list[float] = []
         self._trim_trial_peaks: list[int] = []
-        self._trim_trial_kept = 0
         self._challenging = False
         self._rival_modes: dict[tuple[str, int], str] = {}  # the plan plain runs in place of
         self._block_hold = 0
@@ -989,9 +984,6 @@ class AutoDecider:
     def backward(self, kind: str, index: int) -> None:
         with self._lock:
             self._calls[2] += 1  # NOTE [abandoned forwards]
-            if self._trim_trial_left and not self._in_backward:  # forward's end: what the
-                kept = self._stats().device_tier_bytes  # plan keeps of the budget now
-                self._trim_trial_kept = max(self._trim_trial_kept, kept)
             self._in_backward = True
             span = self._spans.get(self._step_no, {}).get((kind, index))
             if span is not None and span.grad is None:
@@ -1756,7 +1748,7 @@ class AutoDecider:
         a first, uncounted step where ``settling`` (plain checkpointing in place of
         another plan: its trim bound follows what that plan moved)."""
         self._trim_trial_left = 1 + _UNTRIMMED_STEPS + settling
-        self._trim_trial_walls, self._trim_trial_peaks, self._trim_trial_kept = [], [], 0
+        self._trim_trial_walls, self._trim_trial_peaks = [], []
 
     def _trim_step_ended(self, wall: float, peak: int) -> None:
         """A step of the trims' trial ended, taking ``wall`` and holding at most ``peak``
@@ -1770,19 +1762,18 @@ class AutoDecider:
             self._judge_trims()
 
     def _judge_trims(self) -> None:
-        """Hold the trims off for good where they bought no more than the budget the plan
-        leaves unused and 5% of the bytes a step saves (NOTE [trims a plan does
-        without]); else let them run, with
-        one trim now for what the steps without them left. Where plain checkpointing ran
-        in place of another plan, it stays only where its trims are held off and it ran
-        faster without them, or within 5% and held 5% less (NOTE [plain without
-        trims])."""
+        """Hold the trims off for good where the steps without them held no more than
+        the step under them or offload alone in the profile, whichever held more, and
+        5% of the bytes a step saves (NOTE [trims a plan does without]); else let them
+        run, with one trim now for what the steps without them left. Where plain
+        checkpointing ran in place of another plan, it stays only where its trims are
+        held off and it ran faster without them, or within 5% and held 5% less (NOTE
+        [plain without trims])."""
         peaks = self._trim_trial_peaks[-1 - _UNTRIMMED_STEPS :]
         trimmed, untrimmed = peaks[0], _most(peaks[1:])
-        unused = max(self._budget - self._trim_trial_kept - self._block_hold, 0)
-        # What the trims buy, against what the budget leaves and a share of the saved bytes.
-        room = unused + _TRIMS_SLACK * self._step_saved
-        held = 0 < trimmed and 0 < untrimmed and untrimmed - trimmed <= room
+        alone = round(self.measured.get("peak_alone_MiB", 0.0) * _MiB)
+        allowed = max(trimmed, alone) + _TRIMS_SLACK * self._step_saved
+        held = 0 < trimmed and 0 < untrimmed and untrimmed <= allowed
         again = False  # the plan that ran again moves nothing: its own trims' trial
         challenged, self._challenging = self._challenging, False
         if challenged:
@@ -1792,20 +1783,17 @@ class AutoDecider:
             self.measured.update(
                 plain_trims_peak_MiB=trimmed / _MiB,
                 plain_untrimmed_peak_MiB=untrimmed / _MiB,
-                plain_unused_budget_MiB=unused / _MiB,
+                plain_allowed_MiB=allowed / _MiB,
             )
             again = not held and not self._moves()
         # NOTE [trims a plan does without]: a trim where the heap drifts beyond what
-        # the steps without them held (none where that is unknown).
-        ceiling = None  # (none where the peak is unknown: held by rank 0's word)
-        if held and untrimmed:
-            most = untrimmed * (1 + _CEILING)
-            ceiling = int(min(most, trimmed + room) if trimmed else most)
+        # the steps without them held (none where that is unknown: held by rank 0's word).
+        ceiling = int(min(untrimmed * (1 + _CEILING), allowed)) if held and untrimmed else None
         figures = {
             "trims_held": float(held),
             "trims_peak_MiB": trimmed / _MiB,
             "untrimmed_peak_MiB": untrimmed / _MiB,
-            "unused_budget_MiB": unused / _MiB,
+            "trims_allowed_MiB": allowed / _MiB,
         }
         if held:
             self._hold(True, ceiling)
@@ -1824,8 +1812,8 @@ class AutoDecider:
 
     def _weigh_plain(self, held: bool, wall: float, peak: int) -> bool:
         """Plain checkpointing ran in place of the plan (offload alone, or a tried plan),
-        ``wall`` a step at ``peak`` without trims, ``held``: its trims bought less than
-        the budget it leaves unused. Keep it where it ran faster than the plan's
+        ``wall`` a step at ``peak`` without trims, ``held``: it held no more without
+        them than the verdict allows. Keep it where it ran faster than the plan's
         measured steps, or within 5% of them holding 5% less, else the plan runs again
         (NOTE [plain without trims]). Whether plain runs (its trims held off: rank 0's
         choice, where ranks agree)."""

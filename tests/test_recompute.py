@@ -889,47 +889,57 @@ _OPS_HOLD = sum(nbytes for _, nbytes, _ in _OPS)
 
 
 @pytest.mark.parametrize(
-    ("budget", "saved", "trimmed", "untrimmed", "held"),
+    ("budget", "alone", "saved", "trimmed", "untrimmed", "held"),
     [
-        (_OPS_HOLD + 1000 * _MiB, 0, 400, [900, 1200], True),  # bought 800 MiB, 1000 unused
-        (_OPS_HOLD + 100 * _MiB, 0, 400, [900, 1200], False),  # bought 800 MiB, 100 unused
-        (0, 400, 400, [410, 420], True),  # bought 20 MiB: 5% of the 400 MiB saved
-        (0, 400, 400, [410, 421], False),  # bought 21 MiB
-        (0, 0, 400, [410, 420], False),  # bought 20 MiB (5% of the process): nothing saved
-        (0, 400, 400, [450, 0], False),  # a failed sample: trims stay
+        (0, 200, 400, 400, [410, 420], True),  # bought 20 MiB: 5% of the 400 MiB saved
+        (0, 200, 400, 400, [410, 421], False),  # bought 21 MiB
+        (0, 200, 0, 400, [410, 420], False),  # bought 20 MiB, nothing saved
+        (0, 1000, 400, 400, [900, 1020], True),  # offload alone held 1000 MiB, +5%
+        (0, 1000, 400, 400, [900, 1021], False),
+        (0, 0, 400, 400, [410, 420], True),  # offload alone's peak unknown: the trimmed
+        (_OPS_HOLD + 1000 * _MiB, 200, 0, 400, [900, 1200], False),  # the budget unused
+        (0, 200, 400, 400, [450, 0], False),  # a failed sample: trims stay
     ],
 )
-def test_a_plan_that_moves_nothing_holds_trims_off_where_they_buy_less_than_it_leaves(
-    budget: int, saved: int, trimmed: int, untrimmed: list[int], held: bool
+def test_a_plan_that_moves_nothing_holds_trims_off_where_it_holds_no_more_than_allowed(
+    budget: int, alone: int, saved: int, trimmed: int, untrimmed: list[int], held: bool
 ) -> None:
     """NOTE [trims a plan does without]: every block checkpointed plainly (selective
     would save less than its dispatch costs); one planned step under trims, two without,
-    then trims held off for good where the untrimmed ones' most is at most the trimmed
-    step's plus the budget the plan leaves unused plus 5% of the bytes the block saved
-    (``saved`` MiB) in the profile's whole step; else trims run again, with one trim at
-    once. Held off, a trim comes above the lower of 105% of the untrimmed steps' most
-    and the most that verdict allows."""
+    then trims held off for good where the untrimmed ones' most is at most the larger
+    of the trimmed step's and offload alone's in the profile (``alone`` MiB), plus 5%
+    of the bytes the blocks saved (``saved`` MiB) in the profile's whole step; the
+    budget the plan leaves unused does not count (the trims' allowance already let the
+    trimmed step's heap fill it); else trims run again, with one trim at once. Held
+    off, a trim comes above the lower of 105% of the untrimmed steps' most and the most
+    that verdict allows."""
     calls = _Holds()
     trims: list[int] = []
-    source = _Peaks(_LEAN_PLAIN, planned=[trimmed << 20, *(p << 20 for p in untrimmed)])
+    peaks = {**_LEAN_PLAIN, recompute._WHOLE_TIMED: alone << 20}
+    source = _Peaks(peaks, planned=[trimmed << 20, *(p << 20 for p in untrimmed)])
     decider = _plan(
         3.0, 2.5, budget=budget, saved=saved * _MiB, dispatch_s=0.5, peaks=source,
         hold_trims=calls, trim_heap=lambda: trims.append(1), **_SLOW_LINK,
     )  # fmt: skip
+    assert decider.plan().measured["peak_alone_MiB"] == alone
     assert calls == [] and source.running  # the first planned step ran under trims
     assert _planned_steps(decider, [3.0], 1) == [PLAIN]
     assert calls == [True]  # it ended: two steps without
     _planned_steps(decider, [3.0], 1)
     assert calls == [True, held] and not source.running
-    room = max(budget - _OPS_HOLD, 0) + 0.05 * saved * _MiB
-    ceiling = int(min((max(untrimmed) << 20) * 1.05, (trimmed << 20) + room))
+    allowed = (max(trimmed, alone) << 20) + 0.05 * saved * _MiB
+    ceiling = int(min((max(untrimmed) << 20) * 1.05, allowed))
     assert calls.ceilings == [None, ceiling if held else None]
     assert trims == ([] if held else [1])
     m = decider.plan().measured
     assert m["trims_held"] == float(held) and m["trims_peak_MiB"] == trimmed
-    assert m["unused_budget_MiB"] == pytest.approx(max(budget - _OPS_HOLD, 0) / _MiB)
+    assert m["trims_allowed_MiB"] == pytest.approx(allowed / _MiB)
     assert m["step_saved_MiB"] == saved
-    assert ("held off" if held else "kept") in str(decider.plan()).split("heap trims:")[1]
+    line = str(decider.plan()).split("heap trims:")[1].splitlines()[0]
+    assert f"at most {allowed / _MiB:.0f} MiB allowed without" in line
+    assert line.endswith(
+        f"held off (but one a step above {ceiling / _MiB:.0f} MiB)" if held else "kept"
+    )
     _planned_steps(decider, [3.0] * 5, 1)
     assert calls == [True, held]  # decided for good
 
@@ -1014,8 +1024,9 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     modes = _planned_steps(decider, [walls[1]], 2)
     assert modes == [PLAIN if plain else WHOLE] * 2 and not source.running
     assert calls == [True, plain]
-    room = 0.05 * (400 << 20)  # (5% of the two blocks' 400 MiB, no budget unused)
-    ceiling = int(min((untrimmed << 20) * 1.05, (trimmed << 20) + room))
+    # (Offload alone held 200 MiB in the profile; 5% of the two blocks' 400 MiB.)
+    allowed = (max(trimmed, 200) << 20) + 0.05 * (400 << 20)
+    ceiling = int(min((untrimmed << 20) * 1.05, allowed))
     assert calls.ceilings[1] == (ceiling if plain else None)
     assert trims == ([1] if plain else [1, 1])
     plan = decider.plan()
@@ -1107,7 +1118,7 @@ def test_a_context_closed_while_plain_is_weighed_leaves_the_plan_it_made() -> No
 def test_ranks_weighing_plain_without_trims_run_rank_0_s_choice() -> None:
     """NOTE [plain without trims], NOTE [ranks agree]: rank 0's plain steps without
     trims ran 1.8 s and held what they held under trims; rank 1's ran 9 s and held 200
-    MiB more, and rank 2 samples no peaks (it would not weigh plain at all). Every rank
+    MiB more (100 more than its verdict allows), and rank 2 samples no peaks (it would not weigh plain at all). Every rank
     weighs plain, keeps it, and holds its trims off (with a ceiling where it knows the
     peak), as rank 0 judged."""
 
@@ -1125,8 +1136,9 @@ def test_ranks_weighing_plain_without_trims_run_rank_0_s_choice() -> None:
 
     got = on_ranks(3, rank)
     assert [g[:2] for g in got] == [(PLAIN, 1.0)] * 3 and all(g[2][-1] for g in got)
-    # (The ceiling: the most each rank's own verdict allows; no saved bytes, no budget.)
-    assert [g[3][-1] for g in got] == [100 << 20, 100 << 20, None]
+    # (The ceiling: the lower of 105% of what each rank held without trims and the most
+    # its own verdict allows, offload alone's 200 MiB (no saved bytes).)
+    assert [g[3][-1] for g in got] == [int(1.05 * (100 << 20)), 200 << 20, None]
 
 
 @pytest.mark.parametrize("held", [True, False])
@@ -1350,8 +1362,8 @@ def test_the_trims_trial_holds_the_engine_s_trims_as_judged_and_stays_bit_identi
     training without offload or checkpointing."""
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)  # the plan checkpoints
     monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", math.inf)  # plainly
-    # The verdict: untrimmed - trimmed <= unused + _TRIMS_SLACK * saved, with an infinite
-    # slack or a negative infinite one.
+    # The verdict: untrimmed <= max(trimmed, offload alone's) + _TRIMS_SLACK * saved,
+    # with an infinite slack or a negative infinite one.
     monkeypatch.setattr(recompute, "_TRIMS_SLACK", math.inf if held else -math.inf)
     warm_up_unary_ops()
     plain = _model()
