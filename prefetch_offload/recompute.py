@@ -349,7 +349,7 @@
 # the faster of its two steps without them is weighed against the plan's
 # measured steps (offload alone's profiled ones, or the trial's), by time: the
 # verdict has already found that what it holds without trims is within what
-# the budget leaves it, so the memory the other plan would save is not the
+# offload alone held at the budget, so the memory the other plan would save is not the
 # user's to ask for (NOTE [plans within the noise] weighs plans whose memory
 # the budget does not bound); but a plain checkpointing within 5% (_TIE) of
 # the plan's time that held 5% (_LEANER) less than it wins too, as the
@@ -1819,7 +1819,7 @@ class AutoDecider:
         choice, where ranks agree)."""
         name, rival, rival_peak = self._rival() or ("", math.inf, 0)
         leaner = wall <= (1 + _TIE) * rival and 0 < peak <= (1 - _LEANER) * rival_peak
-        plain = held and (wall < rival or leaner)  # (held: within what the budget leaves)
+        plain = held and (wall < rival or leaner)  # (held: within what the verdict allows)
         if self._agreement is not None:  # NOTE [ranks agree] in agreement.py: rank 0's
             plain = json.loads(self._agreement.first_rank(json.dumps(plain).encode()))
         self.measured.update(
