@@ -332,9 +332,13 @@
 # sampled peaks are not weighed. Measured with ``bench/recompute.py --model
 # llama`` (the 8-layer Llama, one run, 2 CPU threads; every layer checkpointed
 # plainly at each budget), under trims and without, against offload alone and
-# the 17 MiB slack (5% of the 331 MiB the layers save): at 10% and 25% of the
-# saved bytes 431 against 572 and 511 against 567 MiB, offload alone 494 and
-# 543: the trims stayed; at 50% 568 against 577, offload alone 623: held off.
+# the 17 MiB slack (5% of the 331 MiB the layers save): at 10% of the saved
+# bytes 425 against 547 MiB, offload alone 504: the trims stayed; at 25% and
+# 50% 508 against 549 and 582 against 604, offload alone 545 and 607: held
+# off, and auto ran 1.01x and 1.00x the step of ``full`` (the same plan
+# without the engine). On the transformer at 50%, in the run docs/benchmarks.md
+# cites: 929 against 974, offload alone 1019: held off, peaks of 704-768 MiB
+# above the start against the target's limit of 924, 0.99x ``full``'s step.
 #
 # NOTE [plain without trims]
 # The profile and the trial weigh plain checkpointing against the other plans
