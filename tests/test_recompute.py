@@ -1118,9 +1118,9 @@ def test_a_context_closed_while_plain_is_weighed_leaves_the_plan_it_made() -> No
 def test_ranks_weighing_plain_without_trims_run_rank_0_s_choice() -> None:
     """NOTE [plain without trims], NOTE [ranks agree]: rank 0's plain steps without
     trims ran 1.8 s and held what they held under trims; rank 1's ran 9 s and held 200
-    MiB more (100 more than its verdict allows), and rank 2 samples no peaks (it would not weigh plain at all). Every rank
-    weighs plain, keeps it, and holds its trims off (with a ceiling where it knows the
-    peak), as rank 0 judged."""
+    MiB more (100 more than its verdict allows), and rank 2 samples no peaks (it would
+    not weigh plain at all). Every rank weighs plain, keeps it, and holds its trims off
+    (with a ceiling where it knows the peak), as rank 0 judged."""
 
     def rank(agreement: Any) -> tuple[str, float, list[bool], list[Any]]:
         planned = [100 << 20] * 2 + [(300 if agreement.rank == 1 else 100) << 20] * 2
