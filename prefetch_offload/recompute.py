@@ -1791,8 +1791,12 @@ class AutoDecider:
             )
             again = not held and not self._moves()
         # NOTE [trims a plan does without]: a trim where the heap drifts beyond what
-        # the steps without them held (none where that is unknown: held by rank 0's word).
-        ceiling = int(min(untrimmed * (1 + _CEILING), allowed)) if held and untrimmed else None
+        # the steps without them held, and the allowance where the step under them is known
+        # (none where the untrimmed peak is unknown: held by rank 0's word).
+        ceiling = None
+        if held and untrimmed:
+            most = untrimmed * (1 + _CEILING)
+            ceiling = int(min(most, allowed) if trimmed else most)
         figures = {
             "trims_held": float(held),
             "trims_peak_MiB": trimmed / _MiB,

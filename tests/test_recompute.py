@@ -1118,12 +1118,15 @@ def test_a_context_closed_while_plain_is_weighed_leaves_the_plan_it_made() -> No
 def test_ranks_weighing_plain_without_trims_run_rank_0_s_choice() -> None:
     """NOTE [plain without trims], NOTE [ranks agree]: rank 0's plain steps without
     trims ran 1.8 s and held what they held under trims; rank 1's ran 9 s and held 200
-    MiB more (100 more than its verdict allows), and rank 2 samples no peaks (it would
-    not weigh plain at all). Every rank weighs plain, keeps it, and holds its trims off
-    (with a ceiling where it knows the peak), as rank 0 judged."""
+    MiB more (100 more than its verdict allows), rank 2 samples no peaks (it would not
+    weigh plain at all), and rank 3's sample of the step under trims failed. Every rank
+    weighs plain, keeps it, and holds its trims off (with a ceiling where it knows the
+    peak), as rank 0 judged."""
 
     def rank(agreement: Any) -> tuple[str, float, list[bool], list[Any]]:
-        planned = [100 << 20] * 2 + [(300 if agreement.rank == 1 else 100) << 20] * 2
+        untrimmed = 100 if agreement.rank == 0 else 300
+        trimmed = 0 if agreement.rank == 3 else 100
+        planned = [100 << 20, trimmed << 20] + [untrimmed << 20] * 2
         source = None if agreement.rank == 2 else _Peaks(_LEAN_PLAIN, planned=planned)
         calls = _Holds()
         d = _plan(
@@ -1134,11 +1137,13 @@ def test_ranks_weighing_plain_without_trims_run_rank_0_s_choice() -> None:
         steps = _planned_steps(d, [3.0, wall, wall], 1)
         return steps[0], d.plan().measured["untrimmed_choice"], calls, calls.ceilings
 
-    got = on_ranks(3, rank)
-    assert [g[:2] for g in got] == [(PLAIN, 1.0)] * 3 and all(g[2][-1] for g in got)
+    got = on_ranks(4, rank)
+    assert [g[:2] for g in got] == [(PLAIN, 1.0)] * 4 and all(g[2][-1] for g in got)
     # (The ceiling: the lower of 105% of what each rank held without trims and the most
-    # its own verdict allows, offload alone's 200 MiB (no saved bytes).)
-    assert [g[3][-1] for g in got] == [int(1.05 * (100 << 20)), 200 << 20, None]
+    # its own verdict allows, offload alone's 200 MiB (no saved bytes); 105% alone where
+    # the step under trims is unknown.)
+    ceilings = [int(1.05 * (100 << 20)), 200 << 20, None, int(1.05 * (300 << 20))]
+    assert [g[3][-1] for g in got] == ceilings
 
 
 @pytest.mark.parametrize("held", [True, False])
