@@ -314,12 +314,13 @@
 # it did takes no more than the user gave to activations; the 5% is the slack
 # of issue 23's peak target. The step under trims is no measure of the budget:
 # the trims' allowance (NOTE [heap trim]) already lets its free heap fill the
-# budget the plan leaves unused, so that budget added to its peak counts
-# twice. Counted so, on the 24-block transformer of ``bench/recompute.py`` at
-# 50% of the saved bytes, every block plain, the trims were held off at 1072
-# MiB without them against 932 with them (397 MiB of the budget unused;
-# offload alone had held 1012), and the timed steps peaked at 882 MiB above
-# their start against the target's limit of 870. Held off, one trim a step at
+# budget the plan leaves unused, so that budget added to its peak would count
+# twice: on the 24-block transformer of ``bench/recompute.py`` at 50% of the
+# saved bytes, every block plain, that sum (932 MiB with trims, 397 of the
+# budget unused) holds the trims off at 1072 MiB without them, where offload
+# alone held 1012, and the timed steps then peaked at 882 MiB above their
+# start against the target's limit of 870. Where offload alone's peak is
+# unknown (not sampled), the step under trims alone is the measure. Held off, one trim a step at
 # most still comes where the process's anonymous resident memory is above the
 # lower of 105% of the most the steps without trims held and the most the
 # verdict allows: glibc's heap drifts up over many steps without them (the
@@ -337,7 +338,7 @@
 # 50% 508 against 549 and 582 against 604, offload alone 545 and 607: held
 # off, and auto ran 1.01x and 1.00x the step of ``full`` (the same plan
 # without the engine). On the transformer at 50%, in the run docs/benchmarks.md
-# cites: 929 against 974, offload alone 1019: held off, peaks of 704-768 MiB
+# cites: 929 against 974, offload alone 1019: held off, peaks of 705-768 MiB
 # above the start against the target's limit of 924, 0.99x ``full``'s step.
 #
 # NOTE [plain without trims]
@@ -353,9 +354,10 @@
 # the faster of its two steps without them is weighed against the plan's
 # measured steps (offload alone's profiled ones, or the trial's), by time: the
 # verdict has already found that what it holds without trims is within what
-# offload alone held at the budget, so the memory the other plan would save is not the
-# user's to ask for (NOTE [plans within the noise] weighs plans whose memory
-# the budget does not bound); but a plain checkpointing within 5% (_TIE) of
+# it allows (offload alone's peak at the budget, or the step under trims), so
+# the memory the other plan would save is not the user's to ask for (NOTE
+# [plans within the noise] weighs plans whose memory the budget does not
+# bound); but a plain checkpointing within 5% (_TIE) of
 # the plan's time that held 5% (_LEANER) less than it wins too, as the
 # profile's choices take the leaner of two plans within the noise. Plain
 # checkpointing runs from then on if it won, its trims held off (with their
@@ -367,11 +369,11 @@
 # --steps 8`` (the 24-block transformer, 2 CPU threads) at 50% of the saved
 # bytes, in two runs: the trial kept the plan it tried (1.581 s a step; plain
 # checkpointing under trims 1.756 s in the profile), and plain checkpointing
-# without trims ran 1.463 s at 984 MiB (953 MiB with them, offload alone 1019)
-# and replaced it: 1.02x the step of ``full`` by medians, where offload alone
-# (``offload50``) ran 1.14x. In the other, plain checkpointing without trims
+# without trims ran 1.463 s at 984 MiB (953 MiB with them) and replaced it:
+# 1.02x the step of ``full`` by medians, where offload alone (``offload50``)
+# ran 1.14x. In the other, plain checkpointing without trims
 # ran 1.617 s, 3% faster than offload alone's 1.673 s in the profile, but at
-# 1129 MiB against its 1019, more than the verdict allows: offload alone
+# 1129 MiB against its 1019, 110 MiB more: offload alone
 # stayed. At 10% plain ran 1.496-1.525 s without trims but held 1028-1060 MiB
 # against 553-570 with them: offload alone stays. With
 # glibc's fast reuse off (``GLIBC_TUNABLES``, ``--steps 5``) at 10%, plain
@@ -926,6 +928,7 @@ class AutoDecider:
         # The engine's counters at the start and the end of the offload-all step.
         self._s0: OffloadStats | None = None
         self._step_saved = 0  # the bytes the blocks saved in the whole step (profiled)
+        self._peak_alone = 0  # the most offload alone held in this rank's profile (0: unknown)
         self._s1: OffloadStats | None = None
         self._block_bytes: collections.Counter[tuple[str, int]] = collections.Counter()
         self._warned = False
@@ -1500,6 +1503,7 @@ class AutoDecider:
         # NOTE [trims a plan does without]: the bytes the blocks saved in the whole step.
         whole_step = self._spans.get(_WHOLE_ALL_STEP, {}).values()
         self._step_saved = sum(span.saved for span in whole_step if span.saved > 0)
+        self._peak_alone = peak_alone  # (this rank's: ranks that agree print rank 0's figures)
         self.measured = {
             "step_saved_MiB": self._step_saved / _MiB,
             "blocks_whole": len(whole),
@@ -1775,8 +1779,7 @@ class AutoDecider:
         [plain without trims])."""
         peaks = self._trim_trial_peaks[-1 - _UNTRIMMED_STEPS :]
         trimmed, untrimmed = peaks[0], _most(peaks[1:])
-        alone = round(self.measured.get("peak_alone_MiB", 0.0) * _MiB)
-        allowed = max(trimmed, alone) + _TRIMS_SLACK * self._step_saved
+        allowed = max(trimmed, self._peak_alone) + _TRIMS_SLACK * self._step_saved
         held = 0 < trimmed and 0 < untrimmed and untrimmed <= allowed
         again = False  # the plan that ran again moves nothing: its own trims' trial
         challenged, self._challenging = self._challenging, False

@@ -274,7 +274,7 @@ def _gloo_rank(rank: int, target: Callable[..., None], store: str, *args: Any) -
     The exit skips tearing gloo down: gloo's teardown in two processes ending together
     aborted a rank now and then ("terminate called without an active exception"),
     with or without offload, after both had passed the barrier and saved their
-    results. A signal that kills the process prints every thread's Python stack."""
+    results. A fatal signal (SIGABRT, SIGSEGV) prints every thread's Python stack."""
     import torch.distributed as dist
 
     faulthandler.enable(all_threads=True)

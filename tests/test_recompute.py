@@ -896,7 +896,7 @@ _OPS_HOLD = sum(nbytes for _, nbytes, _ in _OPS)
         (0, 200, 0, 400, [410, 420], False),  # bought 20 MiB, nothing saved
         (0, 1000, 400, 400, [900, 1020], True),  # offload alone held 1000 MiB, +5%
         (0, 1000, 400, 400, [900, 1021], False),
-        (0, 0, 400, 400, [410, 420], True),  # offload alone's peak unknown: the trimmed
+        (0, 0, 400, 400, [410, 420], True),  # offload alone's unknown: the trimmed step's
         (_OPS_HOLD + 1000 * _MiB, 200, 0, 400, [900, 1200], False),  # the budget unused
         (0, 200, 400, 400, [450, 0], False),  # a failed sample: trims stay
     ],
@@ -988,6 +988,7 @@ def test_a_plan_that_moves_bytes_keeps_its_trims_untried(
         (100, 100, [1.8, 1.9], True),  # trims bought nothing, plain 10% faster
         (100, 100, [2.5, 2.4], False),  # trims bought nothing, plain 20% slower
         (100, 300, [1.8, 1.9], False),  # trims bought 200 MiB: it lost under them
+        (100, 210, [1.8, 1.9], True),  # trims bought 110 MiB, within alone's 200 + 20
         (190, 195, [2.08, 2.05], False),  # 2.5% slower, 2.5% leaner
         (100, 100, [2.08, 2.05], True),  # 2.5% slower, half alone's memory: leaner
         (100, 100, [2.12, 2.11], False),  # 5.5% slower, though half alone's memory
@@ -1002,10 +1003,11 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     """NOTE [plain without trims]: the profile measured offload alone 2 s a step at 200
     MiB, plain checkpointing (under trims) 2.5 s. Plain checkpointing then runs four
     steps, the first uncounted, the second under trims (``trimmed`` MiB), two without
-    (``untrimmed``, taking ``walls``); where trims bought no more than 5% of the 400
-    MiB saved (no budget unused), plain stays if it ran faster than offload alone,
-    whatever it held, or within 5% of it holding 5% less, its trims held off; else
-    offload alone runs again under trims, with a trim at once."""
+    (``untrimmed``, taking ``walls``); where those held no more than the larger of
+    the step under trims and offload alone's 200 MiB, plus 5% of the 400 MiB saved,
+    plain stays if it ran faster than offload alone, whatever it held, or within 5% of
+    it holding 5% less, its trims held off; else offload alone runs again under trims,
+    with a trim at once."""
     calls = _Holds()
     trims: list[int] = []
     # (The first step, not counted, held 9999 MiB: counted, trims would look bought.)
@@ -1036,8 +1038,10 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     assert m.get("trims_held") == (1.0 if plain else None)  # (alone's trims untried)
     assert m["blocks_plain"] == (2 if plain else 0)
     assert m["plain_trims_peak_MiB"] == trimmed and m["plain_untrimmed_peak_MiB"] == untrimmed
+    assert m["plain_allowed_MiB"] == pytest.approx(allowed / _MiB)
     line = str(plan).split("without heap trims: ")[1].splitlines()[0]
     assert line.startswith(f"plain checkpointing ran {min(walls):.3f} s a step")
+    assert f"at most {allowed / _MiB:.0f} MiB allowed without)" in line
     assert line.endswith("plain checkpointing runs" if plain else "the plan runs")
     assert "offload alone 2.000 s at 200 MiB" in line
     if plain:
@@ -1118,7 +1122,7 @@ def test_a_context_closed_while_plain_is_weighed_leaves_the_plan_it_made() -> No
 def test_ranks_weighing_plain_without_trims_run_rank_0_s_choice() -> None:
     """NOTE [plain without trims], NOTE [ranks agree]: rank 0's plain steps without
     trims ran 1.8 s and held what they held under trims; rank 1's ran 9 s and held 200
-    MiB more (100 more than its verdict allows), rank 2 samples no peaks (it would not
+    MiB more (50 more than its own profile's offload alone), rank 2 samples no peaks (it would not
     weigh plain at all), and rank 3's sample of the step under trims failed. Every rank
     weighs plain, keeps it, and holds its trims off (with a ceiling where it knows the
     peak), as rank 0 judged."""
@@ -1127,7 +1131,13 @@ def test_ranks_weighing_plain_without_trims_run_rank_0_s_choice() -> None:
         untrimmed = 100 if agreement.rank == 0 else 300
         trimmed = 0 if agreement.rank == 3 else 100
         planned = [100 << 20, trimmed << 20] + [untrimmed << 20] * 2
-        source = None if agreement.rank == 2 else _Peaks(_LEAN_PLAIN, planned=planned)
+        # (Rank 1's own profile: offload alone held 250 MiB there, 200 on rank 0.)
+        peaks = (
+            {**_LEAN_PLAIN, recompute._WHOLE_TIMED: 250 << 20}
+            if agreement.rank == 1
+            else _LEAN_PLAIN
+        )
+        source = None if agreement.rank == 2 else _Peaks(peaks, planned=planned)
         calls = _Holds()
         d = _plan(
             3.0, 2.5, whole_s=2.0, ops=_CHEAP, peaks=source, hold_trims=calls,
@@ -1140,9 +1150,9 @@ def test_ranks_weighing_plain_without_trims_run_rank_0_s_choice() -> None:
     got = on_ranks(4, rank)
     assert [g[:2] for g in got] == [(PLAIN, 1.0)] * 4 and all(g[2][-1] for g in got)
     # (The ceiling: the lower of 105% of what each rank held without trims and the most
-    # its own verdict allows, offload alone's 200 MiB (no saved bytes); 105% alone where
-    # the step under trims is unknown.)
-    ceilings = [int(1.05 * (100 << 20)), 200 << 20, None, int(1.05 * (300 << 20))]
+    # its own verdict allows, offload alone's peak in its own profile (no saved bytes);
+    # 105% alone where the step under trims is unknown.)
+    ceilings = [int(1.05 * (100 << 20)), 250 << 20, None, int(1.05 * (300 << 20))]
     assert [g[3][-1] for g in got] == ceilings
 
 
