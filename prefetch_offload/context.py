@@ -283,12 +283,45 @@ class OffloadContext:
         if self._hooks is not None:
             assert engine is not None and not isinstance(engine, NullEngine)
             # Wait for the writes in a worker thread; the hooks come off in this thread.
+            waiting = _ExecutorWait(engine._wait_writes)
             try:
-                await asyncio.get_running_loop().run_in_executor(None, engine._wait_writes)
+                await asyncio.get_running_loop().run_in_executor(None, waiting.run)
             except BaseException:  # cancelled while waiting: still remove hooks, stop threads
+                # The close waits for the same writes; the worker's wait, which may still
+                # be handing the batch it took to the IO pool, ends first.
+                waiting.abandon()
                 self.__exit__(*sys.exc_info())
                 raise
         self.__exit__(exc_type, exc, tb)
+
+
+class _ExecutorWait:
+    """A wait run in an executor, which the awaiting side can abandon: one that has not
+    started never runs, and :meth:`abandon` returns once one that has started ended."""
+
+    def __init__(self, wait: Callable[[], None]) -> None:
+        self._wait = wait
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._started = False
+        self._ended = threading.Event()
+
+    def run(self) -> None:
+        with self._lock:
+            if self._abandoned:
+                return
+            self._started = True
+        try:
+            self._wait()
+        finally:
+            self._ended.set()
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            started = self._started
+        if started:
+            self._ended.wait()
 
 
 def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:

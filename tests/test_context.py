@@ -6,6 +6,8 @@ import asyncio
 import dataclasses
 import inspect
 import logging
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from prefetch_offload import (
     offload_context,
     offload_context_from_config,
 )
-from prefetch_offload.context import _top_hooks, check_torch_version
+from prefetch_offload.context import _ExecutorWait, _top_hooks, check_torch_version
 
 
 def test_none_target_is_a_no_op() -> None:
@@ -399,3 +401,28 @@ def test_a_plan_change_empties_the_allocator_cache_only_for_a_cuda_model(
     calls.clear()
     _release_at_plan_change(engine, torch.nn.Linear(2, 2))()
     assert calls == ["trim"]
+
+
+def test_an_abandoned_executor_wait_never_runs_and_one_running_is_waited_for() -> None:
+    """``__aexit__`` cancelled while the writes are awaited in an executor: a wait that
+    had not started never runs; abandoning one that runs returns once it ended."""
+    calls: list[str] = []
+    early = _ExecutorWait(lambda: calls.append("early"))
+    early.abandon()
+    early.run()
+    assert calls == []
+
+    entered = threading.Event()
+
+    def slow() -> None:
+        entered.set()
+        time.sleep(0.2)
+        calls.append("slow")
+
+    running = _ExecutorWait(slow)
+    worker = threading.Thread(target=running.run)
+    worker.start()
+    assert entered.wait(10)
+    running.abandon()
+    assert calls == ["slow"]  # (abandon returned after the wait ended)
+    worker.join()
