@@ -1090,7 +1090,6 @@ class AutoDecider:
         with self._lock:
             self._closed = True
             if self._challenging:
-                self._challenging, self._trim_trial_left = False, 0
                 self._modes = self._rival_modes
                 self._end_weighing()
             self._sample_peaks(False)
@@ -1742,8 +1741,9 @@ class AutoDecider:
             self._trial_obs = {}
 
     def _end_weighing(self) -> None:
-        """Plain checkpointing no longer runs in the plan's place unjudged: the plan made
-        last is printed as it was (NOTE [plain without trims])."""
+        """Plain checkpointing no longer runs in the plan's place unjudged: its steps end,
+        and the plan made last is printed as it was (NOTE [plain without trims])."""
+        self._challenging, self._trim_trial_left = False, 0
         del self.measured["weighing_plain"]
         self._last = self._summarize(self._share, self._trial_obs)
 

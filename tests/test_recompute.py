@@ -1122,10 +1122,10 @@ def test_a_context_closed_while_plain_is_weighed_leaves_the_plan_it_made() -> No
 def test_ranks_weighing_plain_without_trims_run_rank_0_s_choice() -> None:
     """NOTE [plain without trims], NOTE [ranks agree]: rank 0's plain steps without
     trims ran 1.8 s and held what they held under trims; rank 1's ran 9 s and held 200
-    MiB more (50 more than its own profile's offload alone), rank 2 samples no peaks (it would not
-    weigh plain at all), and rank 3's sample of the step under trims failed. Every rank
-    weighs plain, keeps it, and holds its trims off (with a ceiling where it knows the
-    peak), as rank 0 judged."""
+    MiB more (50 more than its own profile's offload alone), rank 2 samples no peaks
+    (it would not weigh plain at all), and rank 3's sample of the step under trims
+    failed. Every rank weighs plain, keeps it, and holds its trims off (with a ceiling
+    where it knows the peak), as rank 0 judged."""
 
     def rank(agreement: Any) -> tuple[str, float, list[bool], list[Any]]:
         untrimmed = 100 if agreement.rank == 0 else 300
