@@ -435,6 +435,9 @@ _DISPATCH_SWITCH = 1.5
 # Whether a plan may run every block whole where offload alone measured fastest (tests
 # of the checkpointed paths turn it off, for a plan they can predict).
 OFFLOAD_ALONE = True
+# Whether a plan where offload alone beat plain checkpointing interleaves the two (NOTE
+# [interleaved blocks]); tests that follow offload alone's plan turn it off.
+INTERLEAVE = True
 # Whether a plan the profile did not run as a whole is tried (NOTE [trial steps]); tests
 # that follow a selective or mixed plan step by step turn it off.
 TRIAL = True
@@ -502,9 +505,17 @@ class RecomputePlan:
                 f"{_peak_text(m, 'peak_plain_MiB')}"
             )
         elif "blocks_whole" in m:
+            whole = ""
+            if m.get("blocks_interleaved"):
+                kept = m["blocks_whole"] - m["blocks_interleaved"]
+                whole = (
+                    f" ({kept:.0f} within device_budget, {m['blocks_interleaved']:.0f} "
+                    "between the plain ones, the engine moving what they save)"
+                )
+            elif not m.get("trial_choice"):
+                whole = " (within device_budget)"
             lines.append(
-                f"  blocks: {m['blocks_whole']:.0f} whole"
-                f"{'' if m.get('trial_choice') else ' (within device_budget)'}, "
+                f"  blocks: {m['blocks_whole']:.0f} whole{whole}, "
                 f"{m['blocks_plain']:.0f} checkpointed plainly, "
                 f"{m['blocks_selective']:.0f} selectively (the ops below)"
             )
@@ -1471,17 +1482,43 @@ class AutoDecider:
         wall_plain = wall_recompute - min(n * overhead, wall_recompute / 2)
         wall_alone = self._wall(_WHOLE_TIMED)
         peak_plain, peak_alone = self._peak(_RECOMPUTE_ALL), self._peak(_WHOLE_TIMED)
-        tried = selective or 0 < len(whole) < len(profiled)
-        offload_alone = (
+        alone_won = (
             OFFLOAD_ALONE
             and not lean
             and rest > 0
-            and not tried
             and _leanest_of_the_fastest(
                 {"plain": (wall_plain, peak_plain), "alone": (wall_alone, peak_alone)}
             )
             == "alone"
         )
+        # NOTE [interleaved blocks]: where offload alone beat plain checkpointing, the
+        # plan tried runs every other block the budget does not keep whole, the rest plain.
+        interleaved: list[tuple[str, int]] = []
+        if INTERLEAVE and alone_won and not selective:
+            interleaved = sorted(profiled - kept, key=lambda key: key[1])[1::2]
+        tried = selective or bool(interleaved) or 0 < len(whole) < len(profiled)
+        offload_alone = alone_won and not tried
+        if interleaved:
+            why = (
+                "every other block the budget does not keep checkpointed plainly, the rest "
+                "whole: offload alone measured faster than plain checkpointing"
+                if wall_alone < wall_plain
+                else "every other block the budget does not keep checkpointed plainly, "
+                f"the rest whole: offload alone measured within {_TIE:.0%} of plain "
+                "checkpointing and held less memory"
+            )
+            for pos in plan:
+                if self._fixed.get(pos) != "generator":
+                    reasons[pos] = (why, reasons[pos][1], reasons[pos][2])
+            whole += interleaved
+            rest -= len(interleaved)
+            plain_keys = profiled - set(whole)
+            share = (
+                sum(nbytes for key, nbytes in self._block_bytes.items() if key in plain_keys)
+                / total
+                if total
+                else rest / n
+            )
         if offload_alone:
             alone = (
                 "every block whole: offload alone measured faster than plain checkpointing"
@@ -1508,6 +1545,7 @@ class AutoDecider:
             "blocks_whole": len(whole),
             "blocks_selective": rest if selective else 0,
             "blocks_plain": 0 if selective else rest,
+            "blocks_interleaved": len(interleaved),
             "whole_MiB": held / _MiB,
             "dispatch_s_per_block": overhead,
             "dispatch_in_modes_s": in_modes,
@@ -1639,7 +1677,8 @@ class AutoDecider:
         ``than`` says why."""
         if how == PLAIN:
             why = f"plain checkpointing of every block {than}"
-            alone = bool(self.measured.get("offload_alone"))  # (its reason on every op)
+            m = self.measured  # (offload alone's reason, or the interleaving's, on every op)
+            alone = bool(m.get("offload_alone") or m.get("blocks_interleaved"))
             moved = [
                 pos
                 for pos, policy in self._plan.items()
@@ -1657,6 +1696,7 @@ class AutoDecider:
             blocks_whole=n if how == WHOLE else 0,
             blocks_plain=n if how == PLAIN else 0,
             blocks_selective=0,
+            blocks_interleaved=0,
             whole_MiB=0.0 if how == PLAIN else self.measured.get("whole_MiB", 0.0),
             offload_alone=float(how == WHOLE),
         )
@@ -1748,8 +1788,10 @@ class AutoDecider:
         self._last = self._summarize(self._share, self._trial_obs)
 
     def _moves(self) -> bool:
-        """Whether the plan moves activations: selective blocks, or offload alone."""
-        return bool(self.measured.get("blocks_selective") or self.measured.get("offload_alone"))
+        """Whether the plan moves activations: selective blocks, whole blocks beyond the
+        budget (offload alone, or interleaved with plain ones)."""
+        m = self.measured
+        return any(m.get(k) for k in ("blocks_selective", "offload_alone", "blocks_interleaved"))
 
     def _start_trim_steps(self, *, settling: bool) -> None:
         """The trims' trial: one step under trims, then _UNTRIMMED_STEPS without; after

@@ -365,6 +365,14 @@ def test_of_the_two_compared_steps_each_the_faster_counts() -> None:
     assert decider.mode("Block", 0) == WHOLE
 
 
+@pytest.fixture
+def no_interleave(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offload alone's own plan where it wins the profile, not the plan that interleaves
+    whole blocks with plain ones, tried in its place (NOTE [interleaved blocks])."""
+    monkeypatch.setattr(recompute, "INTERLEAVE", False)
+
+
+@pytest.mark.usefixtures("no_interleave")
 def test_offload_alone_runs_every_block_whole_where_it_measured_fastest() -> None:
     """Every op is cheap to recompute, so checkpointing is expected to take about what
     the recompute-all step took (2.5 s); the step with every block whole (the engine
@@ -387,6 +395,7 @@ def test_offload_alone_runs_every_block_whole_where_it_measured_fastest() -> Non
     assert not decider.plan().measured["offload_alone"]
 
 
+@pytest.mark.usefixtures("no_interleave")
 def test_a_budget_no_plan_reaches_runs_the_leanest_plan_whatever_ran_faster() -> None:
     """NOTE [a budget no plan reaches]: each block saves 100 bytes and the budget is
     50. Offload alone measured fastest, and selective blocks would gain more than
@@ -472,6 +481,7 @@ _LEAN_PLAIN = {recompute._WHOLE_ALL: 300 << 20, recompute._OFFLOAD_ALL: 250 << 2
 _LEAN_PLAIN |= {recompute._RECOMPUTE_ALL: 100 << 20, recompute._WHOLE_TIMED: 200 << 20}
 
 
+@pytest.mark.usefixtures("no_interleave")
 @pytest.mark.parametrize(
     ("whole_s", "peaks", "alone"),
     [
@@ -695,6 +705,82 @@ def test_a_tried_plan_slower_than_offload_alone_yields_to_it() -> None:
     assert "replaced by offload alone" in str(plan)
     assert {d.choice for d in plan.ops} == {"whole"}
     assert "offload alone ran faster than this plan's trial" in str(plan)
+
+
+def _alone_won(blocks: int, budget: int, trial_peak: int = 0) -> tuple[AutoDecider, Any]:
+    """The profile with ``blocks`` blocks saving 100 bytes each: every block whole took
+    1 s a block at 400 MiB, every block checkpointed 1.5 s at 500 MiB, and selective
+    blocks would gain nothing (no op took time to compute): offload alone beat plain
+    checkpointing. Planned steps hold ``trial_peak`` MiB. The decider, and a function that
+    runs one step of the given seconds a block."""
+    fake = _Fake()
+    by_kind = {recompute._WHOLE_ALL: 300, recompute._OFFLOAD_ALL: 300}
+    by_kind |= {recompute._RECOMPUTE_ALL: 500, recompute._WHOLE_TIMED: 400}
+    source = _Peaks({k: v << 20 for k, v in by_kind.items()}, trial_peak << 20)
+    decider = AutoDecider(fake.snapshot, budget, clock=fake.clock, peaks=source)
+    free = [(func, nbytes, 0.0) for func, nbytes, _ in _CHEAP]
+    run = functools.partial(_step, decider, fake, free, forward_s=0.1, blocks=blocks, saved=100)
+    run(step_s=3.0)
+    run(step_s=1.5, consumed=_NEEDED, **_SLOW_LINK)
+    _profile_rest(run, [1.0] * blocks)
+    return decider, run
+
+
+@pytest.mark.parametrize(
+    ("trial_s", "trial_peak", "choice"),
+    [(0.9, 500, 0), (1.02, 300, 0), (1.02, 390, 2), (1.1, 300, 2)],
+)
+def test_where_offload_alone_won_every_other_block_it_would_move_is_tried_plain(
+    trial_s: float, trial_peak: int, choice: int
+) -> None:
+    """NOTE [interleaved blocks]: six blocks, the budget keeps the two newest whole; of
+    the other four, the oldest and the third run plain and the second and fourth whole.
+    The plan is tried against the profile's (NOTE [trial steps]): kept where its steps
+    ran faster than offload alone's 6 s, or within 5% of them holding at least 5% less
+    than its 400 MiB; else offload alone runs."""
+    decider, run = _alone_won(6, 250, trial_peak)
+    interleaved = [PLAIN, WHOLE, PLAIN, WHOLE, WHOLE, WHOLE]
+    assert [decider.mode("Block", b) for b in range(6)] == interleaved
+    plan = decider.plan()
+    m = plan.measured
+    assert m["blocks_interleaved"] == 2 and m["blocks_whole"] == 4 and m["blocks_plain"] == 2
+    assert m["offload_alone"] == 0 and m["whole_MiB"] == pytest.approx(200 / 2**20)
+    assert "4 whole (2 within device_budget, 2 between the plain ones" in str(plan)
+    assert "every other block the budget does not keep checkpointed plainly" in str(plan)
+    op_bytes = 6 * sum(nbytes for _, nbytes, _ in _CHEAP)  # every block's, a step
+    assert plan.bytes_recomputed == pytest.approx(op_bytes * 2 / 6, rel=1e-6)  # two plain
+    assert plan.bytes_offloaded == 0 and decider._moves()
+    for _ in range(recompute._TRIAL_STEPS + 1):
+        assert [decider.mode("Block", b) for b in range(6)] == interleaved
+        run(step_s=trial_s)
+    modes = [decider.mode("Block", b) for b in range(6)]  # (the last trial step ends)
+    m = decider.plan().measured
+    assert m["trial_choice"] == choice and m["trial_alone_s"] == pytest.approx(6.0)
+    if choice:  # every block whole from then on, and the plan says why
+        assert modes == [WHOLE] * 6
+        assert m["blocks_interleaved"] == 0 and m["offload_alone"] == 1.0
+        assert "replaced by offload alone" in str(decider.plan())
+    else:
+        assert modes == interleaved
+        assert m["trial_step_s"] == pytest.approx(6 * trial_s) and decider._moves()
+
+
+def test_where_offload_alone_won_with_one_block_to_move_none_is_interleaved() -> None:
+    """NOTE [interleaved blocks]: two blocks and no budget interleave. One block alone
+    runs whole, untried; two with the newest kept whole leave one to move, which runs
+    plain as before (a plan the profile did not run: tried)."""
+    decider, _ = _alone_won(2, 0)
+    assert [decider.mode("Block", b) for b in range(2)] == [PLAIN, WHOLE]
+    assert decider.plan().measured["blocks_interleaved"] == 1
+    decider, _ = _alone_won(1, 0)
+    assert decider.mode("Block", 0) == WHOLE
+    m = decider.plan().measured
+    assert m["offload_alone"] == 1.0 and m["blocks_interleaved"] == 0
+    assert decider._trial_left == 0  # nothing to try
+    decider, _ = _alone_won(2, 100)
+    assert [decider.mode("Block", b) for b in range(2)] == [PLAIN, WHOLE]
+    m = decider.plan().measured
+    assert m["blocks_interleaved"] == 0 and decider._trial_left > 0
 
 
 def test_without_trials_or_for_a_profiled_plan_nothing_is_tried(
@@ -982,6 +1068,7 @@ def test_a_plan_that_moves_bytes_keeps_its_trims_untried(
     assert "trims_held" not in decider.plan().measured
 
 
+@pytest.mark.usefixtures("no_interleave")
 @pytest.mark.parametrize(
     ("trimmed", "untrimmed", "walls", "plain"),
     [
@@ -1401,6 +1488,7 @@ def test_the_trims_trial_holds_the_engine_s_trims_as_judged_and_stays_bit_identi
     assert _exact(ref, got)
 
 
+@pytest.mark.usefixtures("no_interleave")
 @pytest.mark.parametrize("to", ["plain", "alone"])
 def test_plain_weighed_without_trims_runs_as_judged_and_stays_bit_identical(
     tmp_path: Path, to: str, monkeypatch: pytest.MonkeyPatch
@@ -1438,6 +1526,63 @@ def test_plain_weighed_without_trims_runs_as_judged_and_stays_bit_identical(
     assert plan is not None and plan.measured["untrimmed_choice"] == float(to == "plain")
     assert plan.measured["blocks_whole"] == (0 if to == "plain" else 4)
     assert (stats.step_bytes_recomputed > 0) == (to == "plain") and plan.plans_made == 1
+    assert _exact(ref, got)
+
+
+def test_an_interleaved_plan_moves_its_whole_blocks_only_and_stays_bit_identical(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [interleaved blocks], with the engine: the profile made to choose offload
+    alone, and the trial to keep the plan that interleaves: of four blocks the first and
+    third run plain, the second and fourth whole. A planned step moves less than three
+    quarters of what the profile's step with every block whole moved (the plain blocks'
+    inputs, the whole blocks' saved tensors and the head's; each step flushes before
+    backward, so every tensor reaches the disk) and recomputes the plain blocks; every
+    step's gradients match
+    training without offload or checkpointing."""
+    monkeypatch.setattr(
+        recompute, "_leanest_of_the_fastest", lambda plans: "trial" if "trial" in plans else "alone"
+    )
+    monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", math.inf)  # (not selective)
+    warm_up_unary_ops()
+    whole_step = recompute._PROFILE.index(recompute._WHOLE_TIMED)
+    steps = len(recompute._PROFILE) + 1 + recompute._TRIAL_STEPS + 1  # (judged, one more)
+
+    def run(model: nn.Module, n: int, engine: Any = None) -> int:
+        """``n`` steps (batches by the count so far); the bytes the last one moved."""
+        moved = 0
+        for _ in range(n):
+            tokens, targets = make_batch(2, 16, vocab=64, seed=len(got))
+            model.zero_grad(set_to_none=True)
+            loss = model(tokens, targets)
+            before = engine.stats().bytes_offloaded if engine is not None else 0
+            if engine is not None:
+                engine.flush()
+                moved = engine.stats().bytes_offloaded - before
+            loss.backward()
+            got.append([p.grad.clone() for p in model.parameters()])
+        return moved
+
+    got: list[list[torch.Tensor]] = []
+    run(_model(), steps)
+    ref, got = got, []
+    model = _model()
+    with offload_context(
+        "disk", tmp_path, model=model, recompute="auto", min_offload_bytes=0
+    ) as engine:
+        decider = engine._decider
+        run(model, whole_step, engine)
+        alone = run(model, 1, engine)  # every block whole
+        run(model, len(recompute._PROFILE) - whole_step - 1, engine)
+        kind = type(model.blocks[0]).__name__
+        assert [decider.mode(kind, b) for b in range(4)] == [PLAIN, WHOLE] * 2
+        interleaved = run(model, 1, engine)
+        assert engine.stats().step_bytes_recomputed > 0  # the plain blocks'
+        run(model, steps - len(got), engine)
+        plan = engine.recompute_plan()
+    assert 0 < interleaved < 0.75 * alone
+    assert plan is not None and plan.measured["trial_choice"] == 0
+    assert plan.measured["blocks_interleaved"] == 2 and plan.plans_made == 1
     assert _exact(ref, got)
 
 
