@@ -88,17 +88,19 @@
 #   process, three pairs: medians 1.19 / 1.04 / 1.12 s against 1.16 / 1.16 /
 #   1.16 s, no difference above the noise; a paired step with trims on had
 #   shown 15-90 ms a block, and chose plain and selective by turns.
-# - Offload alone: where the plan so far is every block checkpointed plainly
-#   (none kept whole, selective not worth its dispatch cost), it runs every
-#   block whole instead, the engine moving what the budget does not keep, if
-#   steps (6) and (7) took less time than steps (4) and (9) less the dispatch
-#   modes' cost per block (NOTE [trial steps]); where the two are within 5%,
-#   one that held at least 5% less memory wins (NOTE [plans within the noise]).
-#   A plan between the two is tried against both; where offload alone runs, plain
-#   checkpointing is tried again without the heap trims (NOTE [plain without
-#   trims]). On the CPU, where the IO
-#   threads and the recompute share the cores, offload alone is often faster at
-#   small budgets on a fast disk; never on a disk slower than forward saves.
+# - Offload alone: where the plan so far checkpoints the blocks the budget
+#   does not keep plainly (selective not worth its dispatch cost), and steps
+#   (6) and (7) took less time than steps (4) and (9) less the dispatch modes'
+#   cost per block (NOTE [trial steps]), or within 5% of them held at least 5%
+#   less memory (NOTE [plans within the noise]), offload alone beat plain
+#   checkpointing: every other one of those blocks runs whole instead, the
+#   engine moving what it saves (NOTE [interleaved blocks]); with one such block,
+#   where the budget keeps none, every block whole. A plan between the two is
+#   tried against both; where offload alone runs, plain checkpointing is tried
+#   again without the heap trims (NOTE [plain without trims]). On the CPU,
+#   where the IO threads and the recompute share the cores, offload alone is
+#   often faster at small budgets on a fast disk; never on a disk slower than
+#   forward saves.
 #   The plan also prints estimates from block medians (``step_whole_s``,
 #   ``step_checkpointed_s``: over the blocks the budget does not keep, the
 #   median block of each kind times those blocks, plus the kept blocks whole),
@@ -174,6 +176,35 @@
 # from 13% below to 17% above their median (eight rounds of checkpointing
 # without the engine in the run above), so plans closer than that may go either
 # way; the trial catches a plan clearly slower than one the profile ran.
+#
+# NOTE [interleaved blocks]
+# Where offload alone beat plain checkpointing in the profile, the plan tried
+# runs every other block the budget does not keep checkpointed plainly (the
+# oldest first), the rest whole. A step under offload alone holds more than its
+# budget: the write batches in flight, the prefetch window, and the free heap the
+# trims allow, whose bound grows with the bytes a step moves (NOTE [heap trim]
+# in heap.py). Half the blocks plain halve what moves; a plain block holds only
+# its input, and its recompute's churn fits under the trims' bound that the
+# whole blocks' moves set, where plain checkpointing of every block moves
+# nothing, runs at the trims' floor, and pays their page faults. Measured on the
+# 24-block transformer of ``bench/recompute.py`` (one run, 6 rounds, side by
+# side: offload alone, and lanes that checkpoint every k-th block under the same
+# context), step s / peak MiB / moved MiB a step:
+#
+#   device_budget 10%:  offload alone 1.748 / 477 / 873
+#                       every 4th block plain 1.797 / 434 / 645
+#                       every 3rd 1.835 / 409 / 575, every 2nd 1.800 / 368 / 419
+#   device_budget 25%:  offload alone 1.702 / 554 / 721
+#                       every 3rd 1.791 / 515 / 427, every 2nd 1.778 / 485 / 270
+#
+# (plain checkpointing without the engine: 1.481 s at 795 MiB, its heap
+# untrimmed; ``recompute="full"``: 2.039 s at 246 MiB). Every other block moved
+# least and held least, within 3-5% of offload alone's step, so halves are what
+# is tried. The trial decides (NOTE [trial steps]): the plan stays where it ran
+# faster than offload alone, or within 5% of it holding 5% less; else offload
+# alone, or plain checkpointing, runs. A selective plan is not interleaved: its
+# ops already choose between moving and recomputing. With one block the budget
+# does not keep, there is nothing to interleave.
 #
 # NOTE [abandoned forwards]
 # A step starts at the first block forward after a backward, so that gradient

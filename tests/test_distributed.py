@@ -128,6 +128,10 @@ def test_fsdp2_two_ranks_sharing_one_save_dir(tmp_path: Path) -> None:
     assert list(shared.iterdir()) == []
 
 
+# What a rank prints where gloo's teardown calls std::terminate (SIGABRT).
+_GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 @pytest.mark.slow
 def test_fsdp2_example_runs_under_torchrun(tmp_path: Path) -> None:
     """examples/fsdp2_train.py as the user launches it (torchrun, two ranks), small sizes:
@@ -145,6 +149,10 @@ def test_fsdp2_example_runs_under_torchrun(tmp_path: Path) -> None:
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    if proc.returncode != 0 and _GLOO_TEARDOWN_ABORT in proc.stdout + proc.stderr:
+        # gloo's teardown in two ranks that end together aborts one about 1 run in 10
+        # (with or without offload; the example's barrier makes it rare): once more.
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = re.findall(
         r"rank (\d): offloaded \d+ tensors .*peak disk in use ([\d.]+) MiB", proc.stdout
