@@ -1200,6 +1200,9 @@ class AutoDecider:
                 self._hold(False)
                 self._reset_profile()
                 self._moved_by.clear()  # NOTE [profiling under trims]: a new profile
+                # (and its offload-all step sees again which classes draw their own)
+                self._own_rng.clear()
+                self._own_draws.clear()
                 self._step_no, self._phase = 0, _PROFILE[0]
             return
         if again:

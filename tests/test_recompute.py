@@ -1068,6 +1068,32 @@ def test_a_plan_that_moves_bytes_keeps_its_trims_untried(
     assert "trims_held" not in decider.plan().measured
 
 
+@pytest.mark.parametrize("still_draws", [False, True])
+def test_a_new_profile_sees_again_which_block_classes_draw_from_their_own_generator(
+    still_draws: bool,
+) -> None:
+    """NOTE [random ops] in checkpointing.py: a block class one of whose ops drew from a
+    generator of the caller's own never runs plainly. A new structure profiles again
+    (a second block appeared) and forgets it; the new profile's offload-all step sees
+    the draw again where the class still makes it."""
+    bernoulli = torch.ops.aten.bernoulli.p
+    own = {"generator": torch.Generator()}
+    with pytest.warns(OffloadFallbackWarning):  # (a budget no plan reaches: plain)
+        decider = _plan(3.0, 2.5, budget=50, saved=100, **_SLOW_LINK)
+    assert decider.mode("Block", 0) == PLAIN
+    decider.decide(("Block", 0, bernoulli, 0), bernoulli, (), own, _out(400))
+    assert decider.mode("Block", 0) == SELECTIVE  # its draws stored
+    run = functools.partial(_step, decider, decider.fake, _OPS, forward_s=0.5, saved=100)
+    run(step_s=1.5, blocks=2)  # a block the profile did not see: profile again
+    for kind in recompute._PROFILE:
+        run(step_s=1.5, blocks=2)
+        if kind == recompute._OFFLOAD_ALL and still_draws:  # (the step's, as it ends)
+            assert decider._phase == kind
+            decider.decide(("Block", 0, bernoulli, 0), bernoulli, (), own, _out(400))
+    assert decider.mode("Block", 0) == (SELECTIVE if still_draws else PLAIN)
+    assert decider.plan().plans_made == 2
+
+
 @pytest.mark.usefixtures("no_interleave")
 @pytest.mark.parametrize(
     ("trimmed", "untrimmed", "walls", "plain"),
