@@ -1410,11 +1410,14 @@ class AutoDecider:
         # Of the profiled bytes and seconds, the share of the blocks still checkpointed:
         # by their op output bytes (a block the model calls at two places counts both).
         total = sum(self._block_bytes.values())
-        share = (
-            sum(nbytes for key, nbytes in self._block_bytes.items() if key not in kept) / total
-            if total
-            else rest / n
-        )
+
+        def share_beside(run_whole: set[tuple[str, int]], count: int) -> float:
+            """The profiled op output bytes' share in the blocks not in ``run_whole``
+            (``count`` of the ``n``, where none were measured)."""
+            inside = sum(b for key, b in self._block_bytes.items() if key not in run_whole)
+            return inside / total if total else count / n
+
+        share = share_beside(kept, rest)
         others = {key for key in self._spans.get(_WHOLE_ALL_STEP, {}) if key not in kept}
         t_fwd, t_bwd = max(n * f_off, 1e-9), max(n * b_off, 1e-9)
         step_offload, step_recompute = n * (f_off + b_off), n * (f_rec + b_rec)
@@ -1551,13 +1554,7 @@ class AutoDecider:
                     reasons[pos] = (why, reasons[pos][1], reasons[pos][2])
             whole += interleaved
             rest -= len(interleaved)
-            plain_keys = profiled - set(whole)
-            share = (
-                sum(nbytes for key, nbytes in self._block_bytes.items() if key in plain_keys)
-                / total
-                if total
-                else rest / n
-            )
+            share = share_beside(set(whole), rest)
         if offload_alone:
             for pos in plan:
                 plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
