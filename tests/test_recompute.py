@@ -1302,13 +1302,25 @@ def test_a_tried_plan_that_moves_nothing_weighs_its_own_trims_after_plain_lost(
     assert "without heap trims: " in str(plan) and "\n  heap trims: " in str(plan)
 
 
-def _grads(model: nn.Module, steps: int, seq: int | list[int] = 16) -> list[list[torch.Tensor]]:
+def _grads(
+    model: nn.Module,
+    steps: int,
+    seq: int | list[int] = 16,
+    *,
+    first: int = 0,
+    flush: Callable[[], None] | None = None,
+) -> list[list[torch.Tensor]]:
+    """Each step's gradients, the batches seeded ``first``, ``first + 1``, ...; ``flush``
+    (if given) runs between forward and backward."""
     out = []
-    for step in range(steps):
-        length = seq[step] if isinstance(seq, list) else seq
+    for step in range(first, first + steps):
+        length = seq[step - first] if isinstance(seq, list) else seq
         tokens, targets = make_batch(2, length, vocab=64, seed=step)
         model.zero_grad(set_to_none=True)
-        model(tokens, targets).backward()
+        loss = model(tokens, targets)
+        if flush is not None:
+            flush()
+        loss.backward()
         out.append([p.grad.clone() for p in model.parameters()])
     return out
 
@@ -1574,37 +1586,28 @@ def test_an_interleaved_plan_moves_its_whole_blocks_only_and_stays_bit_identical
     whole_step = recompute._PROFILE.index(recompute._WHOLE_TIMED)
     steps = len(recompute._PROFILE) + 1 + recompute._TRIAL_STEPS + 1  # (judged, one more)
 
-    def run(model: nn.Module, n: int, engine: Any = None) -> int:
-        """``n`` steps (batches by the count so far); the bytes the last one moved."""
-        moved = 0
-        for _ in range(n):
-            tokens, targets = make_batch(2, 16, vocab=64, seed=len(got))
-            model.zero_grad(set_to_none=True)
-            loss = model(tokens, targets)
-            before = engine.stats().bytes_offloaded if engine is not None else 0
-            if engine is not None:
-                engine.flush()
-                moved = engine.stats().bytes_offloaded - before
-            loss.backward()
-            got.append([p.grad.clone() for p in model.parameters()])
-        return moved
-
+    ref = _grads(_model(), steps)
     got: list[list[torch.Tensor]] = []
-    run(_model(), steps)
-    ref, got = got, []
     model = _model()
     with offload_context(
         "disk", tmp_path, model=model, recompute="auto", min_offload_bytes=0
     ) as engine:
         decider = engine._decider
-        run(model, whole_step, engine)
-        alone = run(model, 1, engine)  # every block whole
-        run(model, len(recompute._PROFILE) - whole_step - 1, engine)
+
+        def run(n: int) -> int:
+            """``n`` more steps, each flushed before backward; the bytes they moved."""
+            before = engine.stats().bytes_offloaded
+            got.extend(_grads(model, n, first=len(got), flush=engine.flush))
+            return engine.stats().bytes_offloaded - before
+
+        run(whole_step)
+        alone = run(1)  # every block whole
+        run(len(recompute._PROFILE) - whole_step - 1)
         kind = type(model.blocks[0]).__name__
         assert [decider.mode(kind, b) for b in range(4)] == [PLAIN, WHOLE] * 2
-        interleaved = run(model, 1, engine)
+        interleaved = run(1)
         assert engine.stats().step_bytes_recomputed > 0  # the plain blocks'
-        run(model, steps - len(got), engine)
+        run(steps - len(got))
         plan = engine.recompute_plan()
     assert 0 < interleaved < 0.75 * alone
     assert plan is not None and plan.measured["trial_choice"] == 0
