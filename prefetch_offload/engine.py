@@ -312,6 +312,7 @@ class OffloadEngine:
                 peak_disk_tier_bytes=policy.peak[DISK],
                 bytes_demoted_to_host=policy.demoted[HOST],
                 bytes_demoted_to_disk=policy.demoted[DISK],
+                bytes_packed=policy.admitted,
                 predicted_steps=self._plan.predicted_steps,
             )
         kept, offloaded, recomputed = self._ckpt_stats.last_step()

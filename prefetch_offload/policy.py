@@ -82,6 +82,7 @@ class TierPolicy:
         self.bytes = [0, 0, 0]  # per tier, right now (records being demoted included)
         self.peak = [0, 0, 0]  # per tier, the most ever kept there once a pack returned
         self.demoted = [0, 0, 0]  # bytes demoted into each tier
+        self.admitted = 0  # bytes of every record admitted, ever
         # Records over() handed out and not yet moved, by seq (unique, unlike an id
         # that a dead record's successor may reuse): their bytes, and per tier.
         self._leaving: dict[int, int] = {}
@@ -124,6 +125,7 @@ class TierPolicy:
         """A newly packed record enters DEVICE, at the newest end (call :meth:`over` next)."""
         rec.tier = DEVICE
         self.bytes[DEVICE] += rec.nbytes
+        self.admitted += rec.nbytes
         self._enqueue(rec, DEVICE)
 
     def _add(self, rec: Tiered, tier: int) -> None:

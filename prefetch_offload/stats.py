@@ -32,6 +32,9 @@ class OffloadStats:
     bytes_offloaded: int = 0
     # Bytes read back from the target (prefetches and synchronous reads).
     bytes_read: int = 0
+    # Bytes of the saved tensors the engine took in (storage spans, each once: dedup
+    # hits and tensors_kept add nothing), whether kept or moved since.
+    bytes_packed: int = 0
     # Saved tensors kept in memory because they were not eligible (parameters,
     # small, non-strided, other devices, ...).
     tensors_kept: int = 0

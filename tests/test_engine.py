@@ -458,6 +458,8 @@ def test_same_tensor_saved_three_times_is_written_once(save_dir: Path) -> None:
     assert stats.tensors_offloaded == 2  # x0 (saved by x0 * v) and x
     assert stats.dedup_hits == 2
     assert stats.bytes_offloaded == 2 * 64 * 256 * 4
+    # Taken in once each, as written (v and w, small, stay as they are: not packed)
+    assert stats.bytes_packed == 2 * 64 * 256 * 4
 
 
 def test_a_small_view_of_an_offloaded_tensor_shares_its_record(save_dir: Path) -> None:
