@@ -44,11 +44,19 @@
 #   to it, the step ``Sr``; which outputs the recompute read back.
 # - Whole blocks: the newest blocks whose bytes (step 1) fit ``device_budget``
 #   together run whole: the engine keeps their saved tensors anyway, so they
-#   cost neither recompute nor moves nor the dispatch modes. (What the model
-#   saves after its last block shares that budget; the engine moves the oldest
-#   records first, so an estimate a little high moves a few bytes, never more
-#   memory.) A block the model calls more than once a step (shared weights)
-#   counts the bytes and the forward seconds of every call.
+#   cost neither recompute nor moves nor the dispatch modes. They share the
+#   budget with what the model saves outside the blocks (step 1: the engine's
+#   live bytes as the first block call begins, and what it packs from the last
+#   block's return until backward reaches a block: the head and the loss) and
+#   with the inputs of the blocks it does not keep (step 3: what a checkpointed
+#   block hands the engine), so a plan of whole and plain blocks moves nothing.
+#   On the 8-layer Llama of ``bench/recompute.py --model llama`` at 50% of the
+#   saved bytes (176.5 MiB; 41 MiB a layer, 32 MiB beside), the four newest
+#   layers whole and the rest plain moved 15 MiB a step and held 431 MiB
+#   without trims, over the target's limit of 415; three whole moved nothing
+#   and held 360 (one run, modes side by side). A block the model calls more
+#   than once a step (shared weights) counts the bytes and the forward seconds
+#   of every call.
 # - Per op, for the other blocks: moving O bytes costs ``k*O`` plus what compute
 #   cannot hide, ``max(Ef*O/O0, O/W - Hf) + max(Eb*O/O0, O/R - Hb)``,
 #   ``Hf = Tf - Ef``, ``Hb = Tb - Eb`` plus the recompute time chosen,
@@ -72,8 +80,13 @@
 #   later op of the forward writes is recomputed whatever the plan said (NOTE
 #   [cache entry mutation]).
 # - Plain or selective: selective only when its offloads save more (compute
-#   time less move cost, summed) than the dispatch modes cost the blocks; else
-#   every non-whole block is checkpointed plainly and its ops all recompute.
+#   time less move cost, summed) than the dispatch modes cost the blocks, by more
+#   than 5% of the recompute-all step (_SELECTIVE_MARGIN: a trial tells no
+#   smaller difference, NOTE [plans within the noise]); else every non-whole
+#   block is checkpointed plainly and its ops all recompute. (On the CPU
+#   benchmarks of ``bench/recompute.py`` the net gain was at most 6 ms of a
+#   0.55-1.8 s step, and a selective plan moves the bytes the budget does not
+#   keep.)
 #   The cost per block is _DISPATCH_SWITCH times the median block's time in the
 #   modes in the recompute-all steps, forward and recompute (their ``__torch_dispatch__``
 #   beyond the ops: NOTE [dispatch cost] in checkpointing.py); the factor adds
@@ -164,8 +177,9 @@
 # trims and 18k faults. (A trace of that plan's steps: trims at the last
 # layer's forward and at the head's backward, each giving back 115-177 MiB.) So
 # such a plan is tried. Its first planned step learns the prefetch order (NOTE
-# [learned order] in plan.py) and is not counted; the next two are timed alike,
-# and the faster is set against the faster of each profiled plan's two steps,
+# [learned order] in plan.py) and is not counted; the next two are timed alike
+# (a plan that moves nothing runs two more, without trims: NOTE [trims a plan
+# does without]), and the faster is set against the faster of each profiled plan's two steps,
 # timed alike (plain's less the dispatch modes' cost per block). The fastest of
 # the three (or one within 5% of it that held at least 5% less: NOTE [plans
 # within the noise]) runs from then on, until a new structure profiles again,
@@ -374,6 +388,23 @@
 # without the engine). On the transformer at 50%, in the run docs/benchmarks.md
 # cites: 929 against 974, offload alone 1019: held off, peaks of 705-768 MiB
 # above the start against the target's limit of 924, 0.99x ``full``'s step.
+# A tried plan that moves nothing (whole blocks within the budget beside plain
+# ones) weighs its trims in its trial (NOTE [trial steps]): after its uncounted
+# first step, two steps under trims and two without, and the verdict as above,
+# where the allowance also counts plain checkpointing's peak in the profile
+# plus the whole blocks' saved bytes (what the budget keeps: the plan's steps
+# hold them on top of plain checkpointing's). Where held, the steps without
+# trims are its trial's, weighed by time against the profiled plans, whose
+# peaks were under trims; plain checkpointing is then weighed without trims
+# against it (NOTE [plain without trims]), and where it loses the plan runs
+# with the trims its trial judged. Measured with ``bench/recompute.py`` and
+# lanes for such plans, side by side with ``full`` (one run each): on the
+# 8-layer Llama at 50% three layers whole and five plain ran 0.519 s a step
+# at 360 MiB without trims and 0.611 s at 313 with them, ``full`` 0.553 s at
+# 305; on the IO-bound shape at 50% (16 blocks, disk at 200 MB/s) seven whole
+# and nine plain 0.944 s at 591 MiB and 1.151 s at 468, ``full`` 1.017 s at
+# 542: 0.94x and 0.93x ``full``'s step without trims, within the target's peak
+# limits of 415 and 631 MiB.
 #
 # NOTE [plain without trims]
 # The profile and the trial weigh plain checkpointing against the other plans
@@ -398,7 +429,8 @@
 # ceiling). Else (without trims it held more than the verdict allows: it was
 # weighed as it would run; or the plan won) the plan runs again as it was,
 # under trims, with one trim at once (its first step trims at plain's bound); a tried plan that
-# moves nothing then weighs its own trims, in four steps alike. Four steps of
+# moves nothing then runs with the trims its trial judged (NOTE [trims a plan does
+# without]). Four steps of
 # plain checkpointing, once per profile. Measured with ``bench/recompute.py
 # --steps 8`` (the 24-block transformer, 2 CPU threads) at 50% of the saved
 # bytes, in two runs: the trial kept the plan it tried (1.581 s a step; plain
@@ -561,8 +593,9 @@ class RecomputePlan:
                 )
         if "trial_step_s" in m:
             verdict = ("kept", "replaced by plain checkpointing", "replaced by offload alone")
+            untrimmed = " without heap trims" if m.get("trial_untrimmed") else ""
             lines.append(
-                f"  trial: the plan ran {m['trial_step_s']:.3f} s a step"
+                f"  trial: the plan ran {m['trial_step_s']:.3f} s a step{untrimmed}"
                 f"{_peak_text(m, 'trial_peak_MiB')}; in the profile, every block "
                 f"checkpointed plainly {m['trial_plain_s']:.3f} s"
                 f"{_peak_text(m, 'peak_plain_MiB')} and offload alone "
@@ -779,11 +812,17 @@ _PROFILE = (
 )
 _WHOLE_ALL_STEP = _PROFILE.index(_WHOLE_ALL)
 _OFFLOAD_ALL_STEP = _PROFILE.index(_OFFLOAD_ALL)
+# The step whose checkpointed blocks hand the engine their inputs alone (NOTE [keep,
+# offload, recompute]: what a block the budget does not keep takes of it).
+_INPUTS_STEP = _PROFILE.index(_RECOMPUTE_ALL)
 # NOTE [plans within the noise]: a plan whose step took at most _TIE longer than the
 # fastest plan's counts as fast as it; of those, one that held at least _LEANER less
 # memory than the fastest runs instead (the one that held least).
 _TIE = 0.05
 _LEANER = 0.05
+# NOTE [keep, offload, recompute]: selective blocks only where their offloads save more
+# than the dispatch modes cost by this share of the recompute-all step (the noise).
+_SELECTIVE_MARGIN = 0.05
 # NOTE [trims a plan does without]: the share of a step's saved bytes the heap may hold
 # without trims beyond the step under them or offload alone (the issue's peak slack).
 _TRIMS_SLACK = 0.05
@@ -921,6 +960,10 @@ class AutoDecider:
         self._trim_trial_walls: list[float] = []
         self._trim_trial_peaks: list[int] = []
         self._challenging = False
+        # A tried plan that moves nothing: whether its trial runs steps without trims, and
+        # the verdict on its trims there (_trims_verdict_of's; None: not judged).
+        self._trial_untrimmed = False
+        self._trial_trims: tuple[bool, int, int, float] | None = None
         self._rival_modes: dict[tuple[str, int], str] = {}  # the plan plain runs in place of
         self._block_hold = 0
         # NOTE [plans within the noise]: the most memory each profiling step held, and each
@@ -976,6 +1019,10 @@ class AutoDecider:
         self._peak_alone = 0  # the most offload alone held in this rank's profile (0: unknown)
         self._s1: OffloadStats | None = None
         self._block_bytes: collections.Counter[tuple[str, int]] = collections.Counter()
+        # NOTE [keep, offload, recompute]: in the whole step, the engine's live bytes as
+        # the first block call began, and its packed bytes as the last block call
+        # returned and as backward reached a block (empty: not measured).
+        self._outside: list[int] = []
         self._warned = False
         # NOTE [trial steps]: the planned steps' walls while a plan is tried, the start of
         # the step now, the steps left, and what the profile measured of the others.
@@ -1016,9 +1063,12 @@ class AutoDecider:
             self._calls[0] += 1  # NOTE [abandoned forwards]
             if self._phase == _PLANNED:
                 return
-            span = self._spans.setdefault(self._step_no, {}).setdefault((kind, index), _Span())
-            if self._phase == _WHOLE_ALL:  # every call's bytes count (a shared block's)
-                span.live = _live_bytes(self._stats())
+            spans = self._spans.setdefault(self._step_no, {})
+            span = spans.setdefault((kind, index), _Span())
+            if self._phase == _WHOLE_ALL or self._step_no == _INPUTS_STEP:
+                span.live = _live_bytes(self._stats())  # (every call's: a shared block's)
+                if self._phase == _WHOLE_ALL and len(spans) == 1 and not span.calls:
+                    self._outside = [span.live, 0, 0]  # the step's first block call
             span.start = self._clock()
 
     def exited(self, kind: str, index: int) -> None:
@@ -1030,8 +1080,11 @@ class AutoDecider:
             span.end = self._clock()
             span.forward += span.end - span.start
             span.calls += 1
-            if self._phase == _WHOLE_ALL:
-                span.saved += _live_bytes(self._stats()) - span.live
+            if self._phase == _WHOLE_ALL or self._step_no == _INPUTS_STEP:
+                stats = self._stats()
+                span.saved += _live_bytes(stats) - span.live
+                if self._phase == _WHOLE_ALL and self._outside:
+                    self._outside[1:] = [stats.bytes_packed] * 2  # (the last block's exit)
 
     def backward(self, kind: str, index: int) -> None:
         with self._lock:
@@ -1040,6 +1093,9 @@ class AutoDecider:
             span = self._spans.get(self._step_no, {}).get((kind, index))
             if span is not None and span.grad is None:
                 span.grad = self._clock()
+            outside = self._outside
+            if self._phase == _WHOLE_ALL and outside and outside[2] == outside[1]:
+                outside[2] = self._stats().bytes_packed  # (backward reached a block first)
             if not self._end_queued:  # NOTE [trial steps]: the step's time ends with it
                 try:
                     torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
@@ -1241,6 +1297,8 @@ class AutoDecider:
         )
         self._spans.pop(self._step_no, None)
         self._dispatch.pop(self._step_no, None)
+        if self._phase == _WHOLE_ALL:
+            self._outside = []
         if self._phase == _OFFLOAD_ALL:  # its moves count from the step that runs again
             self._s0 = self._stats()
 
@@ -1332,6 +1390,7 @@ class AutoDecider:
         self._peaks.clear()
         self._dispatch.clear()
         self._block_bytes.clear()
+        self._outside = []
         self._s0 = self._s1 = None
         self._before = ({}, collections.Counter(), {})
 
@@ -1391,17 +1450,24 @@ class AutoDecider:
         spent = [v for i in self._steps(_RECOMPUTE_ALL) for v in self._dispatch.get(i, {}).values()]
         in_modes = statistics.median(spent) if spent else 0.0
         n = max(n, 1)
-        # Whole blocks: the newest whose saved bytes the budget keeps anyway.
+        # Whole blocks: the newest whose saved bytes the budget keeps anyway, beside what
+        # the model saves outside the blocks and the inputs of the blocks it does not keep.
         whole: list[tuple[str, int]] = []
         held = 0
+        inputs = {
+            key: max(span.saved, 0) for key, span in self._spans.get(_INPUTS_STEP, {}).items()
+        }
+        beside = self._outside_bytes() + sum(inputs.values())
         for key, span in sorted(
             self._spans.get(_WHOLE_ALL_STEP, {}).items(), key=lambda kv: -kv[0][1]
         ):
             # A block whose saved tensors never reached the engine's tiers (nothing
             # measured) is not known to fit.
-            if span.saved <= 0 or held + span.saved > self._budget:
+            others = beside - inputs.get(key, 0)
+            if span.saved <= 0 or held + span.saved + others > self._budget:
                 break
             held += span.saved
+            beside = others
             whole.append(key)
         rest = n - len(whole)
         # The blocks the budget does not keep, whose plans the offload-alone test compares
@@ -1491,14 +1557,18 @@ class AutoDecider:
         self._block_hold = self._recompute_hold()
         unreachable = self._unreachable()
         lean = unreachable is not None
-        # Selective only where its offloads save more than its dispatch modes cost.
-        selective = not lean and gain > overhead * rest
+        # Selective only where its offloads save more than its dispatch modes cost, by
+        # more than the noise of a step (NOTE [plans within the noise]).
+        wall_recompute = self._wall(_RECOMPUTE_ALL)
+        noise = _SELECTIVE_MARGIN * wall_recompute if math.isfinite(wall_recompute) else 0.0
+        selective = not lean and gain - overhead * rest > noise
         if not selective:
             plain = (
                 "block checkpointed plainly: device_budget is below what one block's "
                 "recompute holds, and this is the plan that holds least"
                 if lean
-                else "block checkpointed plainly: selective would save less than its dispatch costs"
+                else "block checkpointed plainly: selective would save less than its dispatch "
+                f"costs and {_SELECTIVE_MARGIN:.0%} of a step"
             )
             for pos in plan:
                 if (plan[pos] in OFFLOAD or lean) and self._fixed.get(pos) != "generator":
@@ -1516,7 +1586,6 @@ class AutoDecider:
         profiled = {key for spans in self._spans.values() for key in spans}
         # NOTE [trial steps]: the two plans the profile ran, by their walls; a plan between
         # them is tried against both.
-        wall_recompute = self._wall(_RECOMPUTE_ALL)
         # (The correction at most half the step: a toy block whose ops all cost less
         # than their dispatch.)
         wall_plain = wall_recompute - min(n * overhead, wall_recompute / 2)
@@ -1577,6 +1646,7 @@ class AutoDecider:
             "blocks_plain": 0 if selective else rest,
             "blocks_interleaved": len(interleaved),
             "whole_MiB": held / _MiB,
+            "beside_whole_MiB": beside / _MiB,
             "dispatch_s_per_block": overhead,
             "dispatch_in_modes_s": in_modes,
             "selective_gain_s": gain,
@@ -1609,9 +1679,16 @@ class AutoDecider:
             "alone": (wall_alone if OFFLOAD_ALONE and not lean else math.inf, peak_alone),
         }
         self._trial_left = _TRIAL_STEPS + 1 if TRIAL and tried else 0
+        # NOTE [trims a plan does without]: a tried plan that moves nothing runs its last
+        # trial steps without trims.
+        weighs = self._hold_trims is not None and self._peak_source is not None
+        if self._trial_left and weighs and not self._moves():
+            self._trial_left += _UNTRIMMED_STEPS
         self._trial_walls, self._trial_peaks = [], []
         if self._agreement is not None:
             self._take_first_ranks_plan(self._agreement)
+        self._trial_untrimmed = self._trial_left > _TRIAL_STEPS + 1  # (rank 0's count)
+        self._trial_trims = None
         self._trial_obs = dict(self._obs)  # (cleared once no trial can change the plan)
         self._last = self._summarize(self._share, self._obs)
         self._warn_budget(unreachable)
@@ -1672,6 +1749,8 @@ class AutoDecider:
         self._trial_walls.append(wall)
         self._trial_peaks.append(peak)
         self._trial_left -= 1
+        if self._trial_untrimmed and self._trial_left == _UNTRIMMED_STEPS:
+            self._hold(True)  # NOTE [trims a plan does without]: the last steps without
         if self._trial_left == 0:
             self._judge_trial()
 
@@ -1679,9 +1758,25 @@ class AutoDecider:
         """Keep the tried plan or take a profiled one: the fastest of the three, unless
         one within 5% of it held at least 5% less memory (NOTE [trial steps], NOTE
         [plans within the noise])."""
-        tried = min(self._trial_walls[1:])  # (the first planned step learns the order)
-        trial_peak = _most(self._trial_peaks[1:])
-        plans = {"trial": (tried, trial_peak), **self._profiled_plans}
+        walls = self._trial_walls[1:]  # (the first planned step learns the order)
+        peaks = self._trial_peaks[1:]
+        if self._trial_untrimmed:  # NOTE [trims a plan does without]: its trims, judged
+            n, m = _UNTRIMMED_STEPS, self.measured
+            # what plain checkpointing held, and the whole blocks' bytes the budget takes
+            granted = (m["peak_plain_MiB"] + m["whole_MiB"]) * _MiB if m["peak_plain_MiB"] else 0
+            self._trial_trims = self._trims_verdict_of(
+                _most(peaks[:-n]), _most(peaks[-n:]), granted=round(granted)
+            )
+            # the steps without trims count where it may run without them
+            walls, peaks = (
+                (walls[-n:], peaks[-n:]) if self._trial_trims[0] else (walls[:-n], peaks[:-n])
+            )
+            self._hold(False)
+        tried, trial_peak = min(walls), _most(peaks)
+        # Without trims within what their verdict allows, the plan is weighed by time (NOTE
+        # [trims a plan does without]): the other plans' peaks were under trims.
+        untrimmed = self._trial_trims is not None and self._trial_trims[0]
+        plans = {"trial": (tried, 0 if untrimmed else trial_peak), **self._profiled_plans}
         choice = ("trial", "plain", "alone").index(_leanest_of_the_fastest(plans))
         (plain, _), (alone, _) = plans["plain"], plans["alone"]
         if self._agreement is not None:  # NOTE [ranks agree] in agreement.py: rank 0's
@@ -1689,6 +1784,7 @@ class AutoDecider:
             got = json.loads(self._agreement.first_rank(json.dumps(mine).encode()))
             choice, tried, plain, alone, trial_peak = got
         if choice:
+            self._trial_trims = None  # (the tried plan's: another plan runs)
             faster = (plain, alone)[choice - 1] < tried
             self._switch(PLAIN if choice == 1 else WHOLE, _than(faster, "this plan's trial"))
             self._trim_heap()  # NOTE [a trim where the plan changes]
@@ -1699,6 +1795,8 @@ class AutoDecider:
             trial_choice=choice,
             trial_peak_MiB=trial_peak / _MiB,
         )
+        if untrimmed:
+            self.measured["trial_untrimmed"] = 1.0
         self._last = self._summarize(self._share, self._trial_obs)
         self._begin_trim_trial()
 
@@ -1731,6 +1829,15 @@ class AutoDecider:
             offload_alone=float(how == WHOLE),
         )
         self._share = 1.0 if how == PLAIN else 0.0
+
+    def _outside_bytes(self) -> int:
+        """What the whole step's records held as its first block call began, and what it
+        packed after its last block call returned and before backward reached a block:
+        the bytes saved outside the blocks (NOTE [keep, offload, recompute])."""
+        if not self._outside:
+            return 0
+        first, last_exit, backward = self._outside
+        return first + max(backward - last_exit, 0)
 
     def _outputs_per_call(self) -> dict[tuple[str, int], int]:
         """Each block's op output bytes in the offload-all step, per call of the block."""
@@ -1804,6 +1911,10 @@ class AutoDecider:
             self._last = self._summarize(self._share, self._trial_obs)
             self._trim_heap()  # NOTE [a trim where the plan changes]
             self._start_trim_steps(settling=True)
+        elif self._trial_trims is not None:  # its trims judged in its trial
+            self._apply_trims(*self._trial_trims, record=True)
+            self._sample_peaks(False)
+            self._trial_obs = {}
         elif weighs and not self._moves():
             self._start_trim_steps(settling=False)
         else:
@@ -1851,27 +1962,50 @@ class AutoDecider:
         [plain without trims])."""
         peaks = self._trim_trial_peaks[-1 - _UNTRIMMED_STEPS :]
         trimmed, untrimmed = peaks[0], _most(peaks[1:])
-        allowed = max(trimmed, self._peak_alone) + _TRIMS_SLACK * self._step_saved
-        held = 0 < trimmed and 0 < untrimmed and untrimmed <= allowed
-        again = False  # the plan that ran again moves nothing: its own trims' trial
+        verdict = self._trims_verdict_of(trimmed, untrimmed)
+        again, record = False, True  # again: the plan that ran again, its own trims' trial
         challenged, self._challenging = self._challenging, False
         if challenged:
             del self.measured["weighing_plain"]
             wall = min(self._trim_trial_walls[-_UNTRIMMED_STEPS:])
-            held = self._weigh_plain(held, wall, untrimmed)
+            plain = self._weigh_plain(verdict[0], wall, untrimmed)
             self.measured.update(
                 plain_trims_peak_MiB=trimmed / _MiB,
                 plain_untrimmed_peak_MiB=untrimmed / _MiB,
-                plain_allowed_MiB=allowed / _MiB,
+                plain_allowed_MiB=verdict[3] / _MiB,
             )
-            again = not held and not self._moves()
-        # NOTE [trims a plan does without]: a trim where the heap drifts beyond what
-        # the steps without them held, and the allowance where the step under them is known
-        # (none where the untrimmed peak is unknown: held by rank 0's word).
-        ceiling = None
-        if held and untrimmed:
-            most = untrimmed * (1 + _CEILING)
-            ceiling = int(min(most, allowed) if trimmed else most)
+            if not plain and self._trial_trims is not None:  # the plan's, from its trial
+                verdict = self._trial_trims
+            else:  # (where the plan runs again, the other plan's trims go untried)
+                verdict, record = (plain, *verdict[1:]), plain
+            again = not plain and not self._moves() and self._trial_trims is None
+        self._apply_trims(*verdict, record=record)
+        self._last = self._summarize(self._share, self._trial_obs)
+        if again:
+            self._start_trim_steps(settling=True)  # (its bound follows plain's moves)
+            return
+        self._sample_peaks(False)
+        self._trial_obs = {}
+
+    def _trims_verdict_of(
+        self, trimmed: int, untrimmed: int, *, granted: int = 0
+    ) -> tuple[bool, int, int, float]:
+        """Whether trims are held off where a step under them held ``trimmed`` bytes and
+        steps without them ``untrimmed`` at most: no more than that step, offload alone in
+        the profile or ``granted``, whichever is most, and 5% of the bytes a step saves
+        (NOTE [trims a plan does without]); with the two peaks and that allowance."""
+        most = max(trimmed, self._peak_alone, granted)
+        allowed = most + _TRIMS_SLACK * self._step_saved
+        return 0 < trimmed and 0 < untrimmed <= allowed, trimmed, untrimmed, allowed
+
+    def _apply_trims(
+        self, held: bool, trimmed: int, untrimmed: int, allowed: float, *, record: bool
+    ) -> None:
+        """Hold the trims off for good, or let them run with one trim now for what steps
+        without them left; the plan prints the figures where held, or where ``record``.
+        Held off, a trim still comes where the heap drifts beyond what the steps without
+        them held, or the allowance where the step under them is known (none where the
+        untrimmed peak is unknown: held by rank 0's word)."""
         figures = {
             "trims_held": float(held),
             "trims_peak_MiB": trimmed / _MiB,
@@ -1879,19 +2013,17 @@ class AutoDecider:
             "trims_allowed_MiB": allowed / _MiB,
         }
         if held:
+            ceiling = None
+            if untrimmed:
+                most = untrimmed * (1 + _CEILING)
+                ceiling = int(min(most, allowed) if trimmed else most)
             self._hold(True, ceiling)
             self.measured.update(figures, trims_ceiling_MiB=(ceiling or 0) / _MiB)
         else:
             self._hold(False)
             self._trim_heap()
-            if not challenged:  # (a plan's own trims, weighed; the other plan's go untried)
+            if record:
                 self.measured.update(figures)
-        self._last = self._summarize(self._share, self._trial_obs)
-        if again:
-            self._start_trim_steps(settling=True)  # (its bound follows plain's moves)
-            return
-        self._sample_peaks(False)
-        self._trial_obs = {}
 
     def _weigh_plain(self, held: bool, wall: float, peak: int) -> bool:
         """Plain checkpointing ran in place of the plan (offload alone, or a tried plan),

@@ -545,6 +545,7 @@ def test_auto_recomputes_what_the_forward_writes_later(
 
     monkeypatch.setattr(recompute_module, "OFFLOAD_ALONE", False)
     monkeypatch.setattr(recompute_module, "_DISPATCH_SWITCH", 0.0)  # selective on a toy
+    monkeypatch.setattr(recompute_module, "_SELECTIVE_MARGIN", 0.0)
     torch.manual_seed(0)
     ref_model = nn.Sequential(*(_ScalesMatmul() for _ in range(4)))
     model = copy.deepcopy(ref_model)
@@ -589,6 +590,7 @@ def test_autocast_s_cached_weight_casts_keep_the_op_keys(
 
     monkeypatch.setattr(recompute_module, "OFFLOAD_ALONE", False)
     monkeypatch.setattr(recompute_module, "_DISPATCH_SWITCH", 0.0)  # selective on a toy
+    monkeypatch.setattr(recompute_module, "_SELECTIVE_MARGIN", 0.0)
     torch.manual_seed(0)
     ref_model = _RunsBlocksTwice()
     model = copy.deepcopy(ref_model)
@@ -644,6 +646,7 @@ def test_offloaded_outputs_serve_a_second_backward(
 
     monkeypatch.setattr(recompute_module, "OFFLOAD_ALONE", False)
     monkeypatch.setattr(recompute_module, "_DISPATCH_SWITCH", 0.0)  # selective on a toy
+    monkeypatch.setattr(recompute_module, "_SELECTIVE_MARGIN", 0.0)
 
     steps = len(recompute_module._PROFILE) + 2 if recompute == "auto" else 2
     ref = _grads(_model(), steps, backwards=2)

@@ -310,11 +310,49 @@ def test_a_block_called_twice_a_step_counts_both_calls_against_the_budget(
             for _call in range(2):  # (backward reaches each call's output)
                 decider.backward("Block", b)
             fake.now += 1.0
+        fake.add(device_tier_bytes=-fake.stats.device_tier_bytes)  # backward freed them
     assert not decider.profiling
     kept = whole.count(WHOLE)
     assert decider.plan().measured["blocks_whole"] == kept
     assert decider.plan().measured["whole_MiB"] * 2**20 == 200 * kept
     assert [decider.mode("Block", b) for b in range(3)] == whole
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "inputs", "kept"),
+    [(0, 0, 0, 3), (60, 0, 0, 2), (0, 60, 0, 2), (20, 20, 20, 2), (50, 50, 50, 1)],
+)
+def test_whole_blocks_leave_the_budget_room_for_what_is_saved_outside_them(
+    monkeypatch: pytest.MonkeyPatch, before: int, after: int, inputs: int, kept: int
+) -> None:
+    """Four blocks saving 100 bytes each whole, a budget of 350. Beside the whole blocks
+    the budget keeps what the model saves before the first block (``before``, live as
+    it begins) and after the last (``after``, freed by backward before it reaches a
+    block), and each checkpointed block's input (``inputs``): the newest blocks run
+    whole only as far as all of it fits, so the plan moves nothing."""
+    monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
+    fake = _Fake()
+    decider = AutoDecider(fake.snapshot, 350, clock=fake.clock)
+    for _ in range(len(recompute._PROFILE) + 1):
+        fake.add(device_tier_bytes=before, bytes_packed=before)
+        for b in range(4):
+            nbytes = 100 if decider.mode("Block", b) == WHOLE else inputs
+            decider.entered("Block", b)
+            fake.add(device_tier_bytes=nbytes, bytes_packed=nbytes)
+            fake.now += 0.5
+            decider.exited("Block", b)
+        fake.add(device_tier_bytes=after, bytes_packed=after)
+        fake.add(device_tier_bytes=-after)  # the head's backward freed its records
+        for b in reversed(range(4)):
+            decider.backward("Block", b)
+            fake.now += 1.0
+        fake.add(device_tier_bytes=-fake.stats.device_tier_bytes)
+    assert not decider.profiling
+    modes = [decider.mode("Block", b) for b in range(4)]
+    assert modes == [PLAIN] * (4 - kept) + [WHOLE] * kept
+    m = decider.plan().measured
+    assert m["blocks_whole"] == kept
+    assert m["beside_whole_MiB"] * _MiB == before + after + inputs * (4 - kept)
 
 
 def test_a_budget_that_keeps_every_block_whole_says_so_per_op() -> None:
@@ -604,6 +642,7 @@ def _profile_rest(run: Any, whole_s: list[float]) -> None:
             run(step_s=0.0, block_s=whole_s)  # every block whole again
 
 
+@pytest.mark.usefixtures("no_interleave")
 def test_the_estimates_are_over_the_blocks_the_budget_does_not_keep() -> None:
     """Four blocks; the budget keeps the two newest whole. With every block whole, the
     two kept ones took 0.5 s and the two moved ones 2 s (they waited on reads); a
@@ -1269,37 +1308,98 @@ def test_ranks_weighing_plain_without_trims_run_rank_0_s_choice() -> None:
     assert [g[3][-1] for g in got] == ceilings
 
 
-@pytest.mark.parametrize("held", [True, False])
-def test_a_tried_plan_that_moves_nothing_weighs_its_own_trims_after_plain_lost(
-    held: bool,
+@pytest.mark.parametrize(
+    ("untrimmed_mib", "unit", "held"),
+    [(150, 1, True), (400, 1, False), (280, _MiB, True), (280, 1, False)],
+)
+def test_a_tried_plan_that_moves_nothing_is_tried_without_trims_too(
+    untrimmed_mib: int, unit: int, held: bool
 ) -> None:
-    """NOTE [plain without trims]: two of three blocks whole within the budget, the
-    third plain (it moves nothing); its trial kept it (2 s a step, against 2.75 s for
-    plain checkpointing in the profile, less its dispatch modes' cost). Plain
-    checkpointing without trims ran 2.5 s and lost: the tried plan runs again and then
-    its own trims' trial (an uncounted step, one under trims, two without) judges its
-    trims."""
+    """NOTE [trims a plan does without]: two of three blocks (``100 * unit`` bytes
+    each) whole within the budget, the third plain (it moves nothing). Its trial runs
+    an uncounted step, two under trims (2.4 s a step at 150 MiB) and two without (2 s
+    at ``untrimmed_mib``); the trims' verdict on those peaks says which steps count:
+    without trims where they held no more than allowed, else under them. Allowed: the
+    most of the trimmed steps' 150 MiB, offload alone's 200 in the profile, and plain
+    checkpointing's 100 there plus the whole blocks' bytes, which the budget takes;
+    and 5% of the bytes a step saves. Either beats plain checkpointing under trims in
+    the profile (2.75 s less its dispatch modes' cost). Plain checkpointing without
+    trims then ran 2.6 s and lost: the tried plan runs again with the trims its trial
+    judged, and no more steps are measured."""
     calls = _Holds()
     trims: list[int] = []
-    own = [150 << 20] * 2 + [(150 if held else 400) << 20] * 2
-    planned = [150 << 20] * 3 + [100 << 20] * 4 + own + [0]
+    planned = [150 << 20] * 3 + [untrimmed_mib << 20] * 2 + [100 << 20] * 4 + [0]
     source = _Peaks(_LEAN_PLAIN, planned=planned)
     decider = _plan(
-        3.0, 5.0, blocks=3, budget=250, saved=100, dispatch_s=0.5, ops=_CHEAP, peaks=source,
-        hold_trims=calls, trim_heap=lambda: trims.append(1), **_SLOW_LINK,
+        3.0, 5.0, blocks=3, budget=250 * unit, saved=100 * unit, dispatch_s=0.5,
+        ops=_CHEAP, peaks=source, hold_trims=calls, trim_heap=lambda: trims.append(1),
+        **_SLOW_LINK,
     )  # fmt: skip
     first = [decider.mode("Block", b) for b in range(3)]
     assert sorted(first) == [PLAIN, WHOLE, WHOLE]
-    assert _planned_steps(decider, [4.0, 2.0], 3) == [PLAIN] * 3  # kept; plain weighed
-    assert _planned_steps(decider, [3.0, 3.0, 2.5, 2.5], 3) == first  # plain lost
-    assert calls == [True, False] and trims == [1, 1] and source.running
-    assert _planned_steps(decider, [2.0] * 4, 3) == first and not source.running
-    assert calls == [True, False, True, held] and trims == ([1, 1] if held else [1, 1, 1])
+    assert _planned_steps(decider, [2.4, 2.4], 3) == first and calls == [True]
+    assert _planned_steps(decider, [2.0, 2.0], 3) == [PLAIN] * 3  # kept; plain weighed
+    assert calls == [True, False] and trims == [1]
+    m = decider.plan().measured
+    assert m["trial_choice"] == 0
+    assert m["trial_step_s"] == pytest.approx(2.0 if held else 2.4)
+    assert m["trial_peak_MiB"] == (untrimmed_mib if held else 150)
+    assert m.get("trial_untrimmed", 0.0) == float(held)
+    assert _planned_steps(decider, [3.0, 3.0, 2.6, 2.6], 3) == first  # plain lost
+    assert calls == [True, False, True, held] and not source.running
+    allowed = max(200 << 20, (100 << 20) + 200 * unit) + 0.05 * 300 * unit
+    if held:
+        assert calls.ceilings[-1] == int(min((untrimmed_mib << 20) * 1.05, allowed))
+    assert trims == ([1] if held else [1, 1])
     plan = decider.plan()
     m = plan.measured
     assert m["untrimmed_choice"] == 0.0 and m["trims_held"] == float(held)
-    assert m["untrimmed_peak_MiB"] == (150 if held else 400)
-    assert "without heap trims: " in str(plan) and "\n  heap trims: " in str(plan)
+    assert m["untrimmed_peak_MiB"] == untrimmed_mib
+    assert m["trims_allowed_MiB"] == pytest.approx(allowed / _MiB)
+    text = str(plan)
+    assert "without heap trims: " in text and "\n  heap trims: " in text
+    assert (f"2.000 s a step without heap trims at {untrimmed_mib} MiB" in text) == held
+    assert _planned_steps(decider, [9.0] * 4, 3) == first and len(calls) == 4
+
+
+def test_a_tried_plan_without_trims_within_what_they_allow_is_weighed_by_time() -> None:
+    """The trial's steps without trims (2.7 s at 190 MiB) held no more than allowed: it
+    is kept for being faster than plain checkpointing under trims in the profile (2.75
+    s at 100 MiB), though within 5% of it and not 5% leaner, as offload alone's
+    profile peak (200 MiB) says the budget allows that memory."""
+    calls = _Holds()
+    planned = [150 << 20] * 3 + [190 << 20] * 2 + [100 << 20] * 4 + [0]
+    source = _Peaks(_LEAN_PLAIN, planned=planned)
+    decider = _plan(
+        3.0, 5.0, blocks=3, budget=250, saved=100, dispatch_s=0.5, ops=_CHEAP, peaks=source,
+        hold_trims=calls, **_SLOW_LINK,
+    )  # fmt: skip
+    _planned_steps(decider, [2.8, 2.8, 2.7, 2.7], 3)
+    m = decider.plan().measured
+    assert m["trial_untrimmed"] == 1.0 and m["trial_step_s"] == pytest.approx(2.7)
+    assert m["trial_choice"] == 0 and m["trial_plain_s"] == pytest.approx(2.75)
+
+
+def test_a_tried_plan_that_moves_nothing_and_loses_its_trial_leaves_plain_its_own_trims() -> None:
+    """As above, but the trial ran 3 s a step without trims (at 150 MiB, within what is
+    allowed), slower than plain checkpointing's 2.75 s: plain checkpointing runs, under
+    trims at once, and weighs its own trims (one step under them, two without), not the
+    verdict of the plan it replaced."""
+    calls = _Holds()
+    planned = [150 << 20] * 5 + [100 << 20, 500 << 20, 500 << 20, 0]
+    source = _Peaks(_LEAN_PLAIN, planned=planned)
+    decider = _plan(
+        3.0, 5.0, blocks=3, budget=250, saved=100, dispatch_s=0.5, ops=_CHEAP, peaks=source,
+        hold_trims=calls, **_SLOW_LINK,
+    )  # fmt: skip
+    assert _planned_steps(decider, [3.2, 3.2, 3.0, 3.0], 3) == [PLAIN] * 3
+    assert calls == [True, False]  # the trial's steps without trims, then trims again
+    m = decider.plan().measured
+    assert m["trial_choice"] == 1 and m["trial_step_s"] == pytest.approx(3.0)
+    assert _planned_steps(decider, [2.5, 2.5, 2.5], 3) == [PLAIN] * 3
+    assert calls == [True, False, True, False] and not source.running
+    m = decider.plan().measured
+    assert m["trims_held"] == 0.0 and m["untrimmed_peak_MiB"] == 500
 
 
 def _grads(
@@ -1427,6 +1527,7 @@ def test_profile_and_trial_steps_wait_for_the_device_at_both_ends(
     monkeypatch.setattr(recompute, "_sync_device", lambda: calls.append(len(steps)))
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
     monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", 0.0)  # selective on a toy: tried
+    monkeypatch.setattr(recompute, "_SELECTIVE_MARGIN", 0.0)
     model = _model()
     steps: list[int] = []
     with offload_context(
@@ -1668,6 +1769,7 @@ def test_blocks_inside_the_model_s_own_checkpoint_replay_their_forward(
     monkeypatch.setattr(recompute, "TRIAL", False)  # the plan it made stays
     if how == "selective":
         monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", 0.0)  # selective on a toy
+        monkeypatch.setattr(recompute, "_SELECTIVE_MARGIN", 0.0)
     torch.manual_seed(0)
     ref_model = _CheckpointsItsLayers(reentrant=how.startswith("auto-reentrant"))
     model = copy.deepcopy(ref_model)

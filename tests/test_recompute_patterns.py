@@ -85,6 +85,7 @@ QUICK = ["full", "selective", "matmuls-offloaded", "all-saved"]
 def _force_selective(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
     monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", 0.0)  # selective on a toy
+    monkeypatch.setattr(recompute, "_SELECTIVE_MARGIN", 0.0)
     monkeypatch.setattr(recompute, "TRIAL", False)  # the selective plan stays
 
 
@@ -315,7 +316,9 @@ def test_a_block_called_several_times_counts_one_call_s_bytes_per_call(
     monkeypatch.setattr(recompute, "TRIAL", False)
     block, x = _model(MLPBlock), _seeded(0, 8, 16)
     one = sum(saved_storage_bytes(block, lambda: block(x)))
-    budget = 2 * one  # Shared calls its block three times a forward
+    # Shared calls its block three times a forward; the other block fits whole beside
+    # what the model saves outside the blocks and the shared block's inputs.
+    budget = 3 * one - one // 6
     with warnings.catch_warnings():
         warnings.simplefilter("error", OffloadFallbackWarning)
         auto = _train_alike(
@@ -1662,7 +1665,8 @@ def test_a_profiling_step_with_an_abandoned_forward_runs_again(
     steps = len(recompute._PROFILE) + 3
     base = _model(FlakyStack)
     one = sum(saved_storage_bytes(base.layers[0], lambda: base.layers[0](_seeded(0, 8, 16))))  # type: ignore[index]
-    budget = 2 * one + one // 2  # two blocks whole, the others plain
+    # Some blocks whole, the others plain (beside what the model saves outside them)
+    budget = 3 * one + one // 2
     clean = _train_alike(
         tmp_path / "clean", monkeypatch, base, _abandoning_step(-1, how), "auto",
         steps=steps, device_budget=budget,
@@ -1672,7 +1676,7 @@ def test_a_profiling_step_with_an_abandoned_forward_runs_again(
         steps=steps + 1, device_budget=budget,
     )  # fmt: skip
     assert clean.plan is not None and got.plan is not None
-    assert clean.plan.measured["blocks_whole"] == 2, clean.plan
+    assert 0 < clean.plan.measured["blocks_whole"] < len(base.layers), clean.plan  # type: ignore[arg-type]
     for key in ("blocks_whole", "blocks_plain", "whole_MiB", "moved_MiB"):
         assert got.plan.measured[key] == clean.plan.measured[key], key
     assert got.plan.bytes_recomputed == clean.plan.bytes_recomputed > 0
@@ -1766,14 +1770,15 @@ class TwoPlaces(nn.Module):
 def test_the_plan_s_bytes_are_its_steps_where_a_block_runs_at_two_places(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The budget keeps the block at one place whole; the two at two places each are
-    checkpointed: the plan's bytes a step add up to what its steps report (4 of 5
-    calls' bytes, not 2 of 3 modules')."""
+    """The budget keeps the block at one place whole, beside what the model saves
+    outside the blocks and the others' inputs; the two at two places each are
+    checkpointed (two calls' bytes would not fit): the plan's bytes a step add up to
+    what its steps report (4 of 5 calls' bytes, not 2 of 3 modules')."""
     block, x = _model(MLPBlock), _seeded(0, 8, 16)
     one = sum(saved_storage_bytes(block, lambda: block(x)))
     trained = _train_alike(
         tmp_path, monkeypatch, _model(TwoPlaces), _rows_step(lambda s: 8), "selective",
-        device_budget=one + one // 2,
+        device_budget=3 * one + one // 2,
     )  # fmt: skip
     plan, s = trained.plan, trained.stats
     assert plan is not None and plan.measured["blocks_whole"] == 1, plan
