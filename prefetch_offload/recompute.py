@@ -1021,7 +1021,7 @@ class AutoDecider:
         self._block_bytes: collections.Counter[tuple[str, int]] = collections.Counter()
         # NOTE [keep, offload, recompute]: in the whole step, the engine's live bytes as
         # the first block call began, and its packed bytes as the last block call
-        # returned and as backward reached a block (empty: not measured).
+        # returned and as backward reached a block (-1: not yet; empty: not measured).
         self._outside: list[int] = []
         self._warned = False
         # NOTE [trial steps]: the planned steps' walls while a plan is tried, the start of
@@ -1068,7 +1068,7 @@ class AutoDecider:
             if self._phase == _WHOLE_ALL or self._step_no == _INPUTS_STEP:
                 span.live = _live_bytes(self._stats())  # (every call's: a shared block's)
                 if self._phase == _WHOLE_ALL and len(spans) == 1 and not span.calls:
-                    self._outside = [span.live, 0, 0]  # the step's first block call
+                    self._outside = [span.live, 0, -1]  # the step's first block call
             span.start = self._clock()
 
     def exited(self, kind: str, index: int) -> None:
@@ -1084,7 +1084,7 @@ class AutoDecider:
                 stats = self._stats()
                 span.saved += _live_bytes(stats) - span.live
                 if self._phase == _WHOLE_ALL and self._outside:
-                    self._outside[1:] = [stats.bytes_packed] * 2  # (the last block's exit)
+                    self._outside[1] = stats.bytes_packed  # (until the last block's exit)
 
     def backward(self, kind: str, index: int) -> None:
         with self._lock:
@@ -1094,7 +1094,7 @@ class AutoDecider:
             if span is not None and span.grad is None:
                 span.grad = self._clock()
             outside = self._outside
-            if self._phase == _WHOLE_ALL and outside and outside[2] == outside[1]:
+            if self._phase == _WHOLE_ALL and outside and outside[2] < 0:
                 outside[2] = self._stats().bytes_packed  # (backward reached a block first)
             if not self._end_queued:  # NOTE [trial steps]: the step's time ends with it
                 try:
@@ -1837,7 +1837,7 @@ class AutoDecider:
         if not self._outside:
             return 0
         first, last_exit, backward = self._outside
-        return first + max(backward - last_exit, 0)
+        return first + max(backward - last_exit, 0)  # (backward -1: it never came)
 
     def _outputs_per_call(self) -> dict[tuple[str, int], int]:
         """Each block's op output bytes in the offload-all step, per call of the block."""
