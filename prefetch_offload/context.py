@@ -347,6 +347,7 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
             checkpoint_stats=stats,
             trim_heap=_release_at_plan_change(engine, config.model),
             hold_trims=engine._heap.hold,
+            trims_held=lambda: engine._heap.held,
             peaks=_peak_sampler(engine, config.model),
             agreement=RankAgreement.of_default_group()
             if config.recompute_ranks == "agree"

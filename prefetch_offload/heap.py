@@ -511,9 +511,8 @@ class HeapTrimmer:
         self._saved = False  # CPU activations were saved (ever: backward frees them later)
         self._queued = False  # a trim is queued or running: the next one would add nothing
         self._held = False  # NOTE [trims a plan does without] in recompute.py
-        # While held: the resident memory above which a trim comes, once a step at most.
+        # While held: the resident memory above which the trims run again, for good.
         self._ceiling: int | None = None
-        self._ceiling_due = True
         self._floor: int | None = None  # the slack after the last trim, or its lowest since
         # The most malloc had handed out at a measure this step and the last (NOTE [heap
         # trim]: the ceiling); under _lock.
@@ -545,10 +544,10 @@ class HeapTrimmer:
         """Hold trims off (``on``), or let them run again, with the bound and the
         allowance they had (NOTE [trims a plan does without] in recompute.py). While
         held, :meth:`trim_now` queues nothing and :meth:`check` reads only the
-        process's anonymous resident memory, and queues a trim where it is above
-        ``ceiling`` bytes (None: never), once a step (:meth:`step_moved`) at most."""
+        process's anonymous resident memory: where it is above ``ceiling`` bytes
+        (None: never), the trims run again, with one trim at once (:attr:`held`
+        turns False)."""
         self._held, self._ceiling = on, ceiling if on else None
-        self._ceiling_due = True
 
     @property
     def bound(self) -> int:
@@ -563,7 +562,6 @@ class HeapTrimmer:
             self._bound = max(self.threshold, int(self._step_share * nbytes))
         with self._lock:
             self._last_peak, self._peak = self._peak, 0
-            self._ceiling_due = True
 
     def saved(self) -> None:
         """CPU activations were saved: the slack may now be the engine's doing."""
@@ -574,7 +572,7 @@ class HeapTrimmer:
         the larger of the allowance and the room below the peak (NOTE [heap trim])."""
         if self.threshold is None or not self._saved or self._queued:
             return  # (while a trim runs, measuring would wait on glibc's arena locks)
-        if self._held and (self._ceiling is None or not self._ceiling_due):
+        if self._held and self._ceiling is None:
             return  # (held with nothing to watch: no clock read on the hooks' path)
         start = time.perf_counter()
         if start < self._next_check:
@@ -612,8 +610,8 @@ class HeapTrimmer:
         self._queue()
 
     def _check_ceiling(self, start: float) -> None:
-        """Held: queue a trim where the resident memory is above the ceiling (NOTE
-        [trims a plan does without] in recompute.py)."""
+        """Held: where the resident memory is above the ceiling, let the trims run again
+        and queue one (NOTE [trims a plan does without] in recompute.py)."""
         ceiling = self._ceiling
         if ceiling is None:
             return
@@ -625,9 +623,10 @@ class HeapTrimmer:
             return
         if over:
             with self._lock:
-                if self._queued or not self._ceiling_due:
+                self._held, self._ceiling = False, None
+                if self._queued:
                     return
-                self._queued, self._ceiling_due = True, False
+                self._queued = True
             self._queue()
 
     def trim_now(self) -> None:

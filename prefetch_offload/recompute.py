@@ -368,13 +368,19 @@
 # budget unused) holds the trims off at 1072 MiB without them, where offload
 # alone held 1012, and the timed steps then peaked at 882 MiB above their
 # start against the target's limit of 870. Where offload alone's peak is
-# unknown (not sampled), the step under trims alone is the measure. Held off, one trim a step at
-# most still comes where the process's anonymous resident memory is above the
-# lower of 105% of the most the steps without trims held and the most the
-# verdict allows: glibc's heap drifts up over many steps without them (the
-# same transformer at 50%, every block plain with trims held off: peaks of
-# 793-794 MiB in the first four timed rounds, then 910-942, over the limit of
-# 926). Else the trims run again, with one trim at once for what the steps
+# unknown (not sampled), the step under trims alone is the measure. Held off,
+# the trims run again for good (until a new profile), with one trim at once,
+# where the process's anonymous resident memory passes what the verdict allows
+# (105% of the most the steps without trims held, where the step under them is
+# unknown; the engine reads it at its packs): glibc's heap drifts up over many
+# steps without them. Measured with ``bench/recompute.py --steps 8`` on the
+# transformer at 25%, every block plain with trims held off and, past the
+# ceiling, one trim a step only: the timed steps peaked at 548-921 MiB above
+# their start against the target's limit of 652 (a trim a step gives back what
+# the next backward's recompute touches again); on the 8-layer Llama at 50%,
+# three layers whole, with a ceiling of 105% of the untrimmed peak (646 MiB),
+# the heap passed it after 22 steps held off, 32 MiB under what the verdict
+# allowed. Else the trims run again, with one trim at once for what the steps
 # without them left. A plan that moves activations keeps its trims untried:
 # they give back what its moves free, and its steps without them would hold
 # what the moves were asked to save. A CUDA model (no trims) and a run with no
@@ -826,8 +832,8 @@ _SELECTIVE_MARGIN = 0.05
 # NOTE [trims a plan does without]: the share of a step's saved bytes the heap may hold
 # without trims beyond the step under them or offload alone (the issue's peak slack).
 _TRIMS_SLACK = 0.05
-# NOTE [trims a plan does without]: trims held off still trim above this much over the
-# most the steps without them held.
+# NOTE [trims a plan does without]: trims held off run again above this much over the
+# most the steps without them held, where the step under them is unknown.
 _CEILING = 0.05
 _ALONE = "offload alone"
 
@@ -847,10 +853,12 @@ def _leanest_of_the_fastest(plans: dict[str, tuple[float, int]]) -> str:
 
 def _trims_verdict(m: dict[str, float]) -> str:
     """The printed verdict on a plan's heap trims (NOTE [trims a plan does without])."""
+    ceiling = m.get("trims_ceiling_MiB", 0.0)
+    if m.get("trims_released"):
+        return f"held off, then run again as the process passed {ceiling:.0f} MiB"
     if not m["trims_held"]:
         return "kept"
-    ceiling = m.get("trims_ceiling_MiB", 0.0)
-    return f"held off (but one a step above {ceiling:.0f} MiB)" if ceiling else "held off"
+    return f"held off (until the process passes {ceiling:.0f} MiB)" if ceiling else "held off"
 
 
 def _than(faster: bool, other: str) -> str:
@@ -923,10 +931,11 @@ class AutoDecider:
         checkpoint_stats: told when each step begins and when its backward ends.
         trim_heap: asks the engine for one heap trim (NOTE [a trim where the plan
             changes]).
-        hold_trims: holds the engine's heap trims off (True; but for one trim a step
-            where the process's anonymous resident memory is above the ceiling given,
-            if any) or lets them run (False) (NOTE [trims a plan does without]); None:
-            no trims to weigh.
+        hold_trims: holds the engine's heap trims off (True; until the process's
+            anonymous resident memory passes the ceiling given, if any) or lets them
+            run (False) (NOTE [trims a plan does without]); None: no trims to weigh.
+        trims_held: whether the engine's trims are held off now (a process past the
+            ceiling lets them run again); None: as ``hold_trims`` last said.
         peaks: samples the memory the measured steps hold (NOTE [plans within the
             noise]); None: plans go by time alone.
         agreement: the ranks that decide together (NOTE [ranks agree] in
@@ -942,6 +951,7 @@ class AutoDecider:
         checkpoint_stats: CheckpointStats | None = None,
         trim_heap: Callable[[], None] = lambda: None,
         hold_trims: Callable[[bool, int | None], None] | None = None,
+        trims_held: Callable[[], bool] | None = None,
         peaks: PeakSampler | None = None,
         agreement: RankAgreement | None = None,
     ) -> None:
@@ -956,6 +966,7 @@ class AutoDecider:
         # without trims]).
         self._hold_trims = hold_trims
         self._trims_held = False
+        self._trims_held_now = trims_held
         self._trim_trial_left = 0
         self._trim_trial_walls: list[float] = []
         self._trim_trial_peaks: list[int] = []
@@ -1243,6 +1254,7 @@ class AutoDecider:
         again = self._runs_again()  # NOTE [abandoned forwards]
         self._abandoned, self._calls = self._abandoned_calls(), [0, 0, 0]
         if self._phase == _PLANNED:
+            self._trims_released()
             stale = self._agreed_stale()
             if self._trial_left and not stale and not again:
                 self._trial_step_ended(wall, peak)
@@ -1915,8 +1927,8 @@ class AutoDecider:
             self._apply_trims(*self._trial_trims, record=True)
             self._sample_peaks(False)
             self._trial_obs = {}
-        elif weighs and not self._moves():
-            self._start_trim_steps(settling=False)
+        elif weighs and not self._moves():  # (after a trial's steps without trims, their
+            self._start_trim_steps(settling=self._trial_untrimmed)  # heap settles first)
         else:
             self._sample_peaks(False)
             self._trial_obs = {}
@@ -1987,6 +1999,16 @@ class AutoDecider:
         self._sample_peaks(False)
         self._trial_obs = {}
 
+    def _trims_released(self) -> None:
+        """Where trims held off for good run again (the process passed their ceiling),
+        the plan says so (NOTE [trims a plan does without])."""
+        now = self._trims_held_now
+        if self._trims_held and self.measured.get("trims_held") and now and not now():
+            self._trims_held = False
+            self.measured.update(trims_held=0.0, trims_released=1.0)
+            m = {**self._last.measured, "trims_held": 0.0, "trims_released": 1.0}
+            self._last = dataclasses.replace(self._last, measured=m)
+
     def _trims_verdict_of(
         self, trimmed: int, untrimmed: int, *, granted: int = 0
     ) -> tuple[bool, int, int, float]:
@@ -2003,9 +2025,9 @@ class AutoDecider:
     ) -> None:
         """Hold the trims off for good, or let them run with one trim now for what steps
         without them left; the plan prints the figures where held, or where ``record``.
-        Held off, a trim still comes where the heap drifts beyond what the steps without
-        them held, or the allowance where the step under them is known (none where the
-        untrimmed peak is unknown: held by rank 0's word)."""
+        Held off, the trims run again where the process passes the allowance (105% of
+        what the steps without them held where the step under them is unknown; no
+        ceiling where the untrimmed peak is unknown: held by rank 0's word)."""
         figures = {
             "trims_held": float(held),
             "trims_peak_MiB": trimmed / _MiB,
@@ -2015,8 +2037,8 @@ class AutoDecider:
         if held:
             ceiling = None
             if untrimmed:
-                most = untrimmed * (1 + _CEILING)
-                ceiling = int(min(most, allowed) if trimmed else most)
+                most = allowed if trimmed else untrimmed * (1 + _CEILING)
+                ceiling = int(most) if math.isfinite(most) else None
             self._hold(True, ceiling)
             self.measured.update(figures, trims_ceiling_MiB=(ceiling or 0) / _MiB)
         else:

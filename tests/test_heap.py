@@ -138,33 +138,32 @@ def test_a_held_trimmer_measures_and_trims_nothing_until_let_go() -> None:
 
 
 @glibc_only
-def test_a_held_trimmer_trims_once_a_step_above_its_ceiling() -> None:
+def test_a_held_trimmer_runs_again_above_its_ceiling() -> None:
     """NOTE [trims a plan does without] in recompute.py: held with a ceiling, the
-    slack queues nothing, the resident memory above the ceiling queues one trim a step
-    (a heap that drifts up), measured without mallinfo2's walk."""
+    slack queues nothing, measured without mallinfo2's walk; the resident memory above
+    the ceiling lets the trims run again for good, with one trim at once."""
     resident = [0]
     trimmer, jobs, slack, stats = _trimmer(10 * MiB, resident=lambda: resident[0])
     trimmer.saved()
     trimmer.hold(True, 800 * MiB)
     slack.value, resident[0] = 500 * MiB, 800 * MiB
     trimmer.check()  # at the ceiling, whatever the slack: nothing
-    assert jobs.jobs == [] and slack.reads == 0
+    assert jobs.jobs == [] and slack.reads == 0 and trimmer.held
     resident[0] = 801 * MiB
     trimmer.check()
-    assert len(jobs.jobs) == 1
+    assert len(jobs.jobs) == 1 and not trimmer.held
     jobs.run_all()
-    trimmer.check()  # still above (live memory, not slack): not again this step
-    assert jobs.jobs == [] and stats.snapshot().heap_trims == 1
-    trimmer.step_moved(0)
-    trimmer.check()  # the next step's
-    assert len(jobs.jobs) == 1
+    assert stats.snapshot().heap_trims == 1
+    slack.value = 600 * MiB
+    trimmer.check()  # the slack rule again: a floor, then growth past the bound trims
+    slack.value = 611 * MiB
+    trimmer.check()
+    assert len(jobs.jobs) == 1 and slack.reads > 0
     jobs.run_all()
-    trimmer.hold(False)
     trimmer.hold(True)  # held without a ceiling: nothing trims
-    trimmer.step_moved(0)
     resident[0] = 10_000 * MiB
     trimmer.check()
-    assert jobs.jobs == [] and trimmer.held
+    assert len(jobs.jobs) == 0 and trimmer.held
 
 
 @glibc_only

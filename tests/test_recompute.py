@@ -133,6 +133,7 @@ def _plan(
     checkpoint_stats: Any = None,
     trim_heap: Callable[[], None] = lambda: None,
     hold_trims: Callable[[bool, int | None], None] | None = None,
+    trims_held: Callable[[], bool] | None = None,
     peaks: Any = None,
     agreement: Any = None,
     **profile: float,
@@ -150,6 +151,7 @@ def _plan(
         checkpoint_stats=checkpoint_stats,
         trim_heap=trim_heap,
         hold_trims=hold_trims,
+        trims_held=trims_held,
         peaks=peaks,
         agreement=agreement,
     )
@@ -1053,7 +1055,7 @@ def test_a_plan_that_moves_nothing_holds_trims_off_where_it_holds_no_more_than_a
     _planned_steps(decider, [3.0], 1)
     assert calls == [True, held] and not source.running
     allowed = (max(trimmed, alone) << 20) + 0.05 * saved * _MiB
-    ceiling = int(min((max(untrimmed) << 20) * 1.05, allowed))
+    ceiling = int(allowed)  # (the trims run again where the process passes it)
     assert calls.ceilings == [None, ceiling if held else None]
     assert trims == ([] if held else [1])
     m = decider.plan().measured
@@ -1063,10 +1065,35 @@ def test_a_plan_that_moves_nothing_holds_trims_off_where_it_holds_no_more_than_a
     line = str(decider.plan()).split("heap trims:")[1].splitlines()[0]
     assert f"at most {allowed / _MiB:.0f} MiB allowed without" in line
     assert line.endswith(
-        f"held off (but one a step above {ceiling / _MiB:.0f} MiB)" if held else "kept"
+        f"held off (until the process passes {ceiling / _MiB:.0f} MiB)" if held else "kept"
     )
     _planned_steps(decider, [3.0] * 5, 1)
     assert calls == [True, held]  # decided for good
+
+
+def test_trims_that_run_again_past_their_ceiling_are_said_so() -> None:
+    """NOTE [trims a plan does without]: trims held off for a plain plan run again once
+    the process passes the ceiling (the engine's trimmer lets them): the plan says so
+    at the next step, and nothing is weighed again."""
+    calls = _Holds()
+    held = [True]
+    source = _Peaks(_LEAN_PLAIN, planned=[100 << 20] * 3 + [0])
+    decider = _plan(
+        3.0, 2.5, dispatch_s=0.5, peaks=source, hold_trims=calls,
+        trims_held=lambda: held[0], **_SLOW_LINK,
+    )  # fmt: skip
+    _planned_steps(decider, [3.0, 3.0, 3.0], 1)
+    assert calls == [True, True] and decider.plan().measured["trims_held"] == 1.0
+    held[0] = False  # the process passed the ceiling
+    _planned_steps(decider, [3.0], 1)
+    m = decider.plan().measured
+    assert m["trims_held"] == 0.0 and m["trims_released"] == 1.0
+    ceiling = m["trims_ceiling_MiB"]
+    assert f"held off, then run again as the process passed {ceiling:.0f} MiB" in str(
+        decider.plan()
+    )
+    _planned_steps(decider, [3.0] * 4, 1)
+    assert calls == [True, True]
 
 
 def test_a_new_profile_runs_under_trims_again() -> None:
@@ -1180,8 +1207,7 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     assert calls == [True, plain]
     # (Offload alone held 200 MiB in the profile; 5% of the two blocks' 400 MiB.)
     allowed = (max(trimmed, 200) << 20) + 0.05 * (400 << 20)
-    ceiling = int(min((untrimmed << 20) * 1.05, allowed))
-    assert calls.ceilings[1] == (ceiling if plain else None)
+    assert calls.ceilings[1] == (int(allowed) if plain else None)
     assert trims == ([1] if plain else [1, 1])
     plan = decider.plan()
     m = plan.measured
@@ -1301,10 +1327,10 @@ def test_ranks_weighing_plain_without_trims_run_rank_0_s_choice() -> None:
 
     got = on_ranks(4, rank)
     assert [g[:2] for g in got] == [(PLAIN, 1.0)] * 4 and all(g[2][-1] for g in got)
-    # (The ceiling: the lower of 105% of what each rank held without trims and the most
-    # its own verdict allows, offload alone's peak in its own profile (no saved bytes);
-    # 105% alone where the step under trims is unknown.)
-    ceilings = [int(1.05 * (100 << 20)), 250 << 20, None, int(1.05 * (300 << 20))]
+    # (The ceiling: the most each rank's own verdict allows, offload alone's peak in its
+    # own profile (no saved bytes); 105% of what it held without trims where the step
+    # under trims is unknown.)
+    ceilings = [200 << 20, 250 << 20, None, int(1.05 * (300 << 20))]
     assert [g[3][-1] for g in got] == ceilings
 
 
@@ -1349,7 +1375,7 @@ def test_a_tried_plan_that_moves_nothing_is_tried_without_trims_too(
     assert calls == [True, False, True, held] and not source.running
     allowed = max(200 << 20, (100 << 20) + 200 * unit) + 0.05 * 300 * unit
     if held:
-        assert calls.ceilings[-1] == int(min((untrimmed_mib << 20) * 1.05, allowed))
+        assert calls.ceilings[-1] == int(allowed)
     assert trims == ([1] if held else [1, 1])
     plan = decider.plan()
     m = plan.measured
@@ -1383,10 +1409,11 @@ def test_a_tried_plan_without_trims_within_what_they_allow_is_weighed_by_time() 
 def test_a_tried_plan_that_moves_nothing_and_loses_its_trial_leaves_plain_its_own_trims() -> None:
     """As above, but the trial ran 3 s a step without trims (at 150 MiB, within what is
     allowed), slower than plain checkpointing's 2.75 s: plain checkpointing runs, under
-    trims at once, and weighs its own trims (one step under them, two without), not the
-    verdict of the plan it replaced."""
+    trims at once, and weighs its own trims (a step to settle the heap the trial's
+    steps without trims left, one under them, two without), not the verdict of the
+    plan it replaced."""
     calls = _Holds()
-    planned = [150 << 20] * 5 + [100 << 20, 500 << 20, 500 << 20, 0]
+    planned = [150 << 20] * 5 + [400 << 20, 100 << 20, 500 << 20, 500 << 20, 0]
     source = _Peaks(_LEAN_PLAIN, planned=planned)
     decider = _plan(
         3.0, 5.0, blocks=3, budget=250, saved=100, dispatch_s=0.5, ops=_CHEAP, peaks=source,
@@ -1397,9 +1424,12 @@ def test_a_tried_plan_that_moves_nothing_and_loses_its_trial_leaves_plain_its_ow
     m = decider.plan().measured
     assert m["trial_choice"] == 1 and m["trial_step_s"] == pytest.approx(3.0)
     assert _planned_steps(decider, [2.5, 2.5, 2.5], 3) == [PLAIN] * 3
+    assert calls == [True, False, True] and source.running
+    assert _planned_steps(decider, [2.5], 3) == [PLAIN] * 3
     assert calls == [True, False, True, False] and not source.running
     m = decider.plan().measured
     assert m["trims_held"] == 0.0 and m["untrimmed_peak_MiB"] == 500
+    assert m["trims_peak_MiB"] == 100  # (not the settling step's 400)
 
 
 def _grads(
