@@ -5,13 +5,14 @@ process of its own (its peak RSS is its own heap's), stepped one at a time, one
 step of each mode per round in a balanced Latin square's order (as ``bench/ab.py
 --isolate``); each mode's ``offload_context`` or checkpoint wrapping stays
 entered over all its steps. ``--warmup`` rounds (>= 21: ``recompute="auto"``
-profiles nine steps, tries its plan for three, keeps or replaces it as the
-next step begins, which also releases what the steps before held, and on the
-CPU weighs plain checkpointing without heap trims against offload alone or a
-tried plan, for four more, and the heap trims of a plan that moves nothing,
-for four more at most, the last of which leaves a heap untrimmed that the
-trims give back as the next step begins: NOTE [trial steps], NOTE [a trim
-where the plan changes], NOTE [trims a plan does without], NOTE [plain without
+profiles nine steps, tries its plan for three (five where it moves nothing,
+the last two without heap trims), keeps or replaces it as the next step
+begins, which also releases what the steps before held, and on the CPU weighs
+plain checkpointing without heap trims against offload alone or a tried plan,
+for four more, and the heap trims of a plan that moves nothing, for four more
+at most, the last of which leaves a heap untrimmed that the trims give back as
+the next step begins: NOTE [trial steps], NOTE [a trim where the plan
+changes], NOTE [trims a plan does without], NOTE [plain without
 trims]), then ``--steps`` timed rounds.
 
 Per mode: ``peak MiB`` is the largest peak RSS (``VmHWM``, reset before each
@@ -547,8 +548,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.warmup < WARMUP or args.steps < 1:
         p.error(
             f"--warmup must be >= {WARMUP} (auto profiles nine steps, tries its plan for "
-            "three, weighs plain checkpointing without trims for four and its heap trims for "
-            "four, and settles a step after that); "
+            "three or five, weighs plain checkpointing without trims for four and its heap "
+            "trims for four, and settles a step after that); "
             "--steps >= 1"
         )
     return args
