@@ -370,30 +370,33 @@
 # start against the target's limit of 870. Where offload alone's peak is
 # unknown (not sampled), the step under trims alone is the measure. Held off,
 # the trims run again for good (until a new profile), with one trim at once,
-# where the process's anonymous resident memory passes what the verdict allows
-# (105% of the most the steps without trims held, where the step under them is
-# unknown; the engine reads it at its packs): glibc's heap drifts up over many
-# steps without them. Measured with ``bench/recompute.py --steps 8`` on the
-# transformer at 25%, every block plain with trims held off and, past the
-# ceiling, one trim a step only: the timed steps peaked at 548-921 MiB above
-# their start against the target's limit of 652 (a trim a step gives back what
-# the next backward's recompute touches again); on the 8-layer Llama at 50%,
-# three layers whole, with a ceiling of 105% of the untrimmed peak (646 MiB),
-# the heap passed it after 22 steps held off, 32 MiB under what the verdict
-# allowed. Else the trims run again, with one trim at once for what the steps
-# without them left. A plan that moves activations keeps its trims untried:
-# they give back what its moves free, and its steps without them would hold
-# what the moves were asked to save. A CUDA model (no trims) and a run with no
-# sampled peaks are not weighed. Measured with ``bench/recompute.py --model
+# where the process's anonymous resident memory passes the larger of what the
+# verdict allows and 105% of the most the steps without trims held (the latter
+# alone where the step under them is unknown; the engine reads it at its packs):
+# glibc's heap drifts up over many steps without them. Measured with
+# ``bench/recompute.py --steps 8`` on the transformer at 25%, every block plain
+# with trims held off and, past the ceiling, one trim a step only: the timed
+# steps peaked at 548-921 MiB above their start against the target's limit of
+# 652 (a trim a step gives back what the next backward's recompute touches
+# again); on the 8-layer Llama at 50%, three layers whole, with a ceiling of
+# 105% of the untrimmed peak (646 MiB), the heap passed it after 22 steps held
+# off, 32 MiB under what the verdict allowed; in another run, with the allowance
+# (629 MiB, 1 MiB over the untrimmed steps' peak) as the ceiling, the trims ran
+# again within the warm-up, and auto took 1.11x ``full``'s step. Else (not held
+# off) the trims run again, with one trim at once for what the steps without
+# them left. A plan that moves activations keeps its trims untried: they give
+# back what its moves free, and its steps without them would hold what the moves
+# were asked to save. A CUDA model (no trims) and a run with no sampled peaks
+# are not weighed. Measured with ``bench/recompute.py --model
 # llama`` (the 8-layer Llama, one run, 2 CPU threads; every layer checkpointed
 # plainly at each budget), under trims and without, against offload alone and
 # the 17 MiB slack (5% of the 331 MiB the layers save): at 10% of the saved
 # bytes 425 against 547 MiB, offload alone 504: the trims stayed; at 25% and
 # 50% 508 against 549 and 582 against 604, offload alone 545 and 607: held
 # off, and auto ran 1.01x and 1.00x the step of ``full`` (the same plan
-# without the engine). On the transformer at 50%, in the run docs/benchmarks.md
-# cites: 929 against 974, offload alone 1019: held off, peaks of 705-768 MiB
-# above the start against the target's limit of 924, 0.99x ``full``'s step.
+# without the engine). On the transformer at 50%, in another run: 929
+# against 974, offload alone 1019: held off, peaks of 705-768 MiB above the
+# start against the target's limit of 924, 0.99x ``full``'s step.
 # A tried plan that moves nothing (whole blocks within the budget beside plain
 # ones) weighs its trims in its trial (NOTE [trial steps]): after its uncounted
 # first step, two steps under trims and two without, and the verdict as above.
@@ -834,7 +837,7 @@ _SELECTIVE_MARGIN = 0.05
 # without trims beyond the step under them or offload alone (the issue's peak slack).
 _TRIMS_SLACK = 0.05
 # NOTE [trims a plan does without]: trims held off run again above this much over the
-# most the steps without them held, where the step under them is unknown.
+# most the steps without them held, or above the allowance where that is more.
 _CEILING = 0.05
 _ALONE = "offload alone"
 
@@ -2019,9 +2022,10 @@ class AutoDecider:
     ) -> None:
         """Hold the trims off for good, or let them run with one trim now for what steps
         without them left; the plan prints the figures where held, or where ``record``.
-        Held off, the trims run again where the process passes the allowance (105% of
-        what the steps without them held where the step under them is unknown; no
-        ceiling where the untrimmed peak is unknown: held by rank 0's word)."""
+        Held off, the trims run again where the process passes the larger of the
+        allowance and 105% of what the steps without them held (the latter alone where
+        the step under them is unknown; no ceiling where the untrimmed peak is unknown:
+        held by rank 0's word)."""
         figures = {
             "trims_held": float(held),
             "trims_peak_MiB": trimmed / _MiB,
@@ -2031,7 +2035,8 @@ class AutoDecider:
         if held:
             ceiling = None
             if untrimmed:
-                most = allowed if trimmed else untrimmed * (1 + _CEILING)
+                drift = untrimmed * (1 + _CEILING)
+                most = max(allowed, drift) if trimmed else drift
                 ceiling = int(most) if math.isfinite(most) else None
             self._hold(True, ceiling)
             self.measured.update(figures, trims_ceiling_MiB=(ceiling or 0) / _MiB)
