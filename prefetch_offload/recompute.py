@@ -216,9 +216,10 @@
 # least and held least, within 3-5% of offload alone's step, so halves are what
 # is tried. The trial decides (NOTE [trial steps]): the plan stays where it ran
 # faster than offload alone, or within 5% of it holding 5% less; else offload
-# alone, or plain checkpointing, runs. (In ``bench/recompute.py``'s run of
-# ``docs/benchmarks.md``, at 10% the trial ran 1.760 s a step against offload
-# alone's 1.688 in the profile, 11% leaner, and stayed: 0.52x the bytes moved.)
+# alone, or plain checkpointing, runs. (In one run of ``bench/recompute.py``, at
+# 10% the trial ran 1.760 s a step against offload alone's 1.688 in the
+# profile, 11% leaner, and stayed: 0.52x the bytes moved; in the run that
+# ``docs/benchmarks.md`` cites it ran 2.131 s against 1.741 and yielded.)
 # A selective plan is not interleaved: its ops already choose between moving
 # and recomputing. With one block the budget does not keep, there is nothing
 # to interleave.
