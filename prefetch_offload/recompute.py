@@ -480,7 +480,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
@@ -805,6 +805,24 @@ class _Span:
         return nbytes // max(self.calls, 1)
 
 
+@dataclass
+class _Outside:
+    """NOTE [keep, offload, recompute]: in the whole step, the engine's live bytes as
+    its first block call began, and its packed bytes as the last block call returned
+    and as backward reached a block (None: not yet)."""
+
+    live: int
+    exited: int = 0
+    backward: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes saved outside the blocks: live before the first, packed after the
+        last (none where backward never came)."""
+        after = 0 if self.backward is None else max(self.backward - self.exited, 0)
+        return self.live + after
+
+
 # The kinds of profiling step, then the plan (NOTE [keep, offload, recompute]).
 _WHOLE_ALL, _OFFLOAD_ALL, _RECOMPUTE_ALL, _WHOLE_TIMED, _PLANNED = range(5)
 # The profiling steps in order (NOTE [keep, offload, recompute]): the two kinds whose
@@ -841,6 +859,16 @@ _TRIMS_SLACK = 0.05
 # most the steps without them held, or above the allowance where that is more.
 _CEILING = 0.05
 _ALONE = "offload alone"
+
+
+class _TrimsVerdict(NamedTuple):
+    """NOTE [trims a plan does without]: whether the trims are held off, the most a step
+    under them and the steps without them held, and what the verdict allows."""
+
+    held: bool
+    trimmed: int
+    untrimmed: int
+    allowed: float
 
 
 def _leanest_of_the_fastest(plans: dict[str, tuple[float, int]]) -> str:
@@ -979,7 +1007,7 @@ class AutoDecider:
         # A tried plan that moves nothing: whether its trial runs steps without trims, and
         # the verdict on its trims there (_trims_verdict_of's; None: not judged).
         self._trial_untrimmed = False
-        self._trial_trims: tuple[bool, int, int, float] | None = None
+        self._trial_trims: _TrimsVerdict | None = None
         self._rival_modes: dict[tuple[str, int], str] = {}  # the plan plain runs in place of
         self._block_hold = 0
         # NOTE [plans within the noise]: the most memory each profiling step held, and each
@@ -1035,10 +1063,7 @@ class AutoDecider:
         self._peak_alone = 0  # the most offload alone held in this rank's profile (0: unknown)
         self._s1: OffloadStats | None = None
         self._block_bytes: collections.Counter[tuple[str, int]] = collections.Counter()
-        # NOTE [keep, offload, recompute]: in the whole step, the engine's live bytes as
-        # the first block call began, and its packed bytes as the last block call
-        # returned and as backward reached a block (-1: not yet; empty: not measured).
-        self._outside: list[int] = []
+        self._outside: _Outside | None = None  # (None: not measured)
         self._warned = False
         # NOTE [trial steps]: the planned steps' walls while a plan is tried, the start of
         # the step now, the steps left, and what the profile measured of the others.
@@ -1084,7 +1109,7 @@ class AutoDecider:
             if self._phase == _WHOLE_ALL or self._step_no == _INPUTS_STEP:
                 span.live = _live_bytes(self._stats())  # (every call's: a shared block's)
                 if self._phase == _WHOLE_ALL and len(spans) == 1 and not span.calls:
-                    self._outside = [span.live, 0, -1]  # the step's first block call
+                    self._outside = _Outside(span.live)  # the step's first block call
             span.start = self._clock()
 
     def exited(self, kind: str, index: int) -> None:
@@ -1100,7 +1125,7 @@ class AutoDecider:
                 stats = self._stats()
                 span.saved += _live_bytes(stats) - span.live
                 if self._phase == _WHOLE_ALL and self._outside:
-                    self._outside[1] = stats.bytes_packed  # (until the last block's exit)
+                    self._outside.exited = stats.bytes_packed  # (until the last block's)
 
     def backward(self, kind: str, index: int) -> None:
         with self._lock:
@@ -1110,8 +1135,8 @@ class AutoDecider:
             if span is not None and span.grad is None:
                 span.grad = self._clock()
             outside = self._outside
-            if self._phase == _WHOLE_ALL and outside and outside[2] < 0:
-                outside[2] = self._stats().bytes_packed  # (backward reached a block first)
+            if self._phase == _WHOLE_ALL and outside and outside.backward is None:
+                outside.backward = self._stats().bytes_packed
             if not self._end_queued:  # NOTE [trial steps]: the step's time ends with it
                 try:
                     torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
@@ -1315,7 +1340,7 @@ class AutoDecider:
         self._spans.pop(self._step_no, None)
         self._dispatch.pop(self._step_no, None)
         if self._phase == _WHOLE_ALL:
-            self._outside = []
+            self._outside = None
         if self._phase == _OFFLOAD_ALL:  # its moves count from the step that runs again
             self._s0 = self._stats()
 
@@ -1407,7 +1432,7 @@ class AutoDecider:
         self._peaks.clear()
         self._dispatch.clear()
         self._block_bytes.clear()
-        self._outside = []
+        self._outside = None
         self._s0 = self._s1 = None
         self._before = ({}, collections.Counter(), {})
 
@@ -1474,7 +1499,7 @@ class AutoDecider:
         inputs = {
             key: max(span.saved, 0) for key, span in self._spans.get(_INPUTS_STEP, {}).items()
         }
-        beside = self._outside_bytes() + sum(inputs.values())
+        beside = (self._outside.nbytes if self._outside else 0) + sum(inputs.values())
         for key, span in sorted(
             self._spans.get(_WHOLE_ALL_STEP, {}).items(), key=lambda kv: -kv[0][1]
         ):
@@ -1782,13 +1807,13 @@ class AutoDecider:
             self._trial_trims = self._trims_verdict_of(_most(peaks[:-n]), _most(peaks[-n:]))
             # the steps without trims count where it may run without them
             walls, peaks = (
-                (walls[-n:], peaks[-n:]) if self._trial_trims[0] else (walls[:-n], peaks[:-n])
+                (walls[-n:], peaks[-n:]) if self._trial_trims.held else (walls[:-n], peaks[:-n])
             )
             self._hold(False)
         tried, trial_peak = min(walls), _most(peaks)
         # Without trims within what their verdict allows, the plan is weighed by time (NOTE
         # [trims a plan does without]): the other plans' peaks were under trims.
-        untrimmed = self._trial_trims is not None and self._trial_trims[0]
+        untrimmed = self._trial_trims is not None and self._trial_trims.held
         plans = {"trial": (tried, 0 if untrimmed else trial_peak), **self._profiled_plans}
         choice = ("trial", "plain", "alone").index(_leanest_of_the_fastest(plans))
         (plain, _), (alone, _) = plans["plain"], plans["alone"]
@@ -1842,15 +1867,6 @@ class AutoDecider:
             offload_alone=float(how == WHOLE),
         )
         self._share = 1.0 if how == PLAIN else 0.0
-
-    def _outside_bytes(self) -> int:
-        """What the whole step's records held as its first block call began, and what it
-        packed after its last block call returned and before backward reached a block:
-        the bytes saved outside the blocks (NOTE [keep, offload, recompute])."""
-        if not self._outside:
-            return 0
-        first, last_exit, backward = self._outside
-        return first + max(backward - last_exit, 0)  # (backward -1: it never came)
 
     def _outputs_per_call(self) -> dict[tuple[str, int], int]:
         """Each block's op output bytes in the offload-all step, per call of the block."""
@@ -1925,7 +1941,7 @@ class AutoDecider:
             self._trim_heap()  # NOTE [a trim where the plan changes]
             self._start_trim_steps(settling=True)
         elif self._trial_trims is not None:  # its trims judged in its trial
-            self._apply_trims(*self._trial_trims, record=True)
+            self._apply_trims(self._trial_trims, record=True)
             self._sample_peaks(False)
             self._trial_obs = {}
         elif weighs and not self._moves():  # (after a trial's steps without trims, their
@@ -1981,18 +1997,18 @@ class AutoDecider:
         if challenged:
             del self.measured["weighing_plain"]
             wall = min(self._trim_trial_walls[-_UNTRIMMED_STEPS:])
-            plain = self._weigh_plain(verdict[0], wall, untrimmed)
+            plain = self._weigh_plain(verdict.held, wall, untrimmed)
             self.measured.update(
                 plain_trims_peak_MiB=trimmed / _MiB,
                 plain_untrimmed_peak_MiB=untrimmed / _MiB,
-                plain_allowed_MiB=verdict[3] / _MiB,
+                plain_allowed_MiB=verdict.allowed / _MiB,
             )
             if not plain and self._trial_trims is not None:  # the plan's, from its trial
                 verdict = self._trial_trims
             else:  # (where the plan runs again, the other plan's trims go untried)
-                verdict, record = (plain, *verdict[1:]), plain
+                verdict, record = verdict._replace(held=plain), plain
             again = not plain and not self._moves() and self._trial_trims is None
-        self._apply_trims(*verdict, record=record)
+        self._apply_trims(verdict, record=record)
         self._last = self._summarize(self._share, self._trial_obs)
         if again:
             self._start_trim_steps(settling=True)  # (its bound follows plain's moves)
@@ -2010,23 +2026,22 @@ class AutoDecider:
             m = {**self._last.measured, "trims_held": 0.0, "trims_released": 1.0}
             self._last = dataclasses.replace(self._last, measured=m)
 
-    def _trims_verdict_of(self, trimmed: int, untrimmed: int) -> tuple[bool, int, int, float]:
+    def _trims_verdict_of(self, trimmed: int, untrimmed: int) -> _TrimsVerdict:
         """Whether trims are held off where a step under them held ``trimmed`` bytes and
         steps without them ``untrimmed`` at most: no more than that step or offload alone
         in the profile, whichever held more, and 5% of the bytes a step saves (NOTE [trims
         a plan does without]); with the two peaks and that allowance."""
         allowed = max(trimmed, self._peak_alone) + _TRIMS_SLACK * self._step_saved
-        return 0 < trimmed and 0 < untrimmed <= allowed, trimmed, untrimmed, allowed
+        return _TrimsVerdict(0 < trimmed and 0 < untrimmed <= allowed, trimmed, untrimmed, allowed)
 
-    def _apply_trims(
-        self, held: bool, trimmed: int, untrimmed: int, allowed: float, *, record: bool
-    ) -> None:
+    def _apply_trims(self, verdict: _TrimsVerdict, *, record: bool) -> None:
         """Hold the trims off for good, or let them run with one trim now for what steps
         without them left; the plan prints the figures where held, or where ``record``.
         Held off, the trims run again where the process passes the larger of the
         allowance and 105% of what the steps without them held (the latter alone where
         the step under them is unknown; no ceiling where the untrimmed peak is unknown:
         held by rank 0's word)."""
+        held, trimmed, untrimmed, allowed = verdict
         figures = {
             "trims_held": float(held),
             "trims_peak_MiB": trimmed / _MiB,
