@@ -220,6 +220,16 @@
 # 10% the trial ran 1.760 s a step against offload alone's 1.688 in the
 # profile, 11% leaner, and stayed: 0.52x the bytes moved; in the run that
 # ``docs/benchmarks.md`` cites it ran 2.131 s against 1.741 and yielded.)
+# The interleaved plan's heap trims follow the bytes offload alone moved, not
+# its own (NOTE [heap trim] in heap.py: a quarter of them): half the bytes
+# moved would halve the free heap the trims allow, while the plain blocks'
+# recompute churns as much heap as before, and the plan is weighed against
+# offload alone's peak anyway. Measured on the 24-block transformer at 10% of
+# the saved bytes (``bench/recompute.py``'s model; one process each way, its
+# steps in turn): with a bound from its own moves the trial ran 2.001 and
+# 1.951 s a step with 9 trims and 390-420k page faults each, and yielded to
+# offload alone's 1.646 s; with offload alone's bound, 1.875 and 1.815 s with
+# 4 trims and 290k faults, at 703 MiB against offload alone's 741, and stayed.
 # A selective plan is not interleaved: its ops already choose between moving
 # and recomputing. With one block the budget does not keep, there is nothing
 # to interleave.
@@ -1241,9 +1251,10 @@ class AutoDecider:
     def trim_basis(self, moved: int) -> int:
         """The bytes the heap trim bound follows in the step that begins now, the step that
         ended having moved ``moved`` (NOTE [profiling under trims]): what the last step of
-        the new step's class moved; a step of another class than the last asks for a
-        trim. Called once per step, when its forward begins, before or after the first
-        block forward."""
+        the new step's class moved (an interleaved plan's: what offload alone moved, NOTE
+        [interleaved blocks]); a step of another class than the last asks for a trim.
+        Called once per step, when its forward begins, before or after the first block
+        forward."""
         with self._lock:
             if self._in_backward:  # the first block has not run yet: the phase will move
                 ended, upcoming = self._phase, self._next_phase()
@@ -1255,6 +1266,9 @@ class AutoDecider:
             if _TRIM_CLASS[ended] != _TRIM_CLASS[upcoming]:
                 self._trim_heap()  # NOTE [a trim where the plan changes]
             default = 0 if _TRIM_CLASS[upcoming] == "checkpointed" else moved
+            if upcoming == _PLANNED and self.measured.get("blocks_interleaved"):
+                # NOTE [interleaved blocks]: the bound offload alone ran under
+                return self._moved_by.get("whole", default)
             return self._moved_by.get(_TRIM_CLASS[upcoming], default)
 
     def _next_phase(self) -> int:

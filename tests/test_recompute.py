@@ -1706,12 +1706,23 @@ def test_an_interleaved_plan_moves_its_whole_blocks_only_and_stays_bit_identical
     quarters of what the profile's step with every block whole moved (the plain blocks'
     inputs, the whole blocks' saved tensors and the head's; each step flushes before
     backward, so every tensor reaches the disk) and recomputes the plain blocks; every
-    step's gradients match
-    training without offload or checkpointing."""
+    step's gradients match training without offload or checkpointing. From the second
+    planned step, the heap trims' bound follows what the profile's last step with every
+    block whole moved, not the plan's own steps."""
     monkeypatch.setattr(
         recompute, "_leanest_of_the_fastest", lambda plans: "trial" if "trial" in plans else "alone"
     )
     monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", math.inf)  # (not selective)
+    moved: list[int] = []  # each step's, as the engine hands it over at the next step
+    bases: list[int] = []
+    real_basis = AutoDecider.trim_basis
+
+    def basis(decider: AutoDecider, step_moved: int) -> int:
+        moved.append(step_moved)
+        bases.append(real_basis(decider, step_moved))
+        return bases[-1]
+
+    monkeypatch.setattr(AutoDecider, "trim_basis", basis)
     warm_up_unary_ops()
     whole_step = recompute._PROFILE.index(recompute._WHOLE_TIMED)
     steps = len(recompute._PROFILE) + 1 + recompute._TRIAL_STEPS + 1  # (judged, one more)
@@ -1740,6 +1751,12 @@ def test_an_interleaved_plan_moves_its_whole_blocks_only_and_stays_bit_identical
         run(steps - len(got))
         plan = engine.recompute_plan()
     assert 0 < interleaved < 0.75 * alone
+    last_whole = (
+        len(recompute._PROFILE) - 1 - recompute._PROFILE[::-1].index(recompute._WHOLE_TIMED)
+    )
+    planned = len(recompute._PROFILE)  # bases[i] is asked at the start of step i + 1
+    assert len(bases) == steps - 1 and moved[planned] == interleaved
+    assert bases[planned:] == [moved[last_whole]] * (steps - 1 - planned)
     assert plan is not None and plan.measured["trial_choice"] == 0
     assert plan.measured["blocks_interleaved"] == 2 and plan.plans_made == 1
     assert _exact(ref, got)
