@@ -102,10 +102,12 @@
 #   1.16 s, no difference above the noise; a paired step with trims on had
 #   shown 15-90 ms a block, and chose plain and selective by turns.
 # - Offload alone: where the plan so far checkpoints the blocks the budget
-#   does not keep plainly (selective not worth its dispatch cost), and steps
-#   (6) and (7) took less time than steps (4) and (9) less the dispatch modes'
-#   cost per block (NOTE [trial steps]), or within 5% of them held at least 5%
-#   less memory (NOTE [plans within the noise]), offload alone beat plain
+#   does not keep plainly (selective not worth its dispatch cost), and of steps
+#   (6) and (7) against steps (4) and (9) less the dispatch modes' cost per
+#   block (NOTE [trial steps]) the first are the faster, unless the others,
+#   within 5% of them, held 5% less memory, or held no more and moved 25% fewer
+#   bytes; or, within 5% of the others, held 5% less (NOTE [plans within the
+#   noise]): offload alone beat plain
 #   checkpointing: every other one of those blocks runs whole instead, the
 #   engine moving what it saves (NOTE [interleaved blocks]); with one such block,
 #   where the budget keeps none, every block whole. A plan between the two is
@@ -137,8 +139,9 @@
 # - Trial: a plan the profile did not run as it is, selective blocks or whole
 #   blocks beside checkpointed ones, runs three steps, and yields to a profiled
 #   plan that ran faster, unless the trial, within 5% of it, held at least 5%
-#   less; or to one within 5% of the fastest that held at least 5% less than
-#   it (NOTE [trial steps], NOTE [plans within the noise]).
+#   less, or held no more and moved at least 25% fewer bytes; or to one within
+#   5% of the fastest that held at least 5% less than it (NOTE [trial steps],
+#   NOTE [plans within the noise]).
 # - Not in the cost model: the heap trims (NOTE [heap trim] in heap.py). Every
 #   plan runs under them (the trial sees them), and on the CPU they are what
 #   separates a checkpointed plan from checkpointing without the engine; a plan
@@ -343,9 +346,20 @@
 # from its first block's forward to the end of its last backward; per kind,
 # the most of its counted steps. The fastest plan runs, unless one whose steps
 # took at most _TIE (5%) longer held _LEANER (5%) less memory than it: then the
-# one of those that held least. That decides between offload alone and plain
-# checkpointing when the plan is every block checkpointed plainly, and among
-# the trial, plain checkpointing and offload alone at the end of a trial.
+# one of those that held least. Where none did, one of those that held no more
+# than the fastest and moved _LIGHTER (25%) fewer bytes to the target a step
+# (the engine's ``bytes_offloaded``) runs: the one that moved least. Bytes
+# moved are a load a step's time does not show: the link the gradients and
+# the collectives share on a GPU, the disk's write endurance (a step that
+# moves 1 GiB, a million steps: a petabyte written). On the 24-block
+# transformer at 25% of the saved bytes (``bench/recompute.py``'s model, one
+# process) the interleaved trial ran 1.782 s a step at 827 MiB, moving half
+# what offload alone moved, which ran 1.723 s at 862 MiB in the profile: 3.4%
+# slower and 4.1% leaner, within the noise on both counts, so by time and memory
+# alone offload alone would run (NOTE [interleaved blocks]). These rules decide
+# between offload alone and plain checkpointing when the plan is every block
+# checkpointed plainly, and among the trial, plain checkpointing and offload
+# alone at the end of a trial.
 # Peaks are sampled only under heap trims (without them the resident memory
 # keeps what steps of other kinds left: NOTE [a trim where the plan changes])
 # and only for a CPU model: a GPU block's allocation peak lasts microseconds of
@@ -617,11 +631,11 @@ class RecomputePlan:
             untrimmed = " without heap trims" if m.get("trial_untrimmed") else ""
             lines.append(
                 f"  trial: the plan ran {m['trial_step_s']:.3f} s a step{untrimmed}"
-                f"{_peak_text(m, 'trial_peak_MiB')}; in the profile, every block "
-                f"checkpointed plainly {m['trial_plain_s']:.3f} s"
-                f"{_peak_text(m, 'peak_plain_MiB')} and offload alone "
-                f"{m['trial_alone_s']:.3f} s{_peak_text(m, 'peak_alone_MiB')}: "
-                f"{verdict[int(m['trial_choice'])]}"
+                f"{_peak_text(m, 'trial_peak_MiB')}{_moved_text(m, 'trial_moved_MiB')}; "
+                f"in the profile, every block checkpointed plainly {m['trial_plain_s']:.3f} s"
+                f"{_peak_text(m, 'peak_plain_MiB')}{_moved_text(m, 'moved_plain_MiB')} and "
+                f"offload alone {m['trial_alone_s']:.3f} s{_peak_text(m, 'peak_alone_MiB')}"
+                f"{_moved_text(m, 'moved_alone_MiB')}: {verdict[int(m['trial_choice'])]}"
             )
         if m.get("weighing_plain"):  # NOTE [plain without trims]
             lines.append(
@@ -856,9 +870,11 @@ _OFFLOAD_ALL_STEP = _PROFILE.index(_OFFLOAD_ALL)
 _INPUTS_STEP = _PROFILE.index(_RECOMPUTE_ALL)
 # NOTE [plans within the noise]: a plan whose step took at most _TIE longer than the
 # fastest plan's counts as fast as it; of those, one that held at least _LEANER less
-# memory than the fastest runs instead (the one that held least).
+# memory than the fastest runs instead (the one that held least), else one that held no
+# more and moved at least _LIGHTER fewer bytes (the one that moved least).
 _TIE = 0.05
 _LEANER = 0.05
+_LIGHTER = 0.25
 # NOTE [keep, offload, recompute]: selective blocks only where their offloads save more
 # than the dispatch modes cost by this share of the recompute-all step (the noise).
 _SELECTIVE_MARGIN = 0.05
@@ -871,6 +887,15 @@ _CEILING = 0.05
 _ALONE = "offload alone"
 
 
+class _Weighed(NamedTuple):
+    """A plan's measured step (NOTE [plans within the noise]): seconds, the most memory
+    it held (0: unknown), and the bytes it moved to the target."""
+
+    wall: float
+    peak: int
+    moved: int
+
+
 class _TrimsVerdict(NamedTuple):
     """NOTE [trims a plan does without]: whether the trims are held off, the most a step
     under them and the steps without them held, and what the verdict allows."""
@@ -881,17 +906,36 @@ class _TrimsVerdict(NamedTuple):
     allowed: float
 
 
-def _leanest_of_the_fastest(plans: dict[str, tuple[float, int]]) -> str:
-    """Of ``plans`` (name: (step seconds, the most memory it held, 0 if unknown)), the
-    fastest, unless one within _TIE of it held _LEANER less: then the one of those that
-    held least. Where a plan within _TIE held an unknown peak, the fastest."""
-    fastest = min(plans, key=lambda name: plans[name][0])
-    wall, peak = plans[fastest]
-    close = [name for name, (w, _) in plans.items() if w <= wall * (1 + _TIE)]
-    if any(plans[name][1] <= 0 for name in close):
+def _leanest_of_the_fastest(plans: dict[str, _Weighed]) -> str:
+    """Of ``plans``, the fastest, unless one within _TIE of it held _LEANER less: then
+    the one of those that held least; else one within _TIE of it that held no more and
+    moved _LIGHTER fewer bytes: the one of those that moved least (NOTE [plans within
+    the noise]). Where a plan within _TIE held an unknown peak, the fastest."""
+    fastest = min(plans, key=lambda name: plans[name].wall)
+    wall, peak, moved = plans[fastest]
+    close = [name for name, p in plans.items() if p.wall <= wall * (1 + _TIE)]
+    if any(plans[name].peak <= 0 for name in close):
         return fastest
-    leaner = [name for name in close if plans[name][1] <= peak * (1 - _LEANER)]
-    return min(leaner, key=lambda name: (plans[name][1], plans[name][0])) if leaner else fastest
+    leaner = [name for name in close if plans[name].peak <= peak * (1 - _LEANER)]
+    if leaner:
+        return min(leaner, key=lambda name: (plans[name].peak, plans[name].wall))
+    lighter = [
+        name
+        for name in close
+        if plans[name].peak <= peak and plans[name].moved <= moved * (1 - _LIGHTER)
+    ]
+    return min(lighter, key=lambda name: (plans[name].moved, plans[name].wall), default=fastest)
+
+
+def _why_chosen(plans: dict[str, _Weighed], chosen: str, other: str, than: str) -> str:
+    """Why plan ``chosen`` replaced plan ``other`` (called ``than`` in the text): it ran
+    faster, or within _TIE of it and held less memory, or moved fewer bytes."""
+    mine, theirs = plans[chosen], plans[other]
+    if mine.wall < theirs.wall:
+        return f"ran faster than {than}"
+    if mine.peak < theirs.peak * (1 - _LEANER):
+        return f"ran within {_TIE:.0%} of {than} and held less memory"
+    return f"ran within {_TIE:.0%} of {than}, held no more memory and moved fewer bytes"
 
 
 def _trims_verdict(m: dict[str, float]) -> str:
@@ -920,6 +964,11 @@ def _copied(obs: dict[Position, _Obs]) -> dict[Position, _Obs]:
 def _most(peaks: list[int]) -> int:
     """The most of sampled peaks; 0 (unknown) if there are none or one is unknown."""
     return 0 if not peaks or 0 in peaks else max(peaks)
+
+
+def _moved_text(measured: dict[str, float], key: str) -> str:
+    """ ", moving N MiB" for the bytes a plan moved a step, where measured."""
+    return f", moving {measured[key]:.0f} MiB" if key in measured else ""
 
 
 def _peak_text(measured: dict[str, float], key: str) -> str:
@@ -1085,8 +1134,13 @@ class AutoDecider:
         self._backward_end: float | None = None
         self._end_queued = False
         self._walls: dict[int, float] = {}
-        # The two plans the profile ran, by name: (wall, peak) (NOTE [trial steps]).
-        self._profiled_plans: dict[str, tuple[float, int]] = {}
+        # NOTE [plans within the noise]: the engine's bytes_offloaded as the step now began;
+        # the bytes each profiling step, and each trial step, moved.
+        self._offloaded = 0
+        self._moved: dict[int, int] = {}
+        self._trial_moved: list[int] = []
+        # The two plans the profile ran, by name (NOTE [trial steps]).
+        self._profiled_plans: dict[str, _Weighed] = {}
         self._trial_obs: dict[Position, _Obs] = {}  # the profile's, for the plan's summary
         self._profiled: set[tuple[str, int]] = set()
         self.plans_made = 0
@@ -1292,6 +1346,8 @@ class AutoDecider:
         now = self._clock()
         wall = self._ended_wall(now)
         peak = self._ended_peak()
+        offloaded = self._stats().bytes_offloaded  # NOTE [plans within the noise]
+        moved, self._offloaded = offloaded - self._offloaded, offloaded
         self._step_start, self._backward_end, self._end_queued = now, None, False
         if self._ckpt_stats is not None:
             self._ckpt_stats.step_began()
@@ -1301,7 +1357,7 @@ class AutoDecider:
             self._trims_released()
             stale = self._agreed_stale()
             if self._trial_left and not stale and not again:
-                self._trial_step_ended(wall, peak)
+                self._trial_step_ended(_Weighed(wall, peak, moved))
             elif self._trim_trial_left and not stale and not again:
                 self._trim_step_ended(wall, peak)
             if stale:
@@ -1323,6 +1379,7 @@ class AutoDecider:
         self._ends[self._step_no] = now
         self._walls[self._step_no] = wall
         self._peaks[self._step_no] = peak
+        self._moved[self._step_no] = moved
         if self._phase == _WHOLE_ALL:
             self._s0 = self._stats()
         elif self._phase == _OFFLOAD_ALL:
@@ -1444,6 +1501,7 @@ class AutoDecider:
         self._ends.clear()
         self._walls.clear()
         self._peaks.clear()
+        self._moved.clear()
         self._dispatch.clear()
         self._block_bytes.clear()
         self._outside = None
@@ -1647,14 +1705,19 @@ class AutoDecider:
         wall_plain = wall_recompute - min(n * overhead, wall_recompute / 2)
         wall_alone = self._wall(_WHOLE_TIMED)
         peak_plain, peak_alone = self._peak(_RECOMPUTE_ALL), self._peak(_WHOLE_TIMED)
+        profiled_plans = {
+            "plain": _Weighed(wall_plain, peak_plain, self._moved_by_kind(_RECOMPUTE_ALL)),
+            "alone": _Weighed(
+                wall_alone if OFFLOAD_ALONE and not lean else math.inf,
+                peak_alone,
+                self._moved_by_kind(_WHOLE_TIMED),
+            ),
+        }
         alone_won = (
             OFFLOAD_ALONE
             and not lean
             and rest > 0
-            and _leanest_of_the_fastest(
-                {"plain": (wall_plain, peak_plain), "alone": (wall_alone, peak_alone)}
-            )
-            == "alone"
+            and _leanest_of_the_fastest(profiled_plans) == "alone"
         )
         # NOTE [interleaved blocks]: where offload alone beat plain checkpointing, the
         # plan tried runs every other block the budget does not keep whole, the rest plain.
@@ -1718,6 +1781,8 @@ class AutoDecider:
             # The most memory those steps held (NOTE [plans within the noise]; 0: unknown).
             "peak_plain_MiB": peak_plain / _MiB,
             "peak_alone_MiB": peak_alone / _MiB,
+            "moved_plain_MiB": profiled_plans["plain"].moved / _MiB,
+            "moved_alone_MiB": profiled_plans["alone"].moved / _MiB,
             "offload_alone": float(offload_alone),
             "recompute_s": recomputed_s,
             "move_s_per_GB": per_byte * 1e9,
@@ -1730,17 +1795,14 @@ class AutoDecider:
             "read_GBps": read_bw / 1e9 if math.isfinite(read_bw) else math.inf,
         }
         self._profiled, self._share = profiled, share
-        self._profiled_plans = {
-            "plain": (wall_plain, peak_plain),
-            "alone": (wall_alone if OFFLOAD_ALONE and not lean else math.inf, peak_alone),
-        }
+        self._profiled_plans = profiled_plans
         self._trial_left = _TRIAL_STEPS + 1 if TRIAL and tried else 0
         # NOTE [trims a plan does without]: a tried plan that moves nothing runs its last
         # trial steps without trims.
         weighs = self._hold_trims is not None and self._peak_source is not None
         if self._trial_left and weighs and not self._moves():
             self._trial_left += _UNTRIMMED_STEPS
-        self._trial_walls, self._trial_peaks = [], []
+        self._trial_walls, self._trial_peaks, self._trial_moved = [], [], []
         if self._agreement is not None:
             self._take_first_ranks_plan(self._agreement)
         self._trial_untrimmed = self._trial_left > _TRIAL_STEPS + 1  # (rank 0's count)
@@ -1799,11 +1861,16 @@ class AutoDecider:
         the noise]); 0 if unknown."""
         return _most([self._peaks.get(i, 0) for i in self._counted(kind)])
 
-    def _trial_step_ended(self, wall: float, peak: int) -> None:
-        """A planned step of a tried plan ended, taking ``wall`` and holding at most
-        ``peak`` bytes (NOTE [trial steps])."""
-        self._trial_walls.append(wall)
-        self._trial_peaks.append(peak)
+    def _moved_by_kind(self, kind: int) -> int:
+        """The most bytes a counted profiling step of a kind moved (NOTE [plans within the
+        noise])."""
+        return max((self._moved.get(i, 0) for i in self._counted(kind)), default=0)
+
+    def _trial_step_ended(self, step: _Weighed) -> None:
+        """A planned step of a tried plan ended, as measured (NOTE [trial steps])."""
+        self._trial_walls.append(step.wall)
+        self._trial_peaks.append(step.peak)
+        self._trial_moved.append(step.moved)
         self._trial_left -= 1
         if self._trial_untrimmed and self._trial_left == _UNTRIMMED_STEPS:
             self._hold(True)  # NOTE [trims a plan does without]: the last steps without
@@ -1812,33 +1879,35 @@ class AutoDecider:
 
     def _judge_trial(self) -> None:
         """Keep the tried plan or take a profiled one: the fastest of the three, unless
-        one within 5% of it held at least 5% less memory (NOTE [trial steps], NOTE
-        [plans within the noise])."""
+        one within 5% of it held at least 5% less memory, or held no more and moved 25%
+        fewer bytes (NOTE [trial steps], NOTE [plans within the noise])."""
         walls = self._trial_walls[1:]  # (the first planned step learns the order)
         peaks = self._trial_peaks[1:]
+        moved = self._trial_moved[1:]
         if self._trial_untrimmed:  # NOTE [trims a plan does without]: its trims, judged
             n = _UNTRIMMED_STEPS
             self._trial_trims = self._trims_verdict_of(_most(peaks[:-n]), _most(peaks[-n:]))
             # the steps without trims count where it may run without them
-            walls, peaks = (
-                (walls[-n:], peaks[-n:]) if self._trial_trims.held else (walls[:-n], peaks[:-n])
-            )
+            count = slice(-n, None) if self._trial_trims.held else slice(None, -n)
+            walls, peaks, moved = walls[count], peaks[count], moved[count]
             self._hold(False)
-        tried, trial_peak = min(walls), _most(peaks)
+        tried, trial_peak, trial_moved = min(walls), _most(peaks), max(moved)
         # Without trims within what their verdict allows, the plan is weighed by time (NOTE
         # [trims a plan does without]): the other plans' peaks were under trims.
         untrimmed = self._trial_trims is not None and self._trial_trims.held
-        plans = {"trial": (tried, 0 if untrimmed else trial_peak), **self._profiled_plans}
-        choice = ("trial", "plain", "alone").index(_leanest_of_the_fastest(plans))
-        (plain, _), (alone, _) = plans["plain"], plans["alone"]
+        plans = {"trial": _Weighed(tried, 0 if untrimmed else trial_peak, trial_moved)}
+        plans.update(self._profiled_plans)
+        chosen = _leanest_of_the_fastest(plans)
+        choice = ("trial", "plain", "alone").index(chosen)
+        why = _why_chosen(plans, chosen, "trial", "this plan's trial") if choice else ""
+        plain, alone = plans["plain"].wall, plans["alone"].wall
         if self._agreement is not None:  # NOTE [ranks agree] in agreement.py: rank 0's
-            mine = [choice, tried, plain, alone, trial_peak]
+            mine = [choice, why, tried, plain, alone, trial_peak, trial_moved]
             got = json.loads(self._agreement.first_rank(json.dumps(mine).encode()))
-            choice, tried, plain, alone, trial_peak = got
+            choice, why, tried, plain, alone, trial_peak, trial_moved = got
         if choice:
             self._trial_trims = None  # (the tried plan's: another plan runs)
-            faster = (plain, alone)[choice - 1] < tried
-            self._switch(PLAIN if choice == 1 else WHOLE, _than(faster, "this plan's trial"))
+            self._switch(PLAIN if choice == 1 else WHOLE, why)
             self._trim_heap()  # NOTE [a trim where the plan changes]
         self.measured.update(
             trial_step_s=tried,
@@ -1846,6 +1915,7 @@ class AutoDecider:
             trial_alone_s=alone,
             trial_choice=choice,
             trial_peak_MiB=trial_peak / _MiB,
+            trial_moved_MiB=trial_moved / _MiB,
         )
         if untrimmed:
             self.measured["trial_untrimmed"] = 1.0

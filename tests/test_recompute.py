@@ -634,14 +634,14 @@ def test_the_plan_says_what_and_why() -> None:
     assert decider.plan().measured["moved_MiB"] > 900
 
 
-def _profile_rest(run: Any, whole_s: list[float]) -> None:
+def _profile_rest(run: Any, whole_s: list[float], whole_moved: int = 0) -> None:
     """The profile's steps after the offload-all one: every output recomputed in 1.5 s,
-    every block whole in ``whole_s``."""
+    every block whole in ``whole_s``, moving ``whole_moved`` bytes."""
     for kind in recompute._PROFILE[2:]:
         if kind == recompute._RECOMPUTE_ALL:
             run(step_s=1.5)  # every output recomputed
-        else:
-            run(step_s=0.0, block_s=whole_s)  # every block whole again
+        else:  # every block whole again
+            run(step_s=0.0, block_s=whole_s, bytes_offloaded=whole_moved)
 
 
 @pytest.mark.usefixtures("no_interleave")
@@ -750,10 +750,10 @@ def test_a_tried_plan_slower_than_offload_alone_yields_to_it() -> None:
 
 def _alone_won(blocks: int, budget: int, trial_peak: int = 0) -> tuple[AutoDecider, Any]:
     """The profile with ``blocks`` blocks saving 100 bytes each: every block whole took
-    1 s a block at 400 MiB, every block checkpointed 1.5 s at 500 MiB, and selective
-    blocks would gain nothing (no op took time to compute): offload alone beat plain
-    checkpointing. Planned steps hold ``trial_peak`` MiB. The decider, and a function that
-    runs one step of the given seconds a block."""
+    1 s a block at 400 MiB moving 1000 bytes, every block checkpointed 1.5 s at 500 MiB
+    moving none, and selective blocks would gain nothing (no op took time to compute):
+    offload alone beat plain checkpointing. Planned steps hold ``trial_peak`` MiB. The
+    decider, and a function that runs one step of the given seconds a block."""
     fake = _Fake()
     by_kind = {recompute._WHOLE_ALL: 300, recompute._OFFLOAD_ALL: 300}
     by_kind |= {recompute._RECOMPUTE_ALL: 500, recompute._WHOLE_TIMED: 400}
@@ -763,22 +763,34 @@ def _alone_won(blocks: int, budget: int, trial_peak: int = 0) -> tuple[AutoDecid
     run = functools.partial(_step, decider, fake, free, forward_s=0.1, blocks=blocks, saved=100)
     run(step_s=3.0)
     run(step_s=1.5, consumed=_NEEDED, **_SLOW_LINK)
-    _profile_rest(run, [1.0] * blocks)
+    _profile_rest(run, [1.0] * blocks, whole_moved=1000)
     return decider, run
 
 
 @pytest.mark.parametrize(
-    ("trial_s", "trial_peak", "choice"),
-    [(0.9, 500, 0), (1.02, 300, 0), (1.02, 390, 2), (1.1, 300, 2)],
+    ("trial_s", "trial_peak", "trial_moved", "choice"),
+    [
+        (0.9, 500, 1000, 0),
+        (1.02, 300, 1000, 0),
+        (1.02, 390, 1000, 2),
+        (1.1, 300, 1000, 2),
+        (1.02, 390, 500, 0),
+        (1.02, 400, 750, 0),
+        (1.02, 390, 800, 2),
+        (1.02, 410, 500, 2),
+        (1.06, 390, 500, 2),
+    ],
 )
 def test_where_offload_alone_won_every_other_block_it_would_move_is_tried_plain(
-    trial_s: float, trial_peak: int, choice: int
+    trial_s: float, trial_peak: int, trial_moved: int, choice: int
 ) -> None:
     """NOTE [interleaved blocks]: six blocks, the budget keeps the two newest whole; of
     the other four, the oldest and the third run plain and the second and fourth whole.
     The plan is tried against the profile's (NOTE [trial steps]): kept where its steps
     ran faster than offload alone's 6 s, or within 5% of them holding at least 5% less
-    than its 400 MiB; else offload alone runs."""
+    than its 400 MiB, or within 5% of them holding no more and moving at least 25%
+    fewer than its 1000 bytes (NOTE [plans within the noise]); else offload alone
+    runs."""
     decider, run = _alone_won(6, 250, trial_peak)
     interleaved = [PLAIN, WHOLE, PLAIN, WHOLE, WHOLE, WHOLE]
     assert [decider.mode("Block", b) for b in range(6)] == interleaved
@@ -793,14 +805,19 @@ def test_where_offload_alone_won_every_other_block_it_would_move_is_tried_plain(
     assert plan.bytes_offloaded == 0 and decider._moves()
     for _ in range(recompute._TRIAL_STEPS + 1):
         assert [decider.mode("Block", b) for b in range(6)] == interleaved
-        run(step_s=trial_s)
+        run(step_s=trial_s, bytes_offloaded=trial_moved)
     modes = [decider.mode("Block", b) for b in range(6)]  # (the last trial step ends)
     m = decider.plan().measured
     assert m["trial_choice"] == choice and m["trial_alone_s"] == pytest.approx(6.0)
+    assert m["trial_moved_MiB"] * 2**20 == pytest.approx(trial_moved)
+    assert m["moved_alone_MiB"] * 2**20 == pytest.approx(1000) and m["moved_plain_MiB"] == 0
+    mib = f"moving {trial_moved / 2**20:.0f} MiB; in the profile"
+    assert mib in str(decider.plan())
     if choice:  # every block whole from then on, and the plan says why
         assert modes == [WHOLE] * 6
         assert m["blocks_interleaved"] == 0 and m["offload_alone"] == 1.0
         assert "replaced by offload alone" in str(decider.plan())
+        assert "offload alone ran faster than this plan's trial" in str(decider.plan())
     else:
         assert modes == interleaved
         assert m["trial_step_s"] == pytest.approx(6 * trial_s) and decider._moves()
@@ -1599,7 +1616,9 @@ def test_a_trial_that_changes_the_plan_mid_training_stays_bit_identical(
         decider._trial_obs = dict(decider._obs)
         fast = {"plain": 0.0, "alone": math.inf} if to == "plain" else {"plain": math.inf}
         walls = {"alone": 0.0, **fast}
-        decider._profiled_plans = {name: (wall, 0) for name, wall in walls.items()}
+        decider._profiled_plans = {
+            name: recompute._Weighed(wall, 0, 0) for name, wall in walls.items()
+        }
 
     monkeypatch.setattr(AutoDecider, "_make_plan", make_plan)
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)  # the plan checkpoints
