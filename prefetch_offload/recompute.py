@@ -352,11 +352,13 @@
 # moved are a load a step's time does not show: the link the gradients and
 # the collectives share on a GPU, the disk's write endurance (a step that
 # moves 1 GiB, a million steps: a petabyte written). On the 24-block
-# transformer at 25% of the saved bytes (``bench/recompute.py``'s model, one
-# process) the interleaved trial ran 1.782 s a step at 827 MiB, moving half
-# what offload alone moved, which ran 1.723 s at 862 MiB in the profile: 3.4%
-# slower and 4.1% leaner, within the noise on both counts, so by time and memory
-# alone offload alone would run (NOTE [interleaved blocks]). These rules decide
+# transformer at 25% of the saved bytes (``bench/recompute.py``'s model; two
+# runs, one process each) the interleaved trial ran 1.782 and 1.844 s a step at
+# 827 and 815 MiB, moving 344 MiB a step where offload alone moved 721, and
+# offload alone 1.723 and 1.717 s at 862 and 845 MiB in the profile: in the
+# first run 3.4% slower and 4.1% leaner, within the noise on both counts, where
+# the bytes moved decide; in the second 7.4% slower, where they do not (NOTE
+# [interleaved blocks]). These rules decide
 # between offload alone and plain checkpointing when the plan is every block
 # checkpointed plainly, and among the trial, plain checkpointing and offload
 # alone at the end of a trial.
