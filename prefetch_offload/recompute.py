@@ -583,7 +583,8 @@ class RecomputePlan:
     # "auto", "policy" (a user's callable) or "full".
     mode: str
     ops: tuple[OpDecision, ...] = ()
-    # Bytes per step recomputed, offloaded (handed to the engine) and kept by the policy.
+    # Bytes per step recomputed, offloaded (handed to the engine) and kept by the policy,
+    # of the op outputs in checkpointed blocks (a whole block's the engine keeps or moves).
     bytes_recomputed: int = 0
     bytes_offloaded: int = 0
     bytes_kept: int = 0
@@ -594,8 +595,8 @@ class RecomputePlan:
 
     def __str__(self) -> str:
         lines = [
-            f"prefetch_offload recompute plan ({self.mode}): per step "
-            f"{self.bytes_recomputed / _MiB:.1f} MiB recomputed, "
+            f"prefetch_offload recompute plan ({self.mode}): per step, of the op outputs in "
+            f"checkpointed blocks: {self.bytes_recomputed / _MiB:.1f} MiB recomputed, "
             f"{self.bytes_offloaded / _MiB:.1f} MiB offloaded, "
             f"{self.bytes_kept / _MiB:.1f} MiB kept"
         ]
