@@ -460,8 +460,9 @@
 # the memory the other plan would save is not the user's to ask for (NOTE
 # [plans within the noise] weighs plans whose memory the budget does not
 # bound); but a plain checkpointing within 5% (_TIE) of
-# the plan's time that held 5% (_LEANER) less than it wins too, as the
-# profile's choices take the leaner of two plans within the noise. Plain
+# the plan's time that held 5% (_LEANER) less than it, or no more while moving
+# 25% (_LIGHTER) fewer bytes, wins too, as the profile's choices take the
+# leaner or the lighter of two plans within the noise. Plain
 # checkpointing runs from then on if it won, its trims held off (with their
 # ceiling). Else (without trims it held more than the verdict allows: it was
 # weighed as it would run; or the plan won) the plan runs again as it was,
@@ -936,7 +937,7 @@ def _why_chosen(plans: dict[str, _Weighed], chosen: str, other: str, than: str) 
     mine, theirs = plans[chosen], plans[other]
     if mine.wall < theirs.wall:
         return f"ran faster than {than}"
-    if mine.peak < theirs.peak * (1 - _LEANER):
+    if mine.peak <= theirs.peak * (1 - _LEANER):
         return f"ran within {_TIE:.0%} of {than} and held less memory"
     return f"ran within {_TIE:.0%} of {than}, held no more memory and moved fewer bytes"
 
@@ -949,14 +950,6 @@ def _trims_verdict(m: dict[str, float]) -> str:
     if not m["trims_held"]:
         return "kept"
     return f"held off (until the process passes {ceiling:.0f} MiB)" if ceiling else "held off"
-
-
-def _than(faster: bool, other: str) -> str:
-    """Why a plan replaced ``other``: it ran faster, or (NOTE [plans within the noise])
-    within _TIE of it and held less."""
-    if faster:
-        return f"ran faster than {other}"
-    return f"ran within {_TIE:.0%} of {other} and held less memory"
 
 
 def _copied(obs: dict[Position, _Obs]) -> dict[Position, _Obs]:
@@ -1065,6 +1058,7 @@ class AutoDecider:
         self._trim_trial_left = 0
         self._trim_trial_walls: list[float] = []
         self._trim_trial_peaks: list[int] = []
+        self._trim_trial_moved: list[int] = []
         self._challenging = False
         # A tried plan that moves nothing: whether its trial runs steps without trims, and
         # the verdict on its trims there (_trims_verdict_of's; None: not judged).
@@ -1362,7 +1356,7 @@ class AutoDecider:
             if self._trial_left and not stale and not again:
                 self._trial_step_ended(_Weighed(wall, peak, moved))
             elif self._trim_trial_left and not stale and not again:
-                self._trim_step_ended(wall, peak)
+                self._trim_step_ended(_Weighed(wall, peak, moved))
             if stale:
                 if self._challenging:  # (the plan made last runs no more: as it was)
                     self._end_weighing()
@@ -1997,16 +1991,20 @@ class AutoDecider:
             self._hold_trims(on, ceiling)
             self._trims_held = on
 
-    def _rival(self) -> tuple[str, float, int] | None:
+    def _rival(self) -> tuple[str, _Weighed] | None:
         """The plan that plain checkpointing is weighed against without trims (NOTE
-        [plain without trims]): offload alone, or a tried plan its trial kept; its name,
-        its step's seconds and the most memory it held (0: unknown). From the printed
-        figures, which ranks that agree take from rank 0."""
+        [plain without trims]): offload alone, or a tried plan its trial kept; its name
+        and its measured step (seconds, the most memory it held, 0: unknown, and the
+        bytes it moved). From the printed figures, which ranks that agree take from rank
+        0."""
         m = self.measured
         if m.get("offload_alone"):
-            return _ALONE, m["wall_alone_s"], round(m["peak_alone_MiB"] * _MiB)
+            peak, moved = m["peak_alone_MiB"], m.get("moved_alone_MiB", 0.0)
+            return _ALONE, _Weighed(m["wall_alone_s"], round(peak * _MiB), round(moved * _MiB))
         if m.get("trial_choice") == 0 and "trial_step_s" in m:
-            return "this plan's trial", m["trial_step_s"], round(m["trial_peak_MiB"] * _MiB)
+            peak, moved = m["trial_peak_MiB"], m.get("trial_moved_MiB", 0.0)
+            step = _Weighed(m["trial_step_s"], round(peak * _MiB), round(moved * _MiB))
+            return "this plan's trial", step
         return None
 
     def _begin_trim_trial(self) -> None:
@@ -2055,13 +2053,14 @@ class AutoDecider:
         a first, uncounted step where ``settling`` (plain checkpointing in place of
         another plan: its trim bound follows what that plan moved)."""
         self._trim_trial_left = 1 + _UNTRIMMED_STEPS + settling
-        self._trim_trial_walls, self._trim_trial_peaks = [], []
+        self._trim_trial_walls, self._trim_trial_peaks, self._trim_trial_moved = [], [], []
 
-    def _trim_step_ended(self, wall: float, peak: int) -> None:
-        """A step of the trims' trial ended, taking ``wall`` and holding at most ``peak``
-        bytes: the last but _UNTRIMMED_STEPS ran under trims, those after it without."""
-        self._trim_trial_walls.append(wall)
-        self._trim_trial_peaks.append(peak)
+    def _trim_step_ended(self, step: _Weighed) -> None:
+        """A step of the trims' trial ended, as measured: the last but _UNTRIMMED_STEPS
+        ran under trims, those after it without."""
+        self._trim_trial_walls.append(step.wall)
+        self._trim_trial_peaks.append(step.peak)
+        self._trim_trial_moved.append(step.moved)
         self._trim_trial_left -= 1
         if self._trim_trial_left == _UNTRIMMED_STEPS:
             self._hold(True)
@@ -2084,7 +2083,8 @@ class AutoDecider:
         if challenged:
             del self.measured["weighing_plain"]
             wall = min(self._trim_trial_walls[-_UNTRIMMED_STEPS:])
-            plain = self._weigh_plain(verdict.held, wall, untrimmed)
+            moved = max(self._trim_trial_moved[-_UNTRIMMED_STEPS:])
+            plain = self._weigh_plain(verdict.held, _Weighed(wall, untrimmed, moved))
             self.measured.update(
                 plain_trims_peak_MiB=trimmed / _MiB,
                 plain_untrimmed_peak_MiB=untrimmed / _MiB,
@@ -2149,16 +2149,20 @@ class AutoDecider:
             if record:
                 self.measured.update(figures)
 
-    def _weigh_plain(self, held: bool, wall: float, peak: int) -> bool:
+    def _weigh_plain(self, held: bool, step: _Weighed) -> bool:
         """Plain checkpointing ran in place of the plan (offload alone, or a tried plan),
-        ``wall`` a step at ``peak`` without trims, ``held``: it held no more without
+        as ``step`` measured its steps without trims, ``held``: it held no more without
         them than the verdict allows. Keep it where it ran faster than the plan's
-        measured steps, or within 5% of them holding 5% less, else the plan runs again
-        (NOTE [plain without trims]). Whether plain runs (its trims held off: rank 0's
-        choice, where ranks agree)."""
-        name, rival, rival_peak = self._rival() or ("", math.inf, 0)
-        leaner = wall <= (1 + _TIE) * rival and 0 < peak <= (1 - _LEANER) * rival_peak
-        plain = held and (wall < rival or leaner)  # (held: within what the verdict allows)
+        measured steps, or within 5% of them holding 5% less, or no more and moving 25%
+        fewer bytes, else the plan runs again (NOTE [plain without trims]). Whether
+        plain runs (its trims held off: rank 0's choice, where ranks agree)."""
+        name, theirs = self._rival() or ("", _Weighed(math.inf, 0, 0))
+        wall, peak, rival, rival_peak = step.wall, step.peak, theirs.wall, theirs.peak
+        close = wall <= (1 + _TIE) * rival and 0 < peak
+        leaner = close and peak <= (1 - _LEANER) * rival_peak
+        lighter = close and peak <= rival_peak and step.moved <= (1 - _LIGHTER) * theirs.moved
+        # (held: within what the verdict allows)
+        plain = held and (wall < rival or leaner or (lighter and step.moved < theirs.moved))
         if self._agreement is not None:  # NOTE [ranks agree] in agreement.py: rank 0's
             plain = json.loads(self._agreement.first_rank(json.dumps(plain).encode()))
         self.measured.update(
@@ -2169,7 +2173,8 @@ class AutoDecider:
             rival_alone=float(name == _ALONE),
         )
         if plain:
-            self._switch(PLAIN, "with heap trims held off " + _than(wall < rival, name))
+            why = _why_chosen({"plain": step, name: theirs}, "plain", name, name)
+            self._switch(PLAIN, "with heap trims held off " + why)
             return True
         self._modes = self._rival_modes
         return False

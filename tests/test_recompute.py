@@ -136,13 +136,15 @@ def _plan(
     trims_held: Callable[[], bool] | None = None,
     peaks: Any = None,
     agreement: Any = None,
+    whole_moved: int = 0,
     **profile: float,
 ) -> AutoDecider:
     """The profiling steps (NOTE [keep, offload, recompute]), each block's share of
     the given step times (``whole_s``: the steps with every block whole again; the last
     recompute-all step and the last whole one take 1.2 times as long), then the first
     planned step (``decider.decisions``); the modes report ``dispatch_s`` of their own
-    per block in the recompute-all steps."""
+    per block in the recompute-all steps, and the whole steps after them move
+    ``whole_moved`` bytes."""
     fake = _Fake()
     decider = AutoDecider(
         fake.snapshot,
@@ -172,7 +174,10 @@ def _plan(
             assert set(got.values()) == {P.PREFER_RECOMPUTE}
             assert decider.timing() == (i not in counted)  # a counted step runs untimed
         else:
-            got = _step(decider, fake, ops, step_s=slower * whole_s / blocks, saved=saved, **per)  # type: ignore[arg-type]
+            step_s = slower * whole_s / blocks
+            got = _step(
+                decider, fake, ops, step_s=step_s, saved=saved, bytes_offloaded=whole_moved, **per
+            )  # type: ignore[arg-type]
             assert not got and not decider.timing()  # every block whole
         assert decider.profiling
     assert decider.plan().plans_made == 0
@@ -1179,22 +1184,24 @@ def test_a_new_profile_sees_again_which_block_classes_draw_from_their_own_genera
 
 @pytest.mark.usefixtures("no_interleave")
 @pytest.mark.parametrize(
-    ("trimmed", "untrimmed", "walls", "plain"),
+    ("trimmed", "untrimmed", "walls", "plain", "alone_moved"),
     [
-        (100, 100, [1.8, 1.9], True),  # trims bought nothing, plain 10% faster
-        (100, 100, [2.5, 2.4], False),  # trims bought nothing, plain 20% slower
-        (100, 300, [1.8, 1.9], False),  # trims bought 200 MiB: it lost under them
-        (100, 210, [1.8, 1.9], True),  # trims bought 110 MiB, within alone's 200 + 20
-        (190, 195, [2.08, 2.05], False),  # 2.5% slower, 2.5% leaner
-        (100, 100, [2.08, 2.05], True),  # 2.5% slower, half alone's memory: leaner
-        (100, 100, [2.12, 2.11], False),  # 5.5% slower, though half alone's memory
-        (980, 1000, [1.99, 1.98], True),  # 1% faster, held 5 times alone's: by time
-        (980, 1001, [1.8, 1.9], False),  # trims bought 21 MiB, over 5% of 400 saved
-        (100, 0, [1.8, 1.9], False),  # a failed sample: as it was weighed
+        (100, 100, [1.8, 1.9], True, 0),  # trims bought nothing, plain 10% faster
+        (100, 100, [2.5, 2.4], False, 0),  # trims bought nothing, plain 20% slower
+        (100, 300, [1.8, 1.9], False, 0),  # trims bought 200 MiB: it lost under them
+        (100, 210, [1.8, 1.9], True, 0),  # trims bought 110 MiB, within alone's 200 + 20
+        (190, 195, [2.08, 2.05], False, 0),  # 2.5% slower, 2.5% leaner
+        (190, 195, [2.08, 2.05], True, 400),  # and moving nothing where alone moved
+        (190, 205, [2.08, 2.05], False, 400),  # moving nothing, but holding more
+        (100, 100, [2.08, 2.05], True, 0),  # 2.5% slower, half alone's memory: leaner
+        (100, 100, [2.12, 2.11], False, 0),  # 5.5% slower, though half alone's memory
+        (980, 1000, [1.99, 1.98], True, 0),  # 1% faster, held 5 times alone's: by time
+        (980, 1001, [1.8, 1.9], False, 0),  # trims bought 21 MiB, over 5% of 400 saved
+        (100, 0, [1.8, 1.9], False, 0),  # a failed sample: as it was weighed
     ],
 )
 def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
-    trimmed: int, untrimmed: int, walls: list[float], plain: bool
+    trimmed: int, untrimmed: int, walls: list[float], plain: bool, alone_moved: int
 ) -> None:
     """NOTE [plain without trims]: the profile measured offload alone 2 s a step at 200
     MiB, plain checkpointing (under trims) 2.5 s. Plain checkpointing then runs four
@@ -1202,8 +1209,9 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     (``untrimmed``, taking ``walls``); where those held no more than the larger of
     the step under trims and offload alone's 200 MiB, plus 5% of the 400 MiB saved,
     plain stays if it ran faster than offload alone, whatever it held, or within 5% of
-    it holding 5% less, its trims held off; else offload alone runs again under trims,
-    with a trim at once."""
+    it holding 5% less, or no more and moving 25% fewer bytes (offload alone's whole
+    steps moved ``alone_moved`` MiB, plain's nothing), its trims held off; else offload
+    alone runs again under trims, with a trim at once."""
     calls = _Holds()
     trims: list[int] = []
     # (The first step, not counted, held 9999 MiB: counted, trims would look bought.)
@@ -1211,9 +1219,11 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     source = _Peaks(_LEAN_PLAIN, planned=planned)
     decider = _plan(
         3.0, 2.5, blocks=2, saved=200 * _MiB, whole_s=2.0, ops=_CHEAP, peaks=source,
-        hold_trims=calls, trim_heap=lambda: trims.append(1), **_SLOW_LINK,
+        hold_trims=calls, trim_heap=lambda: trims.append(1), whole_moved=alone_moved * _MiB,
+        **_SLOW_LINK,
     )  # fmt: skip
     assert decider.plan().measured["offload_alone"] == 1.0  # (the profile's choice)
+    assert decider.plan().measured["moved_alone_MiB"] == alone_moved
     assert trims == [1] and calls == []  # plain began, under trims (its first uncounted)
     assert "\n  now: every block checkpointed plainly in the plan's place" in str(decider.plan())
     assert _planned_steps(decider, [3.0], 2) == [PLAIN, PLAIN] and calls == [True]  # trimmed
@@ -1685,7 +1695,8 @@ def test_plain_weighed_without_trims_runs_as_judged_and_stays_bit_identical(
     held off), then the plan ``to`` runs, the trimmer held off only for plain, and every
     step's gradients match training without offload or checkpointing."""
     monkeypatch.setattr(recompute, "_leanest_of_the_fastest", lambda plans: "alone")
-    rival = ("offload alone", math.inf if to == "plain" else 0.0, 0)  # what plain weighs against
+    # what plain weighs against
+    rival = ("offload alone", recompute._Weighed(math.inf if to == "plain" else 0.0, 0, 0))
     monkeypatch.setattr(AutoDecider, "_rival", lambda d: rival if d.measured else None)
     monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", math.inf)  # (not selective)
     monkeypatch.setattr(recompute, "_TRIMS_SLACK", math.inf)  # the trims would be held off
