@@ -933,13 +933,16 @@ def _leanest_of_the_fastest(plans: dict[str, _Weighed]) -> str:
 
 def _why_chosen(plans: dict[str, _Weighed], chosen: str, other: str, than: str) -> str:
     """Why plan ``chosen`` replaced plan ``other`` (called ``than`` in the text): it ran
-    faster, or within _TIE of it and held less memory, or moved fewer bytes."""
+    faster, or within _TIE of it and held less memory, or no more and moved fewer bytes;
+    else (a third plan was the fastest) it held less than the fastest."""
     mine, theirs = plans[chosen], plans[other]
     if mine.wall < theirs.wall:
         return f"ran faster than {than}"
     if mine.peak <= theirs.peak * (1 - _LEANER):
         return f"ran within {_TIE:.0%} of {than} and held less memory"
-    return f"ran within {_TIE:.0%} of {than}, held no more memory and moved fewer bytes"
+    if mine.peak <= theirs.peak and mine.moved < theirs.moved:
+        return f"ran within {_TIE:.0%} of {than}, held no more memory and moved fewer bytes"
+    return f"ran within {_TIE:.0%} of the fastest plan and held less memory than it"
 
 
 def _trims_verdict(m: dict[str, float]) -> str:

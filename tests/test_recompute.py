@@ -719,6 +719,41 @@ def test_a_trial_that_replaces_its_plan_asks_for_a_trim_as_it_does(trial_s: floa
     assert len(trims) == (1 if trial_s > 2.5 else 0)
 
 
+_SLOW_PLAIN = (1.2, 300, 0)
+
+
+@pytest.mark.parametrize(
+    ("trial", "plain", "chosen", "why"),
+    [
+        ((0.9, 500, 900), _SLOW_PLAIN, "trial", ""),  # the fastest
+        ((1.04, 380, 900), _SLOW_PLAIN, "trial", ""),  # within 5%, 5% leaner
+        ((1.04, 400, 700), _SLOW_PLAIN, "trial", ""),  # within 5%, no fuller, 30% lighter
+        ((1.04, 400, 800), _SLOW_PLAIN, "alone", "ran faster than"),  # 20% lighter only
+        ((1.04, 401, 100), _SLOW_PLAIN, "alone", "ran faster than"),  # fuller
+        ((1.06, 300, 0), _SLOW_PLAIN, "alone", "ran faster than"),  # over 5% slower
+        ((1.04, 390, 500), (1.03, 300, 0), "plain", "ran faster than"),  # leanest
+        ((0.99, 500, 0), (1.03, 300, 0), "plain", "ran within 5% of this plan's trial and"),
+        ((1.02, 280, 0), (1.03, 270, 0), "plain", "ran within 5% of the fastest plan"),
+    ],
+)
+def test_of_plans_within_the_noise_the_leaner_then_the_lighter_runs(
+    trial: tuple[float, int, int], plain: tuple[float, int, int], chosen: str, why: str
+) -> None:
+    """NOTE [plans within the noise]: offload alone took 1.0 s at 400 MiB moving 1000
+    bytes; the trial and plain checkpointing as given (seconds, MiB, bytes moved). The
+    plan that runs, and why it replaced the trial."""
+    plans = {
+        "trial": recompute._Weighed(*trial),
+        "plain": recompute._Weighed(*plain),
+        "alone": recompute._Weighed(1.0, 400, 1000),
+    }
+    got = recompute._leanest_of_the_fastest(plans)
+    assert got == chosen
+    if chosen != "trial":
+        text = recompute._why_chosen(plans, got, "trial", "this plan's trial")
+        assert text.startswith(why), text
+
+
 def test_a_tried_plan_that_ran_fastest_is_kept_judged_on_its_faster_step() -> None:
     """The first planned step (3 s: it learns the prefetch order) is not counted; of the
     next two, the faster (2 s) beats the profiled 2.455 s."""
