@@ -918,6 +918,18 @@ class _TrimsVerdict(NamedTuple):
     allowed: float
 
 
+def _leaner(plan: _Weighed, than: _Weighed) -> bool:
+    """``plan`` held _LEANER less memory than ``than`` (NOTE [plans within the noise])."""
+    return 0 < plan.peak <= than.peak * (1 - _LEANER)
+
+
+def _lighter(plan: _Weighed, than: _Weighed) -> bool:
+    """``plan`` held at most _LEANER more memory than ``than`` (as lean within the noise)
+    and moved _LIGHTER fewer bytes (NOTE [plans within the noise])."""
+    as_lean = 0 < plan.peak <= than.peak * (1 + _LEANER)
+    return as_lean and plan.moved <= than.moved * (1 - _LIGHTER) and plan.moved < than.moved
+
+
 def _leanest_of_the_fastest(plans: dict[str, _Weighed]) -> str:
     """Of ``plans``, the fastest, unless one within _TIE of it held _LEANER less: then
     the one of those that held least; else one within _TIE of it that held at most
@@ -925,18 +937,14 @@ def _leanest_of_the_fastest(plans: dict[str, _Weighed]) -> str:
     (NOTE [plans within the noise]). Where a plan within _TIE held an unknown peak, the
     fastest."""
     fastest = min(plans, key=lambda name: plans[name].wall)
-    wall, peak, moved = plans[fastest]
-    close = [name for name, p in plans.items() if p.wall <= wall * (1 + _TIE)]
+    best = plans[fastest]
+    close = [name for name, p in plans.items() if p.wall <= best.wall * (1 + _TIE)]
     if any(plans[name].peak <= 0 for name in close):
         return fastest
-    leaner = [name for name in close if plans[name].peak <= peak * (1 - _LEANER)]
+    leaner = [name for name in close if _leaner(plans[name], best)]
     if leaner:
         return min(leaner, key=lambda name: (plans[name].peak, plans[name].wall))
-    lighter = [
-        name
-        for name in close
-        if plans[name].peak <= peak * (1 + _LEANER) and plans[name].moved <= moved * (1 - _LIGHTER)
-    ]
+    lighter = [name for name in close if _lighter(plans[name], best)]
     return min(lighter, key=lambda name: (plans[name].moved, plans[name].wall), default=fastest)
 
 
@@ -948,9 +956,9 @@ def _why_chosen(plans: dict[str, _Weighed], chosen: str, other: str, than: str) 
     mine, theirs = plans[chosen], plans[other]
     if mine.wall < theirs.wall:
         return f"ran faster than {than}"
-    if mine.peak <= theirs.peak * (1 - _LEANER):
+    if _leaner(mine, theirs):
         return f"ran within {_TIE:.0%} of {than} and held less memory"
-    if mine.peak <= theirs.peak * (1 + _LEANER) and mine.moved < theirs.moved:
+    if _lighter(mine, theirs):
         return (
             f"ran within {_TIE:.0%} of {than}, held within {_LEANER:.0%} of its memory and "
             "moved fewer bytes"
@@ -1072,9 +1080,7 @@ class AutoDecider:
         self._trims_held = False
         self._trims_held_now = trims_held
         self._trim_trial_left = 0
-        self._trim_trial_walls: list[float] = []
-        self._trim_trial_peaks: list[int] = []
-        self._trim_trial_moved: list[int] = []
+        self._trim_steps: list[_Weighed] = []  # the trims' trial's steps, as measured
         self._challenging = False
         # A tried plan that moves nothing: whether its trial runs steps without trims, and
         # the verdict on its trims there (_trims_verdict_of's; None: not judged).
@@ -1082,11 +1088,10 @@ class AutoDecider:
         self._trial_trims: _TrimsVerdict | None = None
         self._rival_modes: dict[tuple[str, int], str] = {}  # the plan plain runs in place of
         self._block_hold = 0
-        # NOTE [plans within the noise]: the most memory each profiling step held, and each
-        # trial step; sampled while the plan is measured.
+        # NOTE [plans within the noise]: the most memory each profiling step held; sampled
+        # while the plan is measured.
         self._peak_source = peaks
         self._peaks: dict[int, int] = {}
-        self._trial_peaks: list[int] = []
         self._step_peak: int | None = None  # the step's, taken as its backward ended
         self._closed = False
         self._budget = device_budget
@@ -1137,9 +1142,9 @@ class AutoDecider:
         self._block_bytes: collections.Counter[tuple[str, int]] = collections.Counter()
         self._outside: _Outside | None = None  # (None: not measured)
         self._warned = False
-        # NOTE [trial steps]: the planned steps' walls while a plan is tried, the start of
-        # the step now, the steps left, and what the profile measured of the others.
-        self._trial_walls: list[float] = []
+        # NOTE [trial steps]: the planned steps while a plan is tried, as measured, and the
+        # steps left.
+        self._trial_steps: list[_Weighed] = []
         self._trial_left = 0
         # The start of the step now, and the end of its last backward (NOTE [trial steps]);
         # the profiling steps' times.
@@ -1148,10 +1153,9 @@ class AutoDecider:
         self._end_queued = False
         self._walls: dict[int, float] = {}
         # NOTE [plans within the noise]: the engine's bytes_offloaded as the step now began;
-        # the bytes each profiling step, and each trial step, moved.
+        # the bytes each profiling step moved.
         self._offloaded = 0
         self._moved: dict[int, int] = {}
-        self._trial_moved: list[int] = []
         # The two plans the profile ran, by name (NOTE [trial steps]).
         self._profiled_plans: dict[str, _Weighed] = {}
         self._trial_obs: dict[Position, _Obs] = {}  # the profile's, for the plan's summary
@@ -1815,7 +1819,7 @@ class AutoDecider:
         weighs = self._hold_trims is not None and self._peak_source is not None
         if self._trial_left and weighs and not self._moves():
             self._trial_left += _UNTRIMMED_STEPS
-        self._trial_walls, self._trial_peaks, self._trial_moved = [], [], []
+        self._trial_steps = []
         if self._agreement is not None:
             self._take_first_ranks_plan(self._agreement)
         self._trial_untrimmed = self._trial_left > _TRIAL_STEPS + 1  # (rank 0's count)
@@ -1881,9 +1885,7 @@ class AutoDecider:
 
     def _trial_step_ended(self, step: _Weighed) -> None:
         """A planned step of a tried plan ended, as measured (NOTE [trial steps])."""
-        self._trial_walls.append(step.wall)
-        self._trial_peaks.append(step.peak)
-        self._trial_moved.append(step.moved)
+        self._trial_steps.append(step)
         self._trial_left -= 1
         if self._trial_untrimmed and self._trial_left == _UNTRIMMED_STEPS:
             self._hold(True)  # NOTE [trims a plan does without]: the last steps without
@@ -1894,17 +1896,17 @@ class AutoDecider:
         """Keep the tried plan or take a profiled one: the fastest of the three, unless
         one within 5% of it held at least 5% less memory, or at most 5% more and moved
         25% fewer bytes (NOTE [trial steps], NOTE [plans within the noise])."""
-        walls = self._trial_walls[1:]  # (the first planned step learns the order)
-        peaks = self._trial_peaks[1:]
-        moved = self._trial_moved[1:]
+        steps = self._trial_steps[1:]  # (the first planned step learns the order)
         if self._trial_untrimmed:  # NOTE [trims a plan does without]: its trims, judged
             n = _UNTRIMMED_STEPS
+            peaks = [step.peak for step in steps]
             self._trial_trims = self._trims_verdict_of(_most(peaks[:-n]), _most(peaks[-n:]))
             # the steps without trims count where it may run without them
-            count = slice(-n, None) if self._trial_trims.held else slice(None, -n)
-            walls, peaks, moved = walls[count], peaks[count], moved[count]
+            steps = steps[-n:] if self._trial_trims.held else steps[:-n]
             self._hold(False)
-        tried, trial_peak, trial_moved = min(walls), _most(peaks), max(moved)
+        tried = min(step.wall for step in steps)
+        trial_peak = _most([step.peak for step in steps])
+        trial_moved = max(step.moved for step in steps)
         # Without trims within what their verdict allows, the plan is weighed by time (NOTE
         # [trims a plan does without]): the other plans' peaks were under trims.
         untrimmed = self._trial_trims is not None and self._trial_trims.held
@@ -2069,14 +2071,12 @@ class AutoDecider:
         a first, uncounted step where ``settling`` (plain checkpointing in place of
         another plan: its trim bound follows what that plan moved)."""
         self._trim_trial_left = 1 + _UNTRIMMED_STEPS + settling
-        self._trim_trial_walls, self._trim_trial_peaks, self._trim_trial_moved = [], [], []
+        self._trim_steps = []
 
     def _trim_step_ended(self, step: _Weighed) -> None:
         """A step of the trims' trial ended, as measured: the last but _UNTRIMMED_STEPS
         ran under trims, those after it without."""
-        self._trim_trial_walls.append(step.wall)
-        self._trim_trial_peaks.append(step.peak)
-        self._trim_trial_moved.append(step.moved)
+        self._trim_steps.append(step)
         self._trim_trial_left -= 1
         if self._trim_trial_left == _UNTRIMMED_STEPS:
             self._hold(True)
@@ -2091,15 +2091,15 @@ class AutoDecider:
         checkpointing ran in place of another plan, it stays only where its trims are
         held off and it ran faster without them, or within 5% and held 5% less (NOTE
         [plain without trims])."""
-        peaks = self._trim_trial_peaks[-1 - _UNTRIMMED_STEPS :]
-        trimmed, untrimmed = peaks[0], _most(peaks[1:])
+        under, *without = self._trim_steps[-1 - _UNTRIMMED_STEPS :]
+        trimmed, untrimmed = under.peak, _most([step.peak for step in without])
         verdict = self._trims_verdict_of(trimmed, untrimmed)
         again, record = False, True  # again: the plan that ran again, its own trims' trial
         challenged, self._challenging = self._challenging, False
         if challenged:
             del self.measured["weighing_plain"]
-            wall = min(self._trim_trial_walls[-_UNTRIMMED_STEPS:])
-            moved = max(self._trim_trial_moved[-_UNTRIMMED_STEPS:])
+            wall = min(step.wall for step in without)
+            moved = max(step.moved for step in without)
             plain = self._weigh_plain(verdict.held, _Weighed(wall, untrimmed, moved))
             self.measured.update(
                 plain_trims_peak_MiB=trimmed / _MiB,
@@ -2170,23 +2170,20 @@ class AutoDecider:
         as ``step`` measured its steps without trims, ``held``: it held no more without
         them than the verdict allows. Keep it where it ran faster than the plan's
         measured steps, or within 5% of them holding 5% less, or at most 5% more and
-        moving 25% fewer bytes, else the plan runs again (NOTE [plain without trims]). Whether
-        plain runs (its trims held off: rank 0's choice, where ranks agree)."""
+        moving 25% fewer bytes, else the plan runs again (NOTE [plain without trims]).
+        Whether plain runs (its trims held off: rank 0's choice, where ranks agree)."""
         name, theirs = self._rival() or ("", _Weighed(math.inf, 0, 0))
-        wall, peak, rival, rival_peak = step.wall, step.peak, theirs.wall, theirs.peak
-        close = wall <= (1 + _TIE) * rival and 0 < peak
-        leaner = close and peak <= (1 - _LEANER) * rival_peak
-        lighter = close and peak <= (1 + _LEANER) * rival_peak
-        lighter = lighter and step.moved <= (1 - _LIGHTER) * theirs.moved
-        # (held: within what the verdict allows)
-        plain = held and (wall < rival or leaner or (lighter and step.moved < theirs.moved))
+        wall, rival = step.wall, theirs.wall
+        close = wall <= (1 + _TIE) * rival
+        as_good = close and (_leaner(step, theirs) or _lighter(step, theirs))
+        plain = held and (wall < rival or as_good)  # (held: within what the verdict allows)
         if self._agreement is not None:  # NOTE [ranks agree] in agreement.py: rank 0's
             plain = json.loads(self._agreement.first_rank(json.dumps(plain).encode()))
         self.measured.update(
             untrimmed_plain_s=wall,
             untrimmed_choice=float(plain),
             rival_s=rival,
-            rival_peak_MiB=rival_peak / _MiB,
+            rival_peak_MiB=theirs.peak / _MiB,
             rival_alone=float(name == _ALONE),
         )
         if plain:
