@@ -197,6 +197,10 @@ AUTO_TRIM_STEP_SHARE = 0.25
 # the time the slack takes to grow by a sixteenth of the bound at _SLACK_RATE bytes/s.
 _CHECK_INTERVAL_S = 0.0005
 _SLACK_RATE = 1 << 30
+# NOTE [trims a plan does without] in recompute.py: held, a pass of the ceiling
+# trims once and the trims stay held; a second pass within this many steps of
+# that trim lets them run again for good.
+CEILING_STEPS = 4
 
 
 def _libc() -> Any:
@@ -511,8 +515,11 @@ class HeapTrimmer:
         self._saved = False  # CPU activations were saved (ever: backward frees them later)
         self._queued = False  # a trim is queued or running: the next one would add nothing
         self._held = False  # NOTE [trims a plan does without] in recompute.py
-        # While held: the resident memory above which the trims run again, for good.
+        # While held: the resident memory above which one trim runs (and, passed again
+        # within CEILING_STEPS steps of it, the trims run again, for good).
         self._ceiling: int | None = None
+        self._steps = 0  # steps ended (step_moved)
+        self._ceiling_trim: int | None = None  # the step of the last trim at the ceiling
         self._floor: int | None = None  # the slack after the last trim, or its lowest since
         # The most malloc had handed out at a measure this step and the last (NOTE [heap
         # trim]: the ceiling); under _lock.
@@ -545,9 +552,12 @@ class HeapTrimmer:
         allowance they had (NOTE [trims a plan does without] in recompute.py). While
         held, :meth:`trim_now` queues nothing and :meth:`check` reads only the
         process's anonymous resident memory: where it is above ``ceiling`` bytes
-        (None: never), the trims run again, with one trim at once (:attr:`held`
-        turns False)."""
-        self._held, self._ceiling = on, ceiling if on else None
+        (None: never), one trim runs and the trims stay held; where it is above it
+        again within CEILING_STEPS steps of that trim, the trims run again, with one
+        trim at once (:attr:`held` turns False)."""
+        with self._lock:
+            self._held, self._ceiling = on, ceiling if on else None
+            self._ceiling_trim = None
 
     @property
     def bound(self) -> int:
@@ -562,6 +572,7 @@ class HeapTrimmer:
             self._bound = max(self.threshold, int(self._step_share * nbytes))
         with self._lock:
             self._last_peak, self._peak = self._peak, 0
+            self._steps += 1
 
     def saved(self) -> None:
         """CPU activations were saved: the slack may now be the engine's doing."""
@@ -610,8 +621,9 @@ class HeapTrimmer:
         self._queue()
 
     def _check_ceiling(self, start: float) -> None:
-        """Held: where the resident memory is above the ceiling, let the trims run again
-        and queue one (NOTE [trims a plan does without] in recompute.py)."""
+        """Held: where the resident memory is above the ceiling, queue one trim; where
+        the last trim at the ceiling was fewer than CEILING_STEPS steps ago, let the
+        trims run again too (NOTE [trims a plan does without] in recompute.py)."""
         ceiling = self._ceiling
         if ceiling is None:
             return
@@ -623,9 +635,12 @@ class HeapTrimmer:
             return
         if over:
             with self._lock:
-                self._held, self._ceiling = False, None
-                if self._queued:
-                    return
+                if self._queued or not self._held:
+                    return  # (a trim is on its way; or let go meanwhile)
+                last = self._ceiling_trim
+                if last is not None and self._steps - last < CEILING_STEPS:
+                    self._held, self._ceiling = False, None  # drifting faster than that
+                self._ceiling_trim = self._steps
                 self._queued = True
             self._queue()
 

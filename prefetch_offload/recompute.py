@@ -404,20 +404,37 @@
 # alone held 1012, and the timed steps then peaked at 882 MiB above their
 # start against the target's limit of 870. Where offload alone's peak is
 # unknown (not sampled), the step under trims alone is the measure. Held off,
-# the trims run again for good (until a new profile), with one trim at once,
-# where the process's anonymous resident memory passes the larger of what the
-# verdict allows and 105% of the most the steps without trims held (the latter
-# alone where the step under them is unknown; the engine reads it at its packs):
-# glibc's heap drifts up over many steps without them. Measured with
-# ``bench/recompute.py --steps 8`` on the transformer at 25%, every block plain
-# with trims held off and, past the ceiling, one trim a step only: the timed
-# steps peaked at 548-921 MiB above their start against the target's limit of
-# 652 (a trim a step gives back what the next backward's recompute touches
-# again); on the 8-layer Llama at 50%, three layers whole, with a ceiling of
-# 105% of the untrimmed peak (646 MiB), the heap passed it after 22 steps held
-# off, 32 MiB under what the verdict allowed; in another run, with the allowance
-# (629 MiB, 1 MiB over the untrimmed steps' peak) as the ceiling, the trims ran
-# again within the warm-up, and auto took 1.11x ``full``'s step. Else (not held
+# where the process's anonymous resident memory passes the ceiling, the larger
+# of what the verdict allows and 105% of the most the steps without trims held
+# (the latter alone where the step under them is unknown; the engine reads it
+# at its packs), one trim runs and the trims stay held; where it passes it again
+# within CEILING_STEPS (4, heap.py) steps of that trim, the trims run again for
+# good (until a new profile), with one trim at once. The verdict's steps without
+# trims come right after a trim, on a heap that has not settled, and glibc's
+# heap may drift up later. Measured on the 8-layer Llama of ``bench/recompute.py
+# --model llama``, 60 steps in a process each (2 CPU threads), every layer plain
+# and held off from step 16: at 25% and 50% of the saved bytes the peak above
+# the start settled at 317 and 303 MiB by steps 19 and 25 and stayed there to
+# the end, passing no ceiling, 0.54-0.60 s a step (full checkpointing without
+# the engine: 239-303 MiB, 0.53-0.60 s; the profile's steps under trims 0.62-0.69
+# s); with the ceiling lowered to the allowance (548 MiB, 17 over the steps
+# without trims), the heap passed it at the third step held, the trim took that
+# step's peak from 282 to 265 MiB, and it passed again two steps later: the
+# trims ran again for good, 0.57-0.69 s a step at 192-227 MiB. A heap still
+# settling passes twice within 4 steps and gets its trims back; one that drifts
+# past its ceiling after many steps pays a trim a pass, not the trims' page
+# faults every step (in a ``bench/recompute.py --model llama`` run at 25%, trims
+# for good after such a pass ran the timed steps at 1.05x ``full``'s). Trims
+# held off but run once a step past the ceiling are no substitute for the trims:
+# measured with ``bench/recompute.py --steps 8`` on the transformer at 25%, every
+# block plain, the timed steps peaked at 548-921 MiB above their start against
+# the target's limit of 652 (a trim a step gives back what the next backward's
+# recompute touches again). On the 8-layer Llama at 50%, three layers whole,
+# with a ceiling of 105% of the untrimmed peak (646 MiB), the heap passed it
+# after 22 steps held off, 32 MiB under what the verdict allowed; in another
+# run, with the allowance (629 MiB, 1 MiB over the untrimmed steps' peak) as the
+# ceiling, the trims ran again within the warm-up, and auto took 1.11x
+# ``full``'s step. Else (not held
 # off) the trims run again, with one trim at once for what the steps without
 # them left. A plan that moves activations keeps its trims untried: they give
 # back what its moves free, and its steps without them would hold what the moves
@@ -535,6 +552,7 @@ from .checkpointing import (
 )
 from .checkpointing import output_aliases as _aliases  # (storing one moves its bytes twice)
 from .errors import OffloadFallbackWarning
+from .heap import CEILING_STEPS
 from .peak import PeakSampler
 from .stats import OffloadStats
 
@@ -970,10 +988,18 @@ def _trims_verdict(m: dict[str, float]) -> str:
     """The printed verdict on a plan's heap trims (NOTE [trims a plan does without])."""
     ceiling = m.get("trims_ceiling_MiB", 0.0)
     if m.get("trims_released"):
-        return f"held off, then run again as the process passed {ceiling:.0f} MiB"
+        return (
+            f"held off, then run again as the process passed {ceiling:.0f} MiB twice "
+            f"within {CEILING_STEPS} steps"
+        )
     if not m["trims_held"]:
         return "kept"
-    return f"held off (until the process passes {ceiling:.0f} MiB)" if ceiling else "held off"
+    if not ceiling:
+        return "held off"
+    return (
+        f"held off (one trim where the process passes {ceiling:.0f} MiB; run again where "
+        f"it passes it twice within {CEILING_STEPS} steps)"
+    )
 
 
 def _copied(obs: dict[Position, _Obs]) -> dict[Position, _Obs]:
@@ -1043,11 +1069,14 @@ class AutoDecider:
         checkpoint_stats: told when each step begins and when its backward ends.
         trim_heap: asks the engine for one heap trim (NOTE [a trim where the plan
             changes]).
-        hold_trims: holds the engine's heap trims off (True; until the process's
-            anonymous resident memory passes the ceiling given, if any) or lets them
-            run (False) (NOTE [trims a plan does without]); None: no trims to weigh.
+        hold_trims: holds the engine's heap trims off (True; with one trim where the
+            process's anonymous resident memory passes the ceiling given, if any, and
+            the trims back where it passes it twice within CEILING_STEPS steps) or
+            lets them run (False) (NOTE [trims a plan does without]); None: no trims
+            to weigh.
         trims_held: whether the engine's trims are held off now (a process past the
-            ceiling lets them run again); None: as ``hold_trims`` last said.
+            ceiling twice within CEILING_STEPS steps lets them run again); None: as
+            ``hold_trims`` last said.
         peaks: samples the memory the measured steps hold (NOTE [plans within the
             noise]); None: plans go by time alone.
         agreement: the ranks that decide together (NOTE [ranks agree] in
@@ -2120,8 +2149,8 @@ class AutoDecider:
         self._trial_obs = {}
 
     def _trims_released(self) -> None:
-        """Where trims held off for good run again (the process passed their ceiling),
-        the plan says so (NOTE [trims a plan does without])."""
+        """Where trims held off for good run again (the process passed their ceiling
+        twice within CEILING_STEPS steps), the plan says so (NOTE [trims a plan does without])."""
         now = self._trims_held_now
         if self._trims_held and self.measured.get("trims_held") and now and not now():
             self._trims_held = False
@@ -2140,10 +2169,11 @@ class AutoDecider:
     def _apply_trims(self, verdict: _TrimsVerdict, *, record: bool) -> None:
         """Hold the trims off for good, or let them run with one trim now for what steps
         without them left; the plan prints the figures where held, or where ``record``.
-        Held off, the trims run again where the process passes the larger of the
-        allowance and 105% of what the steps without them held (the latter alone where
-        the step under them is unknown; no ceiling where the untrimmed peak is unknown:
-        held by rank 0's word)."""
+        Held off, one trim runs where the process passes the larger of the allowance and
+        105% of what the steps without them held (the latter alone where the step under
+        them is unknown; no ceiling where the untrimmed peak is unknown: held by rank
+        0's word), and the trims run again where it passes it twice within CEILING_STEPS
+        steps."""
         held, trimmed, untrimmed, allowed = verdict
         figures = {
             "trims_held": float(held),

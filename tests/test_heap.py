@@ -20,6 +20,7 @@ import torch
 
 from prefetch_offload import OffloadConfig, OffloadEngine, heap, offload_context
 from prefetch_offload.heap import (
+    CEILING_STEPS,
     FAST_REUSE_OFF,
     HeapTrimmer,
     fast_reuse_hint,
@@ -138,10 +139,12 @@ def test_a_held_trimmer_measures_and_trims_nothing_until_let_go() -> None:
 
 
 @glibc_only
-def test_a_held_trimmer_runs_again_above_its_ceiling() -> None:
+def test_a_held_trimmer_trims_once_above_its_ceiling_and_runs_again_if_passed_soon() -> None:
     """NOTE [trims a plan does without] in recompute.py: held with a ceiling, the
     slack queues nothing, measured without mallinfo2's walk; the resident memory above
-    the ceiling lets the trims run again for good, with one trim at once."""
+    the ceiling queues one trim and the trims stay held; above it again CEILING_STEPS
+    steps later, one more trim, still held; above it again within CEILING_STEPS steps
+    of that, the trims run again for good, with one trim at once."""
     resident = [0]
     trimmer, jobs, slack, stats = _trimmer(10 * MiB, resident=lambda: resident[0])
     trimmer.saved()
@@ -151,9 +154,21 @@ def test_a_held_trimmer_runs_again_above_its_ceiling() -> None:
     assert jobs.jobs == [] and slack.reads == 0 and trimmer.held
     resident[0] = 801 * MiB
     trimmer.check()
-    assert len(jobs.jobs) == 1 and not trimmer.held
+    trimmer.check()  # queued: no second one
+    assert len(jobs.jobs) == 1 and trimmer.held
     jobs.run_all()
     assert stats.snapshot().heap_trims == 1
+    for _ in range(CEILING_STEPS):  # the heap drifts past it again, steps later
+        trimmer.step_moved(0)
+    trimmer.check()
+    assert len(jobs.jobs) == 1 and trimmer.held
+    jobs.run_all()
+    for _ in range(CEILING_STEPS - 1):  # and again sooner: for good
+        trimmer.step_moved(0)
+    trimmer.check()
+    assert len(jobs.jobs) == 1 and not trimmer.held
+    jobs.run_all()
+    assert stats.snapshot().heap_trims == 3
     slack.value = 600 * MiB
     trimmer.check()  # the slack rule again: a floor, then growth past the bound trims
     slack.value = 611 * MiB
@@ -164,6 +179,26 @@ def test_a_held_trimmer_runs_again_above_its_ceiling() -> None:
     resident[0] = 10_000 * MiB
     trimmer.check()
     assert len(jobs.jobs) == 0 and trimmer.held
+
+
+@glibc_only
+def test_a_trim_at_the_ceiling_that_leaves_the_process_above_it_lets_the_trims_run() -> None:
+    """Live memory above the ceiling (no trim brings it under): the trims run again at
+    the next measure of the same step; a new hold starts the count again."""
+    resident = [0]
+    trimmer, jobs, _, _ = _trimmer(10 * MiB, resident=lambda: resident[0])
+    trimmer.saved()
+    trimmer.hold(True, 800 * MiB)
+    resident[0] = 900 * MiB
+    trimmer.check()
+    jobs.run_all()
+    assert trimmer.held
+    trimmer.check()  # still above it, the same step
+    assert len(jobs.jobs) == 1 and not trimmer.held
+    jobs.run_all()
+    trimmer.hold(True, 800 * MiB)  # a new verdict: its first pass trims and holds
+    trimmer.check()
+    assert len(jobs.jobs) == 1 and trimmer.held
 
 
 @glibc_only

@@ -27,6 +27,7 @@ from prefetch_offload import OffloadFallbackWarning, OffloadStats, offload_conte
 from prefetch_offload.agreement import AGREE_EVERY
 from prefetch_offload.blocks import PLAIN, SELECTIVE, WHOLE
 from prefetch_offload.errors import OffloadError
+from prefetch_offload.heap import CEILING_STEPS
 from prefetch_offload.peak import PeakSampler
 from prefetch_offload.recompute import AutoDecider
 from prefetch_offload.testing import TinyTransformer, make_batch, warm_up_unary_ops
@@ -1124,7 +1125,10 @@ def test_a_plan_that_moves_nothing_holds_trims_off_where_it_holds_no_more_than_a
     line = str(decider.plan()).split("heap trims:")[1].splitlines()[0]
     assert f"at most {allowed / _MiB:.0f} MiB allowed without" in line
     assert line.endswith(
-        f"held off (until the process passes {ceiling / _MiB:.0f} MiB)" if held else "kept"
+        f"held off (one trim where the process passes {ceiling / _MiB:.0f} MiB; run again "
+        f"where it passes it twice within {CEILING_STEPS} steps)"
+        if held
+        else "kept"
     )
     _planned_steps(decider, [3.0] * 5, 1)
     assert calls == [True, held]  # decided for good
@@ -1148,9 +1152,8 @@ def test_trims_that_run_again_past_their_ceiling_are_said_so() -> None:
     m = decider.plan().measured
     assert m["trims_held"] == 0.0 and m["trims_released"] == 1.0
     ceiling = m["trims_ceiling_MiB"]
-    assert f"held off, then run again as the process passed {ceiling:.0f} MiB" in str(
-        decider.plan()
-    )
+    said = f"run again as the process passed {ceiling:.0f} MiB twice within {CEILING_STEPS} steps"
+    assert f"held off, then {said}" in str(decider.plan())
     _planned_steps(decider, [3.0] * 4, 1)
     assert calls == [True, True]
 
