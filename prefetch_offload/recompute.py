@@ -589,7 +589,8 @@ class OpDecision:
     # "recompute", "offload", "keep" (saved in device memory), "mixed", or "whole" (no
     # block is checkpointed: autograd saves it, and the engine keeps or moves it).
     choice: str
-    # Output bytes per step and positions (one per op call in a block class).
+    # Output bytes per step, of the checkpointed blocks (of every block where the choice
+    # is "whole"), and positions (one per op call in a block class).
     bytes_per_step: int
     positions: int
     # Measured forward seconds per step (None: not timed, e.g. a user's policy).
@@ -2246,9 +2247,12 @@ class AutoDecider:
             per[op_kind(pos[1])].append(pos)
         ops = []
         totals: collections.Counter[str] = collections.Counter()
+        # The rows' bytes and seconds are the checkpointed blocks' share; with none
+        # checkpointed, every block's (what autograd saves and the engine keeps or moves).
+        row_share = share or 1.0
         for kind, positions in per.items():
             choices = {_choice_name(self._plan[p]) for p in positions}
-            nbytes = round(sum(obs[p].nbytes for p in positions) * share)
+            nbytes = round(sum(obs[p].nbytes for p in positions) * row_share)
             for p in positions:
                 totals[_choice_name(self._plan[p])] += round(obs[p].nbytes * share)
             reasons = sorted({self._reasons[p][0] for p in positions})
@@ -2263,7 +2267,7 @@ class AutoDecider:
                     choice,
                     nbytes,
                     len(positions),
-                    seconds_per_step=sum(obs[p].total_s for p in positions) * share,
+                    seconds_per_step=sum(obs[p].total_s for p in positions) * row_share,
                     move_seconds_per_step=sum(self._reasons[p][2] for p in positions),
                     reason="; ".join(reasons),
                 )

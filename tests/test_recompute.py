@@ -372,6 +372,9 @@ def test_a_budget_that_keeps_every_block_whole_says_so_per_op() -> None:
     plan = decider.plan()
     assert {d.choice for d in plan.ops} == {"whole"}
     assert plan.bytes_recomputed == plan.bytes_offloaded == 0
+    # Each row has the bytes and time of every block (what the engine keeps or moves).
+    assert all(d.bytes_per_step > 0 for d in plan.ops)
+    assert max(d.seconds_per_step or 0.0 for d in plan.ops) > 0
     text = str(plan)
     assert "device_budget keeps what they save" in text and "inf" not in text
 
