@@ -420,7 +420,10 @@
 # s); with the ceiling lowered to the allowance (548 MiB, 17 over the steps
 # without trims), the heap passed it at the third step held, the trim took that
 # step's peak from 282 to 265 MiB, and it passed again two steps later: the
-# trims ran again for good, 0.57-0.69 s a step at 192-227 MiB. A heap still
+# trims ran again for good, 0.57-0.69 s a step at 192-227 MiB. Side by side
+# with ``full`` (``bench/recompute.py --model llama --modes none,full,auto25,
+# auto50 --warmup 25 --steps 35``, docs/benchmarks.md), plain checkpointing held
+# off at 50% passed no ceiling in 60 steps and ran 1.02x ``full``'s step. A heap still
 # settling passes twice within 4 steps and gets its trims back; one that drifts
 # past its ceiling after many steps pays a trim a pass, not the trims' page
 # faults every step (in a ``bench/recompute.py --model llama`` run at 25%, trims
