@@ -422,8 +422,11 @@
 # step's peak from 282 to 265 MiB, and it passed again two steps later: the
 # trims ran again for good, 0.57-0.69 s a step at 192-227 MiB. Side by side
 # with ``full`` (``bench/recompute.py --model llama --modes none,full,auto25,
-# auto50 --warmup 25 --steps 35``, docs/benchmarks.md), plain checkpointing held
-# off at 50% passed no ceiling in 60 steps and ran 1.02x ``full``'s step. A heap still
+# auto50 --warmup 25 --steps 35``), in one run plain checkpointing held off at 50%
+# passed no ceiling in 60 steps and ran 1.02x ``full``'s step; in another
+# (docs/benchmarks.md) three layers whole beside five plain, held off, passed
+# theirs (635 MiB) twice within 4 steps, and under the trims again ran 1.10x
+# ``full``'s: the memory bound comes first. A heap still
 # settling passes twice within 4 steps and gets its trims back; one that drifts
 # past its ceiling after many steps pays a trim a pass, not the trims' page
 # faults every step (in a ``bench/recompute.py --model llama`` run at 25%, trims
@@ -496,18 +499,18 @@
 # plain ones) only a faster plain checkpointing wins: both hold within what the
 # verdict allows, neither moves a byte, and the budget the whole blocks fill is
 # what the user gave to buy time. Measured with ``bench/recompute.py --model
-# llama`` at 50% (8 rounds): the tried plan, three layers whole and five plain,
-# ran 0.527 s a step without trims at 625 MiB, plain checkpointing 0.550 s at
-# 569 MiB, and, as the leaner within 5%, replaced it: 1.03x ``full``'s step.
-# Side by side without trims (lanes of that script, 14 rounds): three layers
-# whole and five plain 0.518 s, every layer plain under the engine 0.553 s,
-# ``full`` 0.555 s. Plain
-# checkpointing runs from then on if it won, its trims held off (with their
-# ceiling). Else (without trims it held more than the verdict allows: it was
-# weighed as it would run; or the plan won) the plan runs again as it was,
-# under trims, with one trim at once (its first step trims at plain's bound); a tried plan that
-# moves nothing then runs with the trims its trial judged (NOTE [trims a plan does
-# without]). Four steps of
+# llama`` with glibc's fast reuse off (docs/benchmarks.md) at 25%: the tried plan,
+# one layer whole beside seven plain, ran 0.506 s a step without trims at 474 MiB,
+# plain checkpointing 0.515 s at 432 MiB, within 5% and 9% leaner, which the
+# leaner rule would have run; the plan runs, 0.85x ``full``'s step. Side by side
+# with glibc's defaults and without trims (lanes added to that script, 14 rounds):
+# three layers whole beside five plain 0.518 s, every layer plain under the
+# engine 0.553 s, ``full`` 0.555 s. Plain checkpointing runs from then on if it
+# won, its trims held off (with their ceiling). Else (without trims it held more
+# than the verdict allows: it was weighed as it would run; or the plan won) the
+# plan runs again as it was, under trims, with one trim at once (its first step
+# trims at plain's bound); a tried plan that moves nothing then runs with the
+# trims its trial judged (NOTE [trims a plan does without]). Four steps of
 # plain checkpointing, once per profile. Measured with ``bench/recompute.py
 # --steps 8`` (the 24-block transformer, 2 CPU threads) at 50% of the saved
 # bytes, in two runs: the trial kept the plan it tried (1.581 s a step; plain
