@@ -501,8 +501,8 @@
 # what the user gave to buy time. Measured with ``bench/recompute.py --model
 # llama`` with glibc's fast reuse off (docs/benchmarks.md) at 25%: the tried plan,
 # one layer whole beside seven plain, ran 0.506 s a step without trims at 474 MiB,
-# plain checkpointing 0.515 s at 432 MiB, within 5% and 9% leaner, which the
-# leaner rule would have run; the plan runs, 0.85x ``full``'s step. Side by side
+# plain checkpointing 0.515 s at 432 MiB, within 5% and 9% leaner (the leaner of
+# two plans within the noise); the plan runs, 0.85x ``full``'s step. Side by side
 # with glibc's defaults and without trims (lanes added to that script, 14 rounds):
 # three layers whole beside five plain 0.518 s, every layer plain under the
 # engine 0.553 s, ``full`` 0.555 s. Plain checkpointing runs from then on if it
