@@ -2136,8 +2136,7 @@ class AutoDecider:
         5% of the bytes a step saves (NOTE [trims a plan does without]); else let them
         run, with one trim now for what the steps without them left. Where plain
         checkpointing ran in place of another plan, it stays only where its trims are
-        held off and it ran faster without them, or within 5% and held 5% less (NOTE
-        [plain without trims])."""
+        held off and :meth:`_weigh_plain` prefers it (NOTE [plain without trims])."""
         under, *without = self._trim_steps[-1 - _UNTRIMMED_STEPS :]
         trimmed, untrimmed = under.peak, _most([step.peak for step in without])
         verdict = self._trims_verdict_of(trimmed, untrimmed)
@@ -2219,8 +2218,8 @@ class AutoDecider:
         them than the verdict allows. Keep it where it ran faster than the plan's
         measured steps, or, where the plan moves activations, within 5% of them holding
         5% less, or at most 5% more and moving 25% fewer bytes; else the plan runs again
-        (NOTE [plain without trims]).
-        Whether plain runs (its trims held off: rank 0's choice, where ranks agree)."""
+        (NOTE [plain without trims]). Whether plain runs (its trims held off: rank 0's
+        choice, where ranks agree)."""
         name, theirs = self._rival() or ("", _Weighed(math.inf, 0, 0))
         wall, rival = step.wall, theirs.wall
         close = wall <= (1 + _TIE) * rival
