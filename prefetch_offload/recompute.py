@@ -510,7 +510,17 @@
 # than the verdict allows: it was weighed as it would run; or the plan won) the
 # plan runs again as it was, under trims, with one trim at once (its first step
 # trims at plain's bound); a tried plan that moves nothing then runs with the
-# trims its trial judged (NOTE [trims a plan does without]). Four steps of
+# trims its trial judged (NOTE [trims a plan does without]). Where those are held
+# off and plain checkpointing lost by time alone (it held within what its own
+# verdict allows), plain stands in for the plan: should the plan's heap pass its
+# ceiling twice within CEILING_STEPS steps, so that its trims would run again,
+# plain checkpointing runs in its place, its trims held off under the ceiling of
+# its own verdict, where its steps without trims ran faster than the plan's
+# trial steps under them; if its heap passes that ceiling twice too, its trims
+# run again for good. A plan whose heap cannot stay within its ceiling without
+# trims is no longer the plan that was weighed: the stand-in is the fastest plan
+# measured to hold within the bound without them. Not across ranks that agree
+# (a rank's heap is its own, and their plans would part). Four steps of
 # plain checkpointing, once per profile. Measured with ``bench/recompute.py
 # --steps 8`` (the 24-block transformer, 2 CPU threads) at 50% of the saved
 # bytes, in two runs: the trial kept the plan it tried (1.581 s a step; plain
@@ -699,6 +709,12 @@ class RecomputePlan:
                 f"{m['plain_allowed_MiB']:.0f} MiB allowed without), "
                 f"{rival} {m['rival_s']:.3f} s{_peak_text(m, 'rival_peak_MiB')}: "
                 + ("plain checkpointing runs" if m["untrimmed_choice"] else "the plan runs")
+            )
+        if m.get("stand_in"):  # NOTE [plain without trims]: its trims came back
+            lines.append(
+                f"  then: the plan's heap passed {m['plan_ceiling_MiB']:.0f} MiB twice "
+                f"within {CEILING_STEPS} steps, and with its heap trims it ran "
+                f"{m['trial_trimmed_s']:.3f} s a step: plain checkpointing runs in its place"
             )
         if "trims_held" in m:  # NOTE [trims a plan does without]
             lines.append(
@@ -1133,6 +1149,11 @@ class AutoDecider:
         # the verdict on its trims there (_trims_verdict_of's; None: not judged).
         self._trial_untrimmed = False
         self._trial_trims: _TrimsVerdict | None = None
+        self._trial_trimmed_s = math.inf  # its fastest trial step under trims
+        # Plain checkpointing's verdict and fastest step without trims, where it held
+        # within what they allow but lost to such a plan: the plan's stand-in should
+        # its trims come back (NOTE [plain without trims]).
+        self._stand_in: tuple[_TrimsVerdict, float] | None = None
         self._rival_modes: dict[tuple[str, int], str] = {}  # the plan plain runs in place of
         self._block_hold = 0
         # NOTE [plans within the noise]: the most memory each profiling step held; sampled
@@ -1427,7 +1448,7 @@ class AutoDecider:
             if stale:
                 if self._challenging:  # (the plan made last runs no more: as it was)
                     self._end_weighing()
-                self._trial_left, self._trial_obs = 0, {}
+                self._trial_left, self._trial_obs, self._stand_in = 0, {}, None
                 self._trim_trial_left, self._challenging = 0, False
                 self._hold(False)
                 self._reset_profile()
@@ -1870,7 +1891,7 @@ class AutoDecider:
         if self._agreement is not None:
             self._take_first_ranks_plan(self._agreement)
         self._trial_untrimmed = self._trial_left > _TRIAL_STEPS + 1  # (rank 0's count)
-        self._trial_trims = None
+        self._trial_trims, self._trial_trimmed_s, self._stand_in = None, math.inf, None
         self._trial_obs = dict(self._obs)  # (cleared once no trial can change the plan)
         self._last = self._summarize(self._share, self._obs)
         self._warn_budget(unreachable)
@@ -1948,6 +1969,7 @@ class AutoDecider:
             n = _UNTRIMMED_STEPS
             peaks = [step.peak for step in steps]
             self._trial_trims = self._trims_verdict_of(_most(peaks[:-n]), _most(peaks[-n:]))
+            self._trial_trimmed_s = min(step.wall for step in steps[:-n])
             # the steps without trims count where it may run without them
             steps = steps[-n:] if self._trial_trims.held else steps[:-n]
             self._hold(False)
@@ -2153,6 +2175,9 @@ class AutoDecider:
                 plain_allowed_MiB=verdict.allowed / _MiB,
             )
             if not plain and self._trial_trims is not None:  # the plan's, from its trial
+                held_off = self._trial_trims.held and self._agreement is None
+                if verdict.held and held_off:  # NOTE [plain without trims]: its stand-in
+                    self._stand_in = (verdict, wall)
                 verdict = self._trial_trims
             else:  # (where the plan runs again, the other plan's trims go untried)
                 verdict, record = verdict._replace(held=plain), plain
@@ -2163,17 +2188,40 @@ class AutoDecider:
             self._start_trim_steps(settling=True)  # (its bound follows plain's moves)
             return
         self._sample_peaks(False)
-        self._trial_obs = {}
+        if self._stand_in is None:  # (a stand-in's plan is printed from them)
+            self._trial_obs = {}
 
     def _trims_released(self) -> None:
         """Where trims held off for good run again (the process passed their ceiling
-        twice within CEILING_STEPS steps), the plan says so (NOTE [trims a plan does without])."""
+        twice within CEILING_STEPS steps), the plan says so (NOTE [trims a plan does
+        without]); where a tried plan's trims came back and plain checkpointing stands in
+        for it, faster without trims than the plan with them, plain runs in its place,
+        its trims held off under their own ceiling (NOTE [plain without trims])."""
         now = self._trims_held_now
-        if self._trims_held and self.measured.get("trims_held") and now and not now():
-            self._trims_held = False
-            self.measured.update(trims_held=0.0, trims_released=1.0)
-            m = {**self._last.measured, "trims_held": 0.0, "trims_released": 1.0}
-            self._last = dataclasses.replace(self._last, measured=m)
+        if not (self._trims_held and self.measured.get("trims_held") and now and not now()):
+            return
+        self._trims_held = False
+        stand_in, self._stand_in = self._stand_in, None
+        if stand_in is not None and stand_in[1] < self._trial_trimmed_s:
+            verdict, wall = stand_in
+            ceiling = self.measured.get("trims_ceiling_MiB", 0.0)
+            self._switch(
+                PLAIN,
+                f"with heap trims held off: the tried plan's heap passed {ceiling:.0f} MiB "
+                f"twice within {CEILING_STEPS} steps, and plain checkpointing ran "
+                f"{wall:.3f} s a step without trims, within what they allow, against the "
+                f"plan's {self._trial_trimmed_s:.3f} s with them",
+            )
+            self.measured.update(
+                stand_in=1.0, plan_ceiling_MiB=ceiling, trial_trimmed_s=self._trial_trimmed_s
+            )
+            self._apply_trims(verdict, record=True)
+            self._last = self._summarize(self._share, self._trial_obs)
+            self._trial_obs = {}
+            return
+        self.measured.update(trims_held=0.0, trims_released=1.0)
+        m = {**self._last.measured, "trims_held": 0.0, "trims_released": 1.0}
+        self._last = dataclasses.replace(self._last, measured=m)
 
     def _trims_verdict_of(self, trimmed: int, untrimmed: int) -> _TrimsVerdict:
         """Whether trims are held off where a step under them held ``trimmed`` bytes and

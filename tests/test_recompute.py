@@ -1468,6 +1468,58 @@ def test_a_tried_plan_that_moves_nothing_is_tried_without_trims_too(
     assert _planned_steps(decider, [9.0] * 4, 3) == first and len(calls) == 4
 
 
+@pytest.mark.parametrize(("plain_s", "stands_in"), [(2.2, True), (2.6, False)])
+def test_plain_checkpointing_stands_in_for_a_tried_plan_whose_trims_come_back(
+    plain_s: float, stands_in: bool
+) -> None:
+    """NOTE [plain without trims]: the tried plan (two blocks whole within the budget,
+    one plain) ran 2.4 s a step under trims and 2 s without, at 150 MiB, and was kept
+    with its trims held off; plain checkpointing without trims then ran ``plain_s`` at
+    100 MiB, within what they allow, and lost by time. Once the plan's heap passes its
+    ceiling twice (the engine lets the trims run again), plain checkpointing runs in its
+    place where it ran faster without trims than the plan with them, its trims held off
+    under its own ceiling; else the plan runs on under trims. Where plain's heap then
+    passes its ceiling twice too, its trims run again for good."""
+    calls = _Holds()
+    trims: list[int] = []
+    held = [True]
+    planned = [150 << 20] * 5 + [100 << 20] * 4 + [0]
+    source = _Peaks(_LEAN_PLAIN, planned=planned)
+    decider = _plan(
+        3.0, 5.0, blocks=3, budget=250, saved=100, dispatch_s=0.5, ops=_CHEAP, peaks=source,
+        hold_trims=calls, trim_heap=lambda: trims.append(1), trims_held=lambda: held[0],
+        **_SLOW_LINK,
+    )  # fmt: skip
+    first = [decider.mode("Block", b) for b in range(3)]
+    assert _planned_steps(decider, [2.4, 2.4, 2.0, 2.0], 3) == [PLAIN] * 3  # kept
+    assert _planned_steps(decider, [3.0, 3.0, plain_s, plain_s], 3) == first  # plain lost
+    allowed = (200 << 20) + 0.05 * 300
+    assert calls == [True, False, True, True] and calls.ceilings[-1] == int(allowed)
+    held[0] = False  # the plan's heap passed the ceiling twice: the engine trims again
+    modes = _planned_steps(decider, [3.0], 3)
+    plan = decider.plan()
+    m = plan.measured
+    assert modes == ([PLAIN] * 3 if stands_in else first)
+    assert m.get("stand_in", 0.0) == float(stands_in)
+    assert m["trims_released" if not stands_in else "trims_held"] == 1.0
+    text = str(plan)
+    if stands_in:  # held off again, under plain's ceiling: its verdict's allowance
+        assert calls == [True, False, True, True, True]
+        assert calls.ceilings[-1] == int(allowed) and m["untrimmed_peak_MiB"] == 100
+        assert m["blocks_plain"] == 3 and m["blocks_whole"] == 0
+        assert {d.choice for d in plan.ops} == {"recompute"}
+        assert "then: the plan's heap passed 200 MiB twice within 4 steps, and with its " in text
+        assert "heap trims it ran 2.400 s a step: plain checkpointing runs in its place" in text
+        held[0] = False  # plain's heap passed its own ceiling twice: trims for good
+        assert _planned_steps(decider, [3.0], 3) == [PLAIN] * 3
+        m = decider.plan().measured
+    assert calls == [True, False, True, True] + [True] * stands_in  # (the engine let go)
+    assert m["trims_held"] == 0.0 and m["trims_released"] == 1.0
+    assert "held off, then run again as the process passed" in str(decider.plan())
+    assert _planned_steps(decider, [9.0] * 4, 3) == ([PLAIN] * 3 if stands_in else first)
+    assert len(calls) == 4 + stands_in and trims == [1]
+
+
 def test_a_tried_plan_without_trims_within_what_they_allow_is_weighed_by_time() -> None:
     """The trial's steps without trims (2.7 s at 190 MiB) held no more than allowed: it
     is kept for being faster than plain checkpointing under trims in the profile (2.75
