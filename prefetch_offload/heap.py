@@ -558,6 +558,7 @@ class HeapTrimmer:
         with self._lock:
             self._held, self._ceiling = on, ceiling if on else None
             self._ceiling_trim = None
+            self._generation += 1  # (a measure from before the hold is stale)
 
     @property
     def bound(self) -> int:
@@ -624,7 +625,7 @@ class HeapTrimmer:
         """Held: where the resident memory is above the ceiling, queue one trim; where
         the last trim at the ceiling was fewer than CEILING_STEPS steps ago, let the
         trims run again too (NOTE [trims a plan does without] in recompute.py)."""
-        ceiling = self._ceiling
+        ceiling, generation = self._ceiling, self._generation
         if ceiling is None:
             return
         self._next_check = start + self._interval
@@ -637,6 +638,8 @@ class HeapTrimmer:
             with self._lock:
                 if self._queued or not self._held:
                     return  # (a trim is on its way; or let go meanwhile)
+                if generation != self._generation or ceiling != self._ceiling:
+                    return  # (read across a trim, or before a new hold: stale)
                 last = self._ceiling_trim
                 if last is not None and self._steps - last < CEILING_STEPS:
                     self._held, self._ceiling = False, None  # drifting faster than that

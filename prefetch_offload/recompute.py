@@ -516,8 +516,10 @@
 # ceiling twice within CEILING_STEPS steps, so that its trims would run again,
 # plain checkpointing runs in its place, its trims held off under the ceiling of
 # its own verdict, where its steps without trims ran faster than the plan's
-# trial steps under them; if its heap passes that ceiling twice too, its trims
-# run again for good. A plan whose heap cannot stay within its ceiling without
+# trial steps under them; if its heap passes that ceiling twice too, the trims
+# run again for good, under whichever of the two ran faster with them (plain's
+# profiled steps against the plan's trial steps; the leaner within the noise,
+# NOTE [plans within the noise]). A plan whose heap cannot stay within its ceiling without
 # trims is no longer the plan that was weighed: the stand-in is the fastest plan
 # measured to hold within the bound without them. Not across ranks that agree
 # (a rank's heap is its own, and their plans would part). Four steps of
@@ -671,7 +673,7 @@ class RecomputePlan:
                     f" ({kept:.0f} within device_budget, {m['blocks_interleaved']:.0f} "
                     "between the plain ones, the engine moving what they save)"
                 )
-            elif not m.get("trial_choice"):
+            elif not m.get("trial_choice") and m["blocks_whole"]:
                 whole = " (within device_budget)"
             lines.append(
                 f"  blocks: {m['blocks_whole']:.0f} whole{whole}, "
@@ -711,11 +713,18 @@ class RecomputePlan:
                 + ("plain checkpointing runs" if m["untrimmed_choice"] else "the plan runs")
             )
         if m.get("stand_in"):  # NOTE [plain without trims]: its trims came back
-            lines.append(
+            then = (
                 f"  then: the plan's heap passed {m['plan_ceiling_MiB']:.0f} MiB twice "
                 f"within {CEILING_STEPS} steps, and with its heap trims it ran "
                 f"{m['trial_trimmed_s']:.3f} s a step: plain checkpointing runs in its place"
             )
+            if "stand_in_kept" in m:
+                then += "; plain's heap passed its own ceiling twice too, and under heap trims " + (
+                    f"plain checkpointing ({m['trial_plain_s']:.3f} s in the profile) runs on"
+                    if m["stand_in_kept"]
+                    else "the plan runs again"
+                )
+            lines.append(then)
         if "trims_held" in m:  # NOTE [trims a plan does without]
             lines.append(
                 f"  heap trims: {m['trims_peak_MiB']:.0f} MiB held with them, "
@@ -948,6 +957,16 @@ _TRIMS_SLACK = 0.05
 # NOTE [trims a plan does without]: trims held off run again above this much over the
 # most the steps without them held, or above the allowance where that is more.
 _CEILING = 0.05
+# The measured figures that say a plan's blocks (:meth:`AutoDecider._switch` rewrites
+# them).
+_BLOCK_COUNTS = (
+    "blocks_whole",
+    "blocks_plain",
+    "blocks_selective",
+    "blocks_interleaved",
+    "whole_MiB",
+    "offload_alone",
+)
 _ALONE = "offload alone"
 
 
@@ -1154,6 +1173,11 @@ class AutoDecider:
         # within what they allow but lost to such a plan: the plan's stand-in should
         # its trims come back (NOTE [plain without trims]).
         self._stand_in: tuple[_TrimsVerdict, float] | None = None
+        # Once plain stands in: the plan's modes, share and block counts, and the
+        # profile's op observations its summary is printed from.
+        self._stood_for: tuple[dict[tuple[str, int], str], float, dict[str, float]] | None
+        self._stood_for = None
+        self._stand_in_obs: dict[Position, _Obs] = {}
         self._rival_modes: dict[tuple[str, int], str] = {}  # the plan plain runs in place of
         self._block_hold = 0
         # NOTE [plans within the noise]: the most memory each profiling step held; sampled
@@ -1449,6 +1473,7 @@ class AutoDecider:
                 if self._challenging:  # (the plan made last runs no more: as it was)
                     self._end_weighing()
                 self._trial_left, self._trial_obs, self._stand_in = 0, {}, None
+                self._stood_for, self._stand_in_obs = None, {}
                 self._trim_trial_left, self._challenging = 0, False
                 self._hold(False)
                 self._reset_profile()
@@ -1892,6 +1917,7 @@ class AutoDecider:
             self._take_first_ranks_plan(self._agreement)
         self._trial_untrimmed = self._trial_left > _TRIAL_STEPS + 1  # (rank 0's count)
         self._trial_trims, self._trial_trimmed_s, self._stand_in = None, math.inf, None
+        self._stood_for, self._stand_in_obs = None, {}
         self._trial_obs = dict(self._obs)  # (cleared once no trial can change the plan)
         self._last = self._summarize(self._share, self._obs)
         self._warn_budget(unreachable)
@@ -2194,34 +2220,49 @@ class AutoDecider:
     def _trims_released(self) -> None:
         """Where trims held off for good run again (the process passed their ceiling
         twice within CEILING_STEPS steps), the plan says so (NOTE [trims a plan does
-        without]); where a tried plan's trims came back and plain checkpointing stands in
-        for it, faster without trims than the plan with them, plain runs in its place,
-        its trims held off under their own ceiling (NOTE [plain without trims])."""
+        without]). Where they were a tried plan's and plain checkpointing stands in for
+        it, faster without trims than the plan with them, plain runs in its place, its
+        trims held off under their own ceiling; where plain's come back too, the faster
+        of the two under trims runs (NOTE [plain without trims])."""
         now = self._trims_held_now
         if not (self._trims_held and self.measured.get("trims_held") and now and not now()):
             return
         self._trims_held = False
         stand_in, self._stand_in = self._stand_in, None
-        if stand_in is not None and stand_in[1] < self._trial_trimmed_s:
-            verdict, wall = stand_in
-            ceiling = self.measured.get("trims_ceiling_MiB", 0.0)
-            self._switch(
-                PLAIN,
-                f"with heap trims held off: the tried plan's heap passed {ceiling:.0f} MiB "
-                f"twice within {CEILING_STEPS} steps, and plain checkpointing ran "
-                f"{wall:.3f} s a step without trims, within what they allow, against the "
-                f"plan's {self._trial_trimmed_s:.3f} s with them",
-            )
-            self.measured.update(
-                stand_in=1.0, plan_ceiling_MiB=ceiling, trial_trimmed_s=self._trial_trimmed_s
-            )
-            self._apply_trims(verdict, record=True)
-            self._last = self._summarize(self._share, self._trial_obs)
-            self._trial_obs = {}
-            return
+        stood_for, self._stood_for = self._stood_for, None
+        obs, self._trial_obs = self._trial_obs, {}
         self.measured.update(trims_held=0.0, trims_released=1.0)
+        if stand_in is not None and stand_in[1] < self._trial_trimmed_s:
+            verdict = stand_in[0]
+            self._stood_for = (dict(self._modes), self._share, self._block_counts())
+            self.measured.update(
+                stand_in=1.0,
+                plan_ceiling_MiB=self.measured.get("trims_ceiling_MiB", 0.0),
+                trial_trimmed_s=self._trial_trimmed_s,
+                trims_released=0.0,
+            )
+            self._switch(PLAIN, "standing in for the tried plan, heap trims held off")
+            self._apply_trims(verdict, record=True)
+            self._stand_in_obs = obs
+            self._last = self._summarize(self._share, obs)
+            return
+        if stood_for is not None and self._trial_trims is not None:
+            plain = self._profiled_plans["plain"]
+            plan = _Weighed(self._trial_trimmed_s, self._trial_trims.trimmed, 0)
+            chosen = _leanest_of_the_fastest({"plain": plain, "plan": plan})
+            self.measured["stand_in_kept"] = float(chosen == "plain")
+            if chosen == "plan":
+                self._modes, self._share, counts = stood_for
+                self.measured.update(counts)
+            self._last = self._summarize(self._share, self._stand_in_obs)
+            self._stand_in_obs = {}
+            return
         m = {**self._last.measured, "trims_held": 0.0, "trims_released": 1.0}
         self._last = dataclasses.replace(self._last, measured=m)
+
+    def _block_counts(self) -> dict[str, float]:
+        """The plan's blocks as :meth:`_switch` rewrites them in ``measured``."""
+        return {k: self.measured[k] for k in _BLOCK_COUNTS if k in self.measured}
 
     def _trims_verdict_of(self, trimmed: int, untrimmed: int) -> _TrimsVerdict:
         """Whether trims are held off where a step under them held ``trimmed`` bytes and

@@ -182,6 +182,39 @@ def test_a_held_trimmer_trims_once_above_its_ceiling_and_runs_again_if_passed_so
 
 
 @glibc_only
+def test_a_ceiling_read_across_a_trim_or_a_new_hold_counts_for_nothing() -> None:
+    """Two hooks check at once: while one reads the resident memory above the ceiling,
+    the other queues a trim at the ceiling and it runs (or a new verdict holds the trims
+    under another ceiling). The first reading is from before that: it neither trims
+    again nor, as a second pass within CEILING_STEPS steps, lets the trims run."""
+    trimmer: HeapTrimmer | None = None
+    during: list[Callable[[], None]] = []
+
+    def resident() -> int:
+        if during:
+            during.pop()()  # (the other hook, while this one reads)
+        return 900 * MiB
+
+    trimmer, jobs, _, stats = _trimmer(10 * MiB, resident=resident)
+    trimmer.saved()
+    trimmer.hold(True, 800 * MiB)
+
+    def other_hook() -> None:
+        assert trimmer is not None
+        trimmer.check()  # over the ceiling: the first pass, one trim
+        jobs.run_all()
+
+    during.append(other_hook)
+    trimmer.check()
+    assert jobs.jobs == [] and trimmer.held and stats.snapshot().heap_trims == 1
+    during.append(lambda: trimmer.hold(True, 950 * MiB) if trimmer else None)
+    trimmer.check()  # read under the old ceiling: nothing
+    assert jobs.jobs == [] and trimmer.held
+    trimmer.check()  # 900 MiB is under the new one
+    assert jobs.jobs == [] and trimmer.held
+
+
+@glibc_only
 def test_a_trim_at_the_ceiling_that_leaves_the_process_above_it_lets_the_trims_run() -> None:
     """Live memory above the ceiling (no trim brings it under): the trims run again at
     the next measure of the same step; a new hold starts the count again."""

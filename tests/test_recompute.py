@@ -517,13 +517,16 @@ class _Peaks:
 class _Holds(list[bool]):
     """The decider's holds of the heap trims, in order, and each one's ceiling."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: list[bool] | None = None) -> None:
         super().__init__()
         self.ceilings: list[int | None] = []
+        self._held = held  # (where given, the engine's state: set by each hold)
 
     def __call__(self, on: bool, ceiling: int | None) -> None:
         self.append(on)
         self.ceilings.append(ceiling)
+        if self._held is not None:
+            self._held[0] = on
 
 
 _LEAN_PLAIN = {recompute._WHOLE_ALL: 300 << 20, recompute._OFFLOAD_ALL: 250 << 20}
@@ -1468,22 +1471,31 @@ def test_a_tried_plan_that_moves_nothing_is_tried_without_trims_too(
     assert _planned_steps(decider, [9.0] * 4, 3) == first and len(calls) == 4
 
 
-@pytest.mark.parametrize(("plain_s", "stands_in"), [(2.2, True), (2.6, False)])
+@pytest.mark.parametrize(
+    ("trimmed_s", "plain_s", "plain_mib", "stands_in", "plain_stays"),
+    [
+        (2.4, 2.2, 100, True, False),
+        (2.4, 2.6, 100, False, False),  # slower than the plan under trims
+        (2.4, 2.2, 300, False, False),  # over what its trims' verdict allows
+        (2.9, 2.2, 100, True, True),
+    ],
+)
 def test_plain_checkpointing_stands_in_for_a_tried_plan_whose_trims_come_back(
-    plain_s: float, stands_in: bool
+    trimmed_s: float, plain_s: float, plain_mib: int, stands_in: bool, plain_stays: bool
 ) -> None:
     """NOTE [plain without trims]: the tried plan (two blocks whole within the budget,
-    one plain) ran 2.4 s a step under trims and 2 s without, at 150 MiB, and was kept
-    with its trims held off; plain checkpointing without trims then ran ``plain_s`` at
-    100 MiB, within what they allow, and lost by time. Once the plan's heap passes its
-    ceiling twice (the engine lets the trims run again), plain checkpointing runs in its
-    place where it ran faster without trims than the plan with them, its trims held off
-    under its own ceiling; else the plan runs on under trims. Where plain's heap then
-    passes its ceiling twice too, its trims run again for good."""
-    calls = _Holds()
+    one plain) ran ``trimmed_s`` a step under trims and 2 s without, at 150 MiB, and was
+    kept with its trims held off; plain checkpointing without trims then ran
+    ``plain_s`` at ``plain_mib`` (within what they allow at 100) and lost. Once the plan's
+    heap passes its ceiling twice (the engine lets the trims run again), plain
+    checkpointing runs in its place where it ran faster without trims than the plan
+    with them, its trims held off under its own ceiling; else the plan runs on under
+    trims. Where plain's heap then passes its own ceiling twice, the faster of the two
+    under trims runs: plain (2.75 s in the profile) or the plan (``trimmed_s``)."""
+    held = [False]
+    calls = _Holds(held)
     trims: list[int] = []
-    held = [True]
-    planned = [150 << 20] * 5 + [100 << 20] * 4 + [0]
+    planned = [150 << 20] * 5 + [100 << 20] * 2 + [plain_mib << 20] * 2 + [0]
     source = _Peaks(_LEAN_PLAIN, planned=planned)
     decider = _plan(
         3.0, 5.0, blocks=3, budget=250, saved=100, dispatch_s=0.5, ops=_CHEAP, peaks=source,
@@ -1491,33 +1503,71 @@ def test_plain_checkpointing_stands_in_for_a_tried_plan_whose_trims_come_back(
         **_SLOW_LINK,
     )  # fmt: skip
     first = [decider.mode("Block", b) for b in range(3)]
-    assert _planned_steps(decider, [2.4, 2.4, 2.0, 2.0], 3) == [PLAIN] * 3  # kept
+    kept = _planned_steps(decider, [trimmed_s, trimmed_s, 2.0, 2.0], 3)
+    assert kept == [PLAIN] * 3 and decider.plan().measured["trial_choice"] == 0
     assert _planned_steps(decider, [3.0, 3.0, plain_s, plain_s], 3) == first  # plain lost
     allowed = (200 << 20) + 0.05 * 300
     assert calls == [True, False, True, True] and calls.ceilings[-1] == int(allowed)
+    assert _planned_steps(decider, [2.0], 3) == first  # (held: nothing changes)
     held[0] = False  # the plan's heap passed the ceiling twice: the engine trims again
     modes = _planned_steps(decider, [3.0], 3)
     plan = decider.plan()
     m = plan.measured
     assert modes == ([PLAIN] * 3 if stands_in else first)
-    assert m.get("stand_in", 0.0) == float(stands_in)
-    assert m["trims_released" if not stands_in else "trims_held"] == 1.0
-    text = str(plan)
+    assert m.get("stand_in", 0.0) == float(stands_in) and m["trims_held"] == float(stands_in)
+    assert plan.ops and m["blocks_whole"] == (0 if stands_in else 2)
     if stands_in:  # held off again, under plain's ceiling: its verdict's allowance
-        assert calls == [True, False, True, True, True]
+        assert calls == [True, False, True, True, True] and held[0]
         assert calls.ceilings[-1] == int(allowed) and m["untrimmed_peak_MiB"] == 100
-        assert m["blocks_plain"] == 3 and m["blocks_whole"] == 0
-        assert {d.choice for d in plan.ops} == {"recompute"}
+        assert m["blocks_plain"] == 3 and {d.choice for d in plan.ops} == {"recompute"}
+        text = str(plan)
+        assert "0 whole, 3 checkpointed plainly" in text
         assert "then: the plan's heap passed 200 MiB twice within 4 steps, and with its " in text
-        assert "heap trims it ran 2.400 s a step: plain checkpointing runs in its place" in text
+        said = f"heap trims it ran {trimmed_s:.3f} s a step: plain checkpointing runs in its place"
+        assert said in text
+        assert _planned_steps(decider, [2.0] * 2, 3) == [PLAIN] * 3  # held: plain runs on
         held[0] = False  # plain's heap passed its own ceiling twice: trims for good
-        assert _planned_steps(decider, [3.0], 3) == [PLAIN] * 3
-        m = decider.plan().measured
+        modes = _planned_steps(decider, [3.0], 3)
+        assert modes == ([PLAIN] * 3 if plain_stays else first)
+        plan = decider.plan()
+        m = plan.measured
+        assert m["stand_in_kept"] == float(plain_stays) and plan.ops
+        assert m["blocks_whole"] == (0 if plain_stays else 2)
+        end = "plain checkpointing (2.750 s in the profile) runs on" if plain_stays else ""
+        line = str(plan).split("then: ")[1].splitlines()[0]
+        assert "; plain's heap passed its own ceiling twice too, and under heap trims " in line
+        assert line.endswith(end or "the plan runs again")
     assert calls == [True, False, True, True] + [True] * stands_in  # (the engine let go)
     assert m["trims_held"] == 0.0 and m["trims_released"] == 1.0
     assert "held off, then run again as the process passed" in str(decider.plan())
-    assert _planned_steps(decider, [9.0] * 4, 3) == ([PLAIN] * 3 if stands_in else first)
+    assert _planned_steps(decider, [9.0] * 4, 3) == modes
     assert len(calls) == 4 + stands_in and trims == [1]
+
+
+def test_ranks_that_agree_keep_the_tried_plan_when_its_trims_come_back() -> None:
+    """NOTE [plain without trims]: as in the test above, plain checkpointing lost only by
+    time and ran faster without trims than the plan with them, but the ranks agree on
+    their plans: a rank whose heap passes its ceiling runs the plan under trims, as its
+    peers do, rather than standing plain in for it alone."""
+
+    def rank(agreement: Any) -> tuple[list[str], list[str], float]:
+        held = [False]
+        calls = _Holds(held)
+        planned = [150 << 20] * 5 + [100 << 20] * 4 + [0]
+        d = _plan(
+            3.0, 5.0, blocks=3, budget=250, saved=100, dispatch_s=0.5, ops=_CHEAP,
+            peaks=_Peaks(_LEAN_PLAIN, planned=planned), hold_trims=calls,
+            trims_held=lambda: held[0], agreement=agreement, **_SLOW_LINK,
+        )  # fmt: skip
+        first = [d.mode("Block", b) for b in range(3)]
+        _planned_steps(d, [2.4, 2.4, 2.0, 2.0, 3.0, 3.0, 2.2, 2.2], 3)
+        assert held[0]
+        held[0] = False  # this rank's heap passed its ceiling twice
+        modes = _planned_steps(d, [3.0], 3)
+        return first, modes, d.plan().measured.get("stand_in", 0.0)
+
+    got = on_ranks(2, rank)
+    assert all(first == modes and WHOLE in modes and not stood for first, modes, stood in got)
 
 
 def test_a_tried_plan_without_trims_within_what_they_allow_is_weighed_by_time() -> None:
