@@ -1092,6 +1092,7 @@ _OPS_HOLD = sum(nbytes for _, nbytes, _ in _OPS)
         (0, 0, 400, 400, [410, 420], True),  # offload alone's unknown: the trimmed step's
         (_OPS_HOLD + 1000 * _MiB, 200, 0, 400, [900, 1200], False),  # the budget unused
         (0, 200, 400, 400, [450, 0], False),  # a failed sample: trims stay
+        (0, 600, 400, 400, [1000, 1000], False),  # trims at a bound 200 MiB higher
     ],
 )
 def test_a_plan_that_moves_nothing_holds_trims_off_where_it_holds_no_more_than_allowed(
@@ -1130,12 +1131,22 @@ def test_a_plan_that_moves_nothing_holds_trims_off_where_it_holds_no_more_than_a
     assert m["step_saved_MiB"] == saved
     line = str(decider.plan()).split("heap trims:")[1].splitlines()[0]
     assert f"at most {allowed / _MiB:.0f} MiB allowed without" in line
+    # Let run, the trims' bound rises by what offload alone held above the step under them.
+    headroom = 0 if held else max(0, alone - trimmed) << 20
+    kept = "kept"
+    if headroom:
+        bound = (64 << 20) + headroom
+        kept += f", at a bound of {bound / _MiB:.0f} MiB (the heap may rise to what offload"
+        assert m["trims_bound_MiB"] == bound / _MiB
+    else:
+        assert "trims_bound_MiB" not in m
     assert line.endswith(
         f"held off (one trim where the process passes {ceiling / _MiB:.0f} MiB; run again "
         f"where it passes it twice within {CEILING_STEPS} steps)"
         if held
-        else "kept"
+        else kept + (" alone held in the profile)" if headroom else "")
     )
+    assert decider.trim_basis(0) == (4 * ((64 << 20) + headroom) if headroom else 0)
     _planned_steps(decider, [3.0] * 5, 1)
     assert calls == [True, held]  # decided for good
 
@@ -1288,6 +1299,7 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     assert m["untrimmed_choice"] == float(plain) and m["offload_alone"] == float(not plain)
     assert m["untrimmed_plain_s"] == pytest.approx(min(walls))
     assert m.get("trims_held") == (1.0 if plain else None)  # (alone's trims untried)
+    assert "trims_bound_MiB" not in m and decider._trim_headroom == 0  # (alone moves)
     assert m["blocks_plain"] == (2 if plain else 0)
     assert m["plain_trims_peak_MiB"] == trimmed and m["plain_untrimmed_peak_MiB"] == untrimmed
     assert m["plain_allowed_MiB"] == pytest.approx(allowed / _MiB)
@@ -1820,6 +1832,13 @@ def test_the_trims_trial_holds_the_engine_s_trims_as_judged_and_stays_bit_identi
     # The verdict: untrimmed <= max(trimmed, offload alone's) + _TRIMS_SLACK * saved,
     # with an infinite slack or a negative infinite one.
     monkeypatch.setattr(recompute, "_TRIMS_SLACK", math.inf if held else -math.inf)
+    verdict_of = AutoDecider._trims_verdict_of
+
+    def alone_above(decider: AutoDecider, trimmed: int, untrimmed: int) -> Any:
+        decider._peak_alone = trimmed + (100 << 20)  # offload alone held 100 MiB more
+        return verdict_of(decider, trimmed, untrimmed)
+
+    monkeypatch.setattr(AutoDecider, "_trims_verdict_of", alone_above)
     warm_up_unary_ops()
     plain = _model()
     ref = _grads(plain, len(recompute._PROFILE) + 2) + _grads(plain, 3)
@@ -1836,7 +1855,10 @@ def test_the_trims_trial_holds_the_engine_s_trims_as_judged_and_stays_bit_identi
         got += _grads(model, 3)
         plan = engine.recompute_plan()
         assert heap.held == held
+        # Let run, at the floor's bound raised by offload alone's 100 MiB more.
+        assert held or heap.bound == (64 << 20) + (100 << 20)
     assert plan is not None and plan.measured["trims_held"] == float(held)
+    assert plan.measured.get("trims_bound_MiB") == (None if held else 164.0)
     assert plan.measured["blocks_plain"] == 4 and plan.plans_made == 1
     assert _exact(ref, got)
 
