@@ -1058,10 +1058,10 @@ def _trims_verdict(m: dict[str, float]) -> str:
             f"within {CEILING_STEPS} steps"
         )
     if not m["trims_held"]:
-        if "trims_bound_MiB" in m:
+        if "trims_raised_MiB" in m:
             return (
-                f"kept, at a bound of {m['trims_bound_MiB']:.0f} MiB (the heap may rise to what "
-                "offload alone held in the profile)"
+                f"kept, their bound raised by {m['trims_raised_MiB']:.0f} MiB (the heap may rise "
+                "to what offload alone held in the profile)"
             )
         return "kept"
     if not ceiling:
@@ -1151,6 +1151,9 @@ class AutoDecider:
             noise]); None: plans go by time alone.
         agreement: the ranks that decide together (NOTE [ranks agree] in
             agreement.py); None decides alone.
+        raise_trim_bound: whether the engine's trim bound follows :meth:`trim_basis`
+            (``heap_trim_bytes="auto"``), so that trims a plan keeps may run at a
+            raised bound (NOTE [trims a plan does without]).
     """
 
     def __init__(
@@ -1165,6 +1168,7 @@ class AutoDecider:
         trims_held: Callable[[], bool] | None = None,
         peaks: PeakSampler | None = None,
         agreement: RankAgreement | None = None,
+        raise_trim_bound: bool = True,
     ) -> None:
         self._stats = stats
         self._agreement = agreement
@@ -1196,8 +1200,10 @@ class AutoDecider:
         self._stood_for = None
         self._stand_in_obs: dict[Position, _Obs] = {}
         # Where the trims run for a plan that moves nothing: how far above the step under
-        # them its heap may go, to offload alone's profiled peak (0: the bound as is).
+        # them its heap may go, to offload alone's profiled peak (0: the bound as is);
+        # whether the trims' bound follows trim_basis (heap_trim_bytes="auto").
         self._trim_headroom = 0
+        self._raise_trim_bound = raise_trim_bound
         self._rival_modes: dict[tuple[str, int], str] = {}  # the plan plain runs in place of
         self._block_hold = 0
         # NOTE [plans within the noise]: the most memory each profiling step held; sampled
@@ -1454,9 +1460,9 @@ class AutoDecider:
                 return self._moved_by.get("whole", default)
             basis = self._moved_by.get(_TRIM_CLASS[upcoming], default)
             if upcoming == _PLANNED and self._trim_headroom:  # NOTE [trims a plan does
-                # without]: the bound raised by the headroom (heap.py's "auto" rule)
-                raised = (AUTO_TRIM_MIN_BYTES + self._trim_headroom) / AUTO_TRIM_STEP_SHARE
-                return max(basis, math.ceil(raised))
+                # without]: the bound (heap.py's "auto" rule) raised by the headroom
+                floor = max(basis, math.ceil(AUTO_TRIM_MIN_BYTES / AUTO_TRIM_STEP_SHARE))
+                return floor + math.ceil(self._trim_headroom / AUTO_TRIM_STEP_SHARE)
             return basis
 
     def _next_phase(self) -> int:
@@ -2328,13 +2334,13 @@ class AutoDecider:
             self._trim_heap()
             # NOTE [trims a plan does without]: a plan that moves nothing, its own verdict
             # (recorded): the heap may rise to what offload alone held in the profile.
-            headroom = self._peak_alone - trimmed if record and not self._moves() else 0
+            own = record and not self._moves() and self._raise_trim_bound
+            headroom = self._peak_alone - trimmed if own else 0
             self._trim_headroom = max(0, headroom) if trimmed and self._peak_alone else 0
             if record:
                 self.measured.update(figures)
                 if self._trim_headroom:
-                    bound = (AUTO_TRIM_MIN_BYTES + self._trim_headroom) / _MiB
-                    self.measured["trims_bound_MiB"] = bound
+                    self.measured["trims_raised_MiB"] = self._trim_headroom / _MiB
 
     def _weigh_plain(self, held: bool, step: _Weighed) -> bool:
         """Plain checkpointing ran in place of the plan (offload alone, or a tried plan),
