@@ -349,7 +349,6 @@ def _wrap_model(engine: OffloadEngine, config: OffloadConfig) -> WrappedBlocks:
             hold_trims=engine._heap.hold,
             trims_held=lambda: engine._heap.held,
             peaks=_peak_sampler(engine, config.model),
-            raise_trim_bound=engine.config.heap_trim_bytes == "auto",
             agreement=RankAgreement.of_default_group()
             if config.recompute_ranks == "agree"
             else None,

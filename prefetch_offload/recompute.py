@@ -444,19 +444,7 @@
 # ceiling, the trims ran again within the warm-up, and auto took 1.11x
 # ``full``'s step. Else (not held
 # off) the trims run again, with one trim at once for what the steps without
-# them left, at a bound (NOTE [heap trim] in heap.py) raised by the room between
-# the step under them and offload alone's profiled peak, where that is higher:
-# the heap may fill what the budget was measured to take, and each MiB more
-# slack a trim leaves is a MiB of pages the next block need not fault in again.
-# The slack before a trim grows by the bound, so the peak rises by at most the
-# raise, to offload alone's (not by the 5% slack: the peak target's own limit
-# leaves offload alone little more than that). Measured with ``bench/recompute.py``
-# and lanes for it (the 24-block transformer at 25% of the saved bytes, every
-# block plain through the engine, 3 warm-up and 10 timed rounds, one run): a
-# bound of 64 MiB (the floor such a plan trims at) 1.728 s a step at 446 MiB
-# above the start, 128 MiB 1.701 s at 490, 256 MiB 1.618 s at 629, no trims
-# 1.476 s at 802, ``full`` 1.472 s at 797; offload alone there peaks at about
-# 570. A plan that moves activations keeps its trims untried: they give
+# them left. A plan that moves activations keeps its trims untried: they give
 # back what its moves free, and its steps without them would hold what the moves
 # were asked to save. A CUDA model (no trims) and a run with no sampled peaks
 # are not weighed. Measured with ``bench/recompute.py --model
@@ -595,7 +583,7 @@ from .checkpointing import (
 )
 from .checkpointing import output_aliases as _aliases  # (storing one moves its bytes twice)
 from .errors import OffloadFallbackWarning
-from .heap import AUTO_TRIM_MIN_BYTES, AUTO_TRIM_STEP_SHARE, CEILING_STEPS
+from .heap import CEILING_STEPS
 from .peak import PeakSampler
 from .stats import OffloadStats
 
@@ -1060,11 +1048,6 @@ def _trims_verdict(m: dict[str, float]) -> str:
             f"within {CEILING_STEPS} steps"
         )
     if not m["trims_held"]:
-        if "trims_raised_MiB" in m:
-            return (
-                f"kept, their bound raised by {m['trims_raised_MiB']:.0f} MiB (the heap may rise "
-                "to what offload alone held in the profile)"
-            )
         return "kept"
     if not ceiling:
         return "held off"
@@ -1153,9 +1136,6 @@ class AutoDecider:
             noise]); None: plans go by time alone.
         agreement: the ranks that decide together (NOTE [ranks agree] in
             agreement.py); None decides alone.
-        raise_trim_bound: whether the engine's trim bound follows :meth:`trim_basis`
-            (``heap_trim_bytes="auto"``), so that trims a plan keeps may run at a
-            raised bound (NOTE [trims a plan does without]).
     """
 
     def __init__(
@@ -1170,7 +1150,6 @@ class AutoDecider:
         trims_held: Callable[[], bool] | None = None,
         peaks: PeakSampler | None = None,
         agreement: RankAgreement | None = None,
-        raise_trim_bound: bool = True,
     ) -> None:
         self._stats = stats
         self._agreement = agreement
@@ -1201,11 +1180,6 @@ class AutoDecider:
         self._stood_for: tuple[dict[tuple[str, int], str], float, dict[str, float]] | None
         self._stood_for = None
         self._stand_in_obs: dict[Position, _Obs] = {}
-        # Where the trims run for a plan that moves nothing: how far above the step under
-        # them its heap may go, to offload alone's profiled peak (0: the bound as is);
-        # whether the trims' bound follows trim_basis (heap_trim_bytes="auto").
-        self._trim_headroom = 0
-        self._raise_trim_bound = raise_trim_bound
         self._rival_modes: dict[tuple[str, int], str] = {}  # the plan plain runs in place of
         self._block_hold = 0
         # NOTE [plans within the noise]: the most memory each profiling step held; sampled
@@ -1460,12 +1434,7 @@ class AutoDecider:
             if upcoming == _PLANNED and self.measured.get("blocks_interleaved"):
                 # NOTE [interleaved blocks]: the bound offload alone ran under
                 return self._moved_by.get("whole", default)
-            basis = self._moved_by.get(_TRIM_CLASS[upcoming], default)
-            if upcoming == _PLANNED and self._trim_headroom:  # NOTE [trims a plan does
-                # without]: the bound (heap.py's "auto" rule) raised by the headroom
-                floor = max(basis, math.ceil(AUTO_TRIM_MIN_BYTES / AUTO_TRIM_STEP_SHARE))
-                return floor + math.ceil(self._trim_headroom / AUTO_TRIM_STEP_SHARE)
-            return basis
+            return self._moved_by.get(_TRIM_CLASS[upcoming], default)
 
     def _next_phase(self) -> int:
         """The kind of step _step_started will begin."""
@@ -1506,7 +1475,7 @@ class AutoDecider:
                 if self._challenging:  # (the plan made last runs no more: as it was)
                     self._end_weighing()
                 self._trial_left, self._trial_obs, self._stand_in = 0, {}, None
-                self._stood_for, self._stand_in_obs, self._trim_headroom = None, {}, 0
+                self._stood_for, self._stand_in_obs = None, {}
                 self._trim_trial_left, self._challenging = 0, False
                 self._hold(False)
                 self._reset_profile()
@@ -1950,7 +1919,7 @@ class AutoDecider:
             self._take_first_ranks_plan(self._agreement)
         self._trial_untrimmed = self._trial_left > _TRIAL_STEPS + 1  # (rank 0's count)
         self._trial_trims, self._trial_trimmed_s, self._stand_in = None, math.inf, None
-        self._stood_for, self._stand_in_obs, self._trim_headroom = None, {}, 0
+        self._stood_for, self._stand_in_obs = None, {}
         self._trial_obs = dict(self._obs)  # (cleared once no trial can change the plan)
         self._last = self._summarize(self._share, self._obs)
         self._warn_budget(unreachable)
@@ -2199,7 +2168,6 @@ class AutoDecider:
         a first, uncounted step where ``settling`` (plain checkpointing in place of
         another plan: its trim bound follows what that plan moved)."""
         self._trim_trial_left = 1 + _UNTRIMMED_STEPS + settling
-        self._trim_headroom = 0  # (the step under trims runs at the bound as it is)
         self._trim_steps = []
 
     def _trim_step_ended(self, step: _Weighed) -> None:
@@ -2313,9 +2281,7 @@ class AutoDecider:
         105% of what the steps without them held (the latter alone where the step under
         them is unknown; no ceiling where the untrimmed peak is unknown: held by rank
         0's word), and the trims run again where it passes it twice within CEILING_STEPS
-        steps. Let run for a plan that moves nothing (its own verdict, ``record``), they
-        run at a bound raised by what offload alone held in the profile above the step
-        under them (:meth:`trim_basis`)."""
+        steps."""
         held, trimmed, untrimmed, allowed = verdict
         figures = {
             "trims_held": float(held),
@@ -2334,15 +2300,8 @@ class AutoDecider:
         else:
             self._hold(False)
             self._trim_heap()
-            # NOTE [trims a plan does without]: a plan that moves nothing, its own verdict
-            # (recorded): the heap may rise to what offload alone held in the profile.
-            own = record and not self._moves() and self._raise_trim_bound
-            headroom = self._peak_alone - trimmed if own else 0
-            self._trim_headroom = max(0, headroom) if trimmed and self._peak_alone else 0
             if record:
                 self.measured.update(figures)
-                if self._trim_headroom:
-                    self.measured["trims_raised_MiB"] = self._trim_headroom / _MiB
 
     def _weigh_plain(self, held: bool, step: _Weighed) -> bool:
         """Plain checkpointing ran in place of the plan (offload alone, or a tried plan),

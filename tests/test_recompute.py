@@ -138,7 +138,6 @@ def _plan(
     peaks: Any = None,
     agreement: Any = None,
     whole_moved: int = 0,
-    raise_trim_bound: bool = True,
     **profile: float,
 ) -> AutoDecider:
     """The profiling steps (NOTE [keep, offload, recompute]), each block's share of
@@ -158,7 +157,6 @@ def _plan(
         trims_held=trims_held,
         peaks=peaks,
         agreement=agreement,
-        raise_trim_bound=raise_trim_bound,
     )
     per = {"blocks": blocks, "forward_s": 1.0 / blocks}
     whole = _step(decider, fake, ops, step_s=3.0 / blocks, saved=saved, **per)  # type: ignore[arg-type]
@@ -1094,7 +1092,6 @@ _OPS_HOLD = sum(nbytes for _, nbytes, _ in _OPS)
         (0, 0, 400, 400, [410, 420], True),  # offload alone's unknown: the trimmed step's
         (_OPS_HOLD + 1000 * _MiB, 200, 0, 400, [900, 1200], False),  # the budget unused
         (0, 200, 400, 400, [450, 0], False),  # a failed sample: trims stay
-        (0, 600, 400, 400, [1000, 1000], False),  # trims at a bound 200 MiB higher
     ],
 )
 def test_a_plan_that_moves_nothing_holds_trims_off_where_it_holds_no_more_than_allowed(
@@ -1133,23 +1130,12 @@ def test_a_plan_that_moves_nothing_holds_trims_off_where_it_holds_no_more_than_a
     assert m["step_saved_MiB"] == saved
     line = str(decider.plan()).split("heap trims:")[1].splitlines()[0]
     assert f"at most {allowed / _MiB:.0f} MiB allowed without" in line
-    # Let run, the trims' bound rises by what offload alone held above the step under them.
-    headroom = 0 if held else max(0, alone - trimmed) << 20
-    kept = "kept"
-    if headroom:
-        kept += f", their bound raised by {headroom / _MiB:.0f} MiB (the heap may rise to what"
-        assert m["trims_raised_MiB"] == headroom / _MiB
-    else:
-        assert "trims_raised_MiB" not in m
     assert line.endswith(
         f"held off (one trim where the process passes {ceiling / _MiB:.0f} MiB; run again "
         f"where it passes it twice within {CEILING_STEPS} steps)"
         if held
-        else kept + (" offload alone held in the profile)" if headroom else "")
+        else "kept"
     )
-    # (The engine's bound: a quarter of the basis, at least 64 MiB; raised on top.)
-    assert decider.trim_basis(0) == (4 * ((64 << 20) + headroom) if headroom else 0)
-    assert decider.trim_basis(2 << 30) == (2 << 30) + 4 * headroom  # (what it moved)
     _planned_steps(decider, [3.0] * 5, 1)
     assert calls == [True, held]  # decided for good
 
@@ -1302,7 +1288,6 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     assert m["untrimmed_choice"] == float(plain) and m["offload_alone"] == float(not plain)
     assert m["untrimmed_plain_s"] == pytest.approx(min(walls))
     assert m.get("trims_held") == (1.0 if plain else None)  # (alone's trims untried)
-    assert "trims_raised_MiB" not in m and decider._trim_headroom == 0  # (alone moves)
     assert m["blocks_plain"] == (2 if plain else 0)
     assert m["plain_trims_peak_MiB"] == trimmed and m["plain_untrimmed_peak_MiB"] == untrimmed
     assert m["plain_allowed_MiB"] == pytest.approx(allowed / _MiB)
@@ -1822,36 +1807,26 @@ def test_a_trial_that_changes_the_plan_mid_training_stays_bit_identical(
     assert _exact(ref, got)
 
 
-@pytest.mark.parametrize(("held", "explicit"), [(True, False), (False, False), (False, True)])
+@pytest.mark.parametrize("held", [True, False])
 def test_the_trims_trial_holds_the_engine_s_trims_as_judged_and_stays_bit_identical(
-    tmp_path: Path, held: bool, explicit: bool, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, held: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """NOTE [trims a plan does without], with the engine: every block checkpointed
     plainly; after one planned step under trims and two without, the engine's trimmer
-    is held off or runs as the judgement says, let run at its bound raised by what
-    offload alone held above the step under trims (not where ``heap_trim_bytes`` is
-    explicit: ``explicit``), and every step's gradients match training without
-    offload or checkpointing."""
+    is held off or runs as the judgement says, and every step's gradients match
+    training without offload or checkpointing."""
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)  # the plan checkpoints
     monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", math.inf)  # plainly
     # The verdict: untrimmed <= max(trimmed, offload alone's) + _TRIMS_SLACK * saved,
     # with an infinite slack or a negative infinite one.
     monkeypatch.setattr(recompute, "_TRIMS_SLACK", math.inf if held else -math.inf)
-    verdict_of = AutoDecider._trims_verdict_of
-
-    def alone_above(decider: AutoDecider, trimmed: int, untrimmed: int) -> Any:
-        decider._peak_alone = trimmed + (100 << 20)  # offload alone held 100 MiB more
-        return verdict_of(decider, trimmed, untrimmed)
-
-    monkeypatch.setattr(AutoDecider, "_trims_verdict_of", alone_above)
     warm_up_unary_ops()
     plain = _model()
     ref = _grads(plain, len(recompute._PROFILE) + 2) + _grads(plain, 3)
     model = _model()
     # (Every saved tensor reaches the tiers: the whole step counts the bytes it saved.)
-    trim = {"heap_trim_bytes": 32 << 20} if explicit else {}
     with offload_context(
-        "disk", tmp_path, model=model, recompute="auto", min_offload_bytes=0, **trim
+        "disk", tmp_path, model=model, recompute="auto", min_offload_bytes=0
     ) as engine:
         heap = engine._heap
         if not heap.enabled:
@@ -1861,11 +1836,7 @@ def test_the_trims_trial_holds_the_engine_s_trims_as_judged_and_stays_bit_identi
         got += _grads(model, 3)
         plan = engine.recompute_plan()
         assert heap.held == held
-        # Let run, at the floor's bound raised by offload alone's 100 MiB more.
-        assert held or heap.bound == (32 << 20 if explicit else (64 << 20) + (100 << 20))
     assert plan is not None and plan.measured["trims_held"] == float(held)
-    raised = None if held or explicit else 100.0
-    assert plan.measured.get("trims_raised_MiB") == raised
     assert plan.measured["blocks_plain"] == 4 and plan.plans_made == 1
     assert _exact(ref, got)
 
