@@ -444,7 +444,15 @@
 # ceiling, the trims ran again within the warm-up, and auto took 1.11x
 # ``full``'s step. Else (not held
 # off) the trims run again, with one trim at once for what the steps without
-# them left. A plan that moves activations keeps its trims untried: they give
+# them left, at the bound as it is. A bound raised by what offload alone held
+# in the profile above the step under trims trades page faults for memory
+# (the 24-block transformer at 25% of the saved bytes, every block plain, one
+# run with lanes for it: 1.728 s a step at 446 MiB above the start at the 64
+# MiB floor, 1.701 s at 490 with 128 MiB, 1.618 s at 629 with 256, no trims
+# 1.476 s at 802), but offload alone's profiled peak is no bound the target's
+# limit keeps: so raised, on the IO-bound shape of ``bench/recompute.py`` at
+# 10%, every block plain peaked at 398.7 MiB against the limit of 384.7
+# (offload only: 374.5). A plan that moves activations keeps its trims untried: they give
 # back what its moves free, and its steps without them would hold what the moves
 # were asked to save. A CUDA model (no trims) and a run with no sampled peaks
 # are not weighed. Measured with ``bench/recompute.py --model
