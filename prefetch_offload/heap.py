@@ -638,7 +638,7 @@ class HeapTrimmer:
             with self._lock:
                 if self._queued or not self._held:
                     return  # (a trim is on its way; or let go meanwhile)
-                if generation != self._generation or ceiling != self._ceiling:
+                if generation != self._generation:
                     return  # (read across a trim, or before a new hold: stale)
                 last = self._ceiling_trim
                 if last is not None and self._steps - last < CEILING_STEPS:

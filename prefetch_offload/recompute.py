@@ -1183,11 +1183,10 @@ class AutoDecider:
         # within what they allow but lost to such a plan: the plan's stand-in should
         # its trims come back (NOTE [plain without trims]).
         self._stand_in: tuple[_TrimsVerdict, float] | None = None
-        # Once plain stands in: the plan's modes, share and block counts, and the
-        # profile's op observations its summary is printed from.
+        # Once plain stands in: the plan's modes, share and block counts (its summary is
+        # printed from _trial_obs, kept meanwhile).
         self._stood_for: tuple[dict[tuple[str, int], str], float, dict[str, float]] | None
         self._stood_for = None
-        self._stand_in_obs: dict[Position, _Obs] = {}
         self._rival_modes: dict[tuple[str, int], str] = {}  # the plan plain runs in place of
         self._block_hold = 0
         # NOTE [plans within the noise]: the most memory each profiling step held; sampled
@@ -1483,7 +1482,7 @@ class AutoDecider:
                 if self._challenging:  # (the plan made last runs no more: as it was)
                     self._end_weighing()
                 self._trial_left, self._trial_obs, self._stand_in = 0, {}, None
-                self._stood_for, self._stand_in_obs = None, {}
+                self._stood_for = None
                 self._trim_trial_left, self._challenging = 0, False
                 self._hold(False)
                 self._reset_profile()
@@ -1927,7 +1926,7 @@ class AutoDecider:
             self._take_first_ranks_plan(self._agreement)
         self._trial_untrimmed = self._trial_left > _TRIAL_STEPS + 1  # (rank 0's count)
         self._trial_trims, self._trial_trimmed_s, self._stand_in = None, math.inf, None
-        self._stood_for, self._stand_in_obs = None, {}
+        self._stood_for = None
         self._trial_obs = dict(self._obs)  # (cleared once no trial can change the plan)
         self._last = self._summarize(self._share, self._obs)
         self._warn_budget(unreachable)
@@ -2253,7 +2252,7 @@ class AutoDecider:
             )
             self._switch(PLAIN, "standing in for the tried plan, heap trims held off")
             self._apply_trims(verdict, record=True)
-            self._stand_in_obs = obs
+            self._trial_obs = obs  # (until plain's own trims come back)
             self._last = self._summarize(self._share, obs)
             return
         if stood_for is not None and self._trial_trims is not None:
@@ -2264,8 +2263,7 @@ class AutoDecider:
             if chosen == "plan":
                 self._modes, self._share, counts = stood_for
                 self.measured.update(counts)
-            self._last = self._summarize(self._share, self._stand_in_obs)
-            self._stand_in_obs = {}
+            self._last = self._summarize(self._share, obs)
             return
         m = {**self._last.measured, "trims_held": 0.0, "trims_released": 1.0}
         self._last = dataclasses.replace(self._last, measured=m)
