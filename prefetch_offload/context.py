@@ -397,7 +397,7 @@ def _release_at_plan_change(engine: OffloadEngine, model: Any) -> Callable[[], N
 
 def _peak_sampler(engine: OffloadEngine, model: Any) -> Any:
     """What samples the memory a plan holds (NOTE [plans within the noise] in
-    recompute.py): the process's anonymous resident memory, for a CPU model offloaded to
+    recompute_planner.py): the process's anonymous resident memory, for a CPU model offloaded to
     disk under heap trims. None (plans go by time alone) for a CUDA model, whose
     allocation peaks last microseconds of host time, and without trims (heap trims off,
     or target "cpu", which keeps CPU tensors where they are), where the resident memory

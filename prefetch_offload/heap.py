@@ -197,7 +197,7 @@ AUTO_TRIM_STEP_SHARE = 0.25
 # the time the slack takes to grow by a sixteenth of the bound at _SLACK_RATE bytes/s.
 _CHECK_INTERVAL_S = 0.0005
 _SLACK_RATE = 1 << 30
-# NOTE [trims a plan does without] in recompute.py: held, a pass of the ceiling
+# NOTE [trims a plan does without] in recompute_trims.py: held, a pass of the ceiling
 # trims once and the trims stay held; a second pass within this many steps of
 # that trim lets them run again for good.
 CEILING_STEPS = 4
@@ -514,7 +514,7 @@ class HeapTrimmer:
         self._lock = threading.Lock()
         self._saved = False  # CPU activations were saved (ever: backward frees them later)
         self._queued = False  # a trim is queued or running: the next one would add nothing
-        self._held = False  # NOTE [trims a plan does without] in recompute.py
+        self._held = False  # NOTE [trims a plan does without] in recompute_trims.py
         # While held: the resident memory above which one trim runs (and, passed again
         # within CEILING_STEPS steps of it, the trims run again, for good).
         self._ceiling: int | None = None
@@ -549,7 +549,7 @@ class HeapTrimmer:
 
     def hold(self, on: bool, ceiling: int | None = None) -> None:
         """Hold trims off (``on``), or let them run again, with the bound and the
-        allowance they had (NOTE [trims a plan does without] in recompute.py). While
+        allowance they had (NOTE [trims a plan does without] in recompute_trims.py). While
         held, :meth:`trim_now` queues nothing and :meth:`check` reads only the
         process's anonymous resident memory: where it is above ``ceiling`` bytes
         (None: never), one trim runs and the trims stay held; where it is above it
@@ -624,7 +624,7 @@ class HeapTrimmer:
     def _check_ceiling(self, start: float) -> None:
         """Held: where the resident memory is above the ceiling, queue one trim; where
         the last trim at the ceiling was fewer than CEILING_STEPS steps ago, let the
-        trims run again too (NOTE [trims a plan does without] in recompute.py)."""
+        trims run again too (NOTE [trims a plan does without] in recompute_trims.py)."""
         ceiling, generation = self._ceiling, self._generation
         if ceiling is None:
             return

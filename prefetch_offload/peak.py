@@ -1,6 +1,6 @@
 """The most memory a span of time held: a thread samples it while the plan is measured.
 
-NOTE [plans within the noise] in recompute.py says what reads it. The peak is sampled,
+NOTE [plans within the noise] in recompute_planner.py says what reads it. The peak is sampled,
 not read from the kernel's high-water mark (``VmHWM``), because resetting that mark
 (``/proc/self/clear_refs``) would reset the peak a user or a profiler measures too.
 """

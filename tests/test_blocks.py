@@ -438,12 +438,12 @@ def test_a_functional_call_recomputes_with_the_tensors_its_forward_used(
     """NOTE [reparametrized blocks]: ``torch.func.functional_call`` puts the module's own
     parameters back before backward; the checkpoint's recompute runs with the call's
     tensors put back in the block for its duration, and the module keeps its own."""
-    from prefetch_offload import recompute as recompute_module
+    from prefetch_offload.recompute_profile import PROFILE
     from prefetch_offload.testing import make_batch
 
     torch.manual_seed(0)
     base = TinyTransformer(vocab=64, width=32, depth=2, heads=2)
-    steps = len(recompute_module._PROFILE) + 2 if recompute == "auto" else 2
+    steps = len(PROFILE) + 2 if recompute == "auto" else 2
 
     def run(model: nn.Module) -> list[list[torch.Tensor]]:
         out = []

@@ -18,7 +18,7 @@ from engine_helpers import ReturnsLogits
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
-from prefetch_offload import OffloadError, offload_context
+from prefetch_offload import OffloadError, offload_context, recompute_planner, recompute_profile
 from prefetch_offload import recompute as recompute_module
 from prefetch_offload.checkpointing import CheckpointStats, PolicyDecider, draws_random
 from prefetch_offload.testing import TinyTransformer, make_batch, warm_up_unary_ops
@@ -544,8 +544,8 @@ def test_auto_recomputes_what_the_forward_writes_later(
     offloads matmul outputs: those written later are recomputed, bit-identical."""
 
     monkeypatch.setattr(recompute_module, "OFFLOAD_ALONE", False)
-    monkeypatch.setattr(recompute_module, "_DISPATCH_SWITCH", 0.0)  # selective on a toy
-    monkeypatch.setattr(recompute_module, "_SELECTIVE_MARGIN", 0.0)
+    monkeypatch.setattr(recompute_planner, "DISPATCH_SWITCH", 0.0)  # selective on a toy
+    monkeypatch.setattr(recompute_planner, "SELECTIVE_MARGIN", 0.0)
     torch.manual_seed(0)
     ref_model = nn.Sequential(*(_ScalesMatmul() for _ in range(4)))
     model = copy.deepcopy(ref_model)
@@ -589,8 +589,8 @@ def test_autocast_s_cached_weight_casts_keep_the_op_keys(
     autocast's cache in forward, and casts again in the recompute."""
 
     monkeypatch.setattr(recompute_module, "OFFLOAD_ALONE", False)
-    monkeypatch.setattr(recompute_module, "_DISPATCH_SWITCH", 0.0)  # selective on a toy
-    monkeypatch.setattr(recompute_module, "_SELECTIVE_MARGIN", 0.0)
+    monkeypatch.setattr(recompute_planner, "DISPATCH_SWITCH", 0.0)  # selective on a toy
+    monkeypatch.setattr(recompute_planner, "SELECTIVE_MARGIN", 0.0)
     torch.manual_seed(0)
     ref_model = _RunsBlocksTwice()
     model = copy.deepcopy(ref_model)
@@ -610,7 +610,7 @@ def test_autocast_s_cached_weight_casts_keep_the_op_keys(
         "recompute_all": lambda ctx, op, *a, **k: P.PREFER_RECOMPUTE,
         "auto": "auto",
     }
-    steps = len(recompute_module._PROFILE) + 2 if recompute == "auto" else 2
+    steps = len(recompute_profile.PROFILE) + 2 if recompute == "auto" else 2
     ref = grads(ref_model, steps)
     with offload_context(
         "disk",
@@ -645,10 +645,10 @@ def test_offloaded_outputs_serve_a_second_backward(
     "auto" every profiling step and the plan see it."""
 
     monkeypatch.setattr(recompute_module, "OFFLOAD_ALONE", False)
-    monkeypatch.setattr(recompute_module, "_DISPATCH_SWITCH", 0.0)  # selective on a toy
-    monkeypatch.setattr(recompute_module, "_SELECTIVE_MARGIN", 0.0)
+    monkeypatch.setattr(recompute_planner, "DISPATCH_SWITCH", 0.0)  # selective on a toy
+    monkeypatch.setattr(recompute_planner, "SELECTIVE_MARGIN", 0.0)
 
-    steps = len(recompute_module._PROFILE) + 2 if recompute == "auto" else 2
+    steps = len(recompute_profile.PROFILE) + 2 if recompute == "auto" else 2
     ref = _grads(_model(), steps, backwards=2)
     model = _model()
     policy: Any = "auto" if recompute == "auto" else _matmuls_offloaded()

@@ -592,7 +592,7 @@ def test_cuda_recompute_auto_is_exact_and_releases_the_cache_where_the_plan_chan
     gradients equal those without offload or checkpointing (fp32, explicit attention:
     deterministic kernels), and where the plan changes the caching allocator's free
     blocks go back (NOTE [a trim where the plan changes])."""
-    from prefetch_offload import recompute
+    from prefetch_offload import recompute_profile
 
     emptied: list[int] = []
     real_empty = torch.cuda.empty_cache
@@ -607,7 +607,7 @@ def test_cuda_recompute_auto_is_exact_and_releases_the_cache_where_the_plan_chan
     ref(tokens, targets).backward()
     expected = _grads(ref)
     with offload_context("cpu", model=model, recompute="auto", min_offload_bytes=0) as engine:
-        for _ in range(len(recompute._PROFILE) + 4):  # the profile, the trial, the plan
+        for _ in range(len(recompute_profile.PROFILE) + 4):  # the profile, the trial, the plan
             model.zero_grad(set_to_none=True)
             model(tokens, targets).backward()
             assert _same(_grads(model), expected)

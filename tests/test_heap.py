@@ -122,7 +122,7 @@ def test_trims_when_the_slack_has_grown_by_the_threshold_and_never_queues_two() 
 
 @glibc_only
 def test_a_held_trimmer_measures_and_trims_nothing_until_let_go() -> None:
-    """NOTE [trims a plan does without] in recompute.py: held, neither the slack nor a
+    """NOTE [trims a plan does without] in recompute_trims.py: held, neither the slack nor a
     plan change queues a trim; let go, the slack built meanwhile is due at once."""
     trimmer, jobs, slack, _ = _trimmer(10 * MiB)
     trimmer.saved()
@@ -140,7 +140,7 @@ def test_a_held_trimmer_measures_and_trims_nothing_until_let_go() -> None:
 
 @glibc_only
 def test_a_held_trimmer_trims_once_above_its_ceiling_and_runs_again_if_passed_soon() -> None:
-    """NOTE [trims a plan does without] in recompute.py: held with a ceiling, the
+    """NOTE [trims a plan does without] in recompute_trims.py: held with a ceiling, the
     slack queues nothing, measured without mallinfo2's walk; the resident memory above
     the ceiling queues one trim and the trims stay held; above it again CEILING_STEPS
     steps later, one more trim, still held; above it again within CEILING_STEPS steps

@@ -33,6 +33,7 @@ from prefetch_offload import (
     OffloadError,
     offload_context,
     offload_context_from_config,
+    recompute_profile,
 )
 from prefetch_offload import recompute as recompute_module
 from prefetch_offload.testing import TinyTransformer, make_batch
@@ -282,7 +283,7 @@ def test_generation_between_training_steps_under_auto(
     once (generation is no step), and the config keeps ``use_cache``."""
     monkeypatch.setattr(recompute_module, "OFFLOAD_ALONE", False)  # blocks checkpointed
     base = _llama()
-    n = len(recompute_module._PROFILE) + 2
+    n = len(recompute_profile.PROFILE) + 2
     generate_at = {2, n - 1}  # in the profile, and in the second planned step
 
     def train(model: Any, ctx: OffloadContext) -> tuple[Grads, Grads, OffloadEngine]:

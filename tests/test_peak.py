@@ -1,4 +1,4 @@
-"""The memory peak sampler (NOTE [plans within the noise] in recompute.py)."""
+"""The memory peak sampler (NOTE [plans within the noise] in recompute_planner.py)."""
 
 from __future__ import annotations
 

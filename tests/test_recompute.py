@@ -23,13 +23,28 @@ from engine_helpers import on_ranks
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from prefetch_offload import OffloadFallbackWarning, OffloadStats, offload_context, recompute
+from prefetch_offload import (
+    OffloadFallbackWarning,
+    OffloadStats,
+    offload_context,
+    recompute,
+    recompute_planner,
+    recompute_trims,
+)
 from prefetch_offload.agreement import AGREE_EVERY
 from prefetch_offload.blocks import PLAIN, SELECTIVE, WHOLE
 from prefetch_offload.errors import OffloadError
 from prefetch_offload.heap import CEILING_STEPS
 from prefetch_offload.peak import PeakSampler
 from prefetch_offload.recompute import AutoDecider
+from prefetch_offload.recompute_profile import (
+    OFFLOAD_ALL,
+    PROFILE,
+    RECOMPUTE_ALL,
+    WHOLE_ALL,
+    WHOLE_TIMED,
+    Profile,
+)
 from prefetch_offload.testing import TinyTransformer, make_batch, warm_up_unary_ops
 
 P = CheckpointPolicy
@@ -165,11 +180,11 @@ def _plan(
         decider, fake, ops, step_s=offload_all_s / blocks, consumed=_NEEDED, **per, **profile
     )  # type: ignore[arg-type]
     assert first[MM] is P.PREFER_CPU_OFFLOAD and first[VIEW] is P.PREFER_RECOMPUTE
-    kinds = recompute._PROFILE
-    counted = AutoDecider._counted(recompute._RECOMPUTE_ALL)
+    kinds = PROFILE
+    counted = Profile.counted(RECOMPUTE_ALL)
     for i, kind in enumerate(kinds[2:], start=2):
         slower = 1.2 if kind not in kinds[i + 1 :] else 1.0
-        if kind == recompute._RECOMPUTE_ALL:
+        if kind == RECOMPUTE_ALL:
             step_s = slower * recompute_all_s / blocks
             got = _step(decider, fake, ops, step_s=step_s, dispatch_s=dispatch_s, **per)  # type: ignore[arg-type]
             assert set(got.values()) == {P.PREFER_RECOMPUTE}
@@ -268,7 +283,7 @@ def test_in_the_profile_the_trim_bound_follows_the_last_step_of_the_same_class(
         for b in reversed(range(2)):
             decider.backward("Block", b)
             fake.now += 0.2
-        assert decider.profiling == (step < len(recompute._PROFILE)), step
+        assert decider.profiling == (step < len(PROFILE)), step
     assert got == expected
     # Of another class than the step before: offload-all, the first recompute-all, the
     # first whole again, recompute-all again, the first planned step.
@@ -301,7 +316,7 @@ def test_a_block_called_twice_a_step_counts_both_calls_against_the_budget(
     fake = _Fake()
     decider = AutoDecider(fake.snapshot, budget, clock=fake.clock)
     again = 0 if aborted is None else 2
-    for _ in range(len(recompute._PROFILE) + 1 + again):
+    for _ in range(len(PROFILE) + 1 + again):
         for b in range(3):
             if b == aborted and decider.mode("Block", b) == WHOLE:
                 decider.entered("Block", b)  # its forward raises: no exited
@@ -341,7 +356,7 @@ def test_whole_blocks_leave_the_budget_room_for_what_is_saved_outside_them(
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
     fake = _Fake()
     decider = AutoDecider(fake.snapshot, 350, clock=fake.clock)
-    for _ in range(len(recompute._PROFILE) + 1):
+    for _ in range(len(PROFILE) + 1):
         fake.add(device_tier_bytes=before, bytes_packed=before)
         for b in range(4):
             nbytes = 100 if decider.mode("Block", b) == WHOLE else inputs
@@ -476,8 +491,8 @@ def test_offload_alone_or_plain_is_decided_by_whole_steps_not_block_medians() ->
     run = functools.partial(_step, decider, fake, cheap, forward_s=0.1, blocks=3)
     run(step_s=3.0)
     run(step_s=1.0, consumed=_NEEDED, **_SLOW_LINK)
-    for kind in recompute._PROFILE[2:]:
-        if kind == recompute._RECOMPUTE_ALL:
+    for kind in PROFILE[2:]:
+        if kind == RECOMPUTE_ALL:
             run(step_s=1.0, dispatch_s=0.1)
         else:
             run(step_s=0.0, block_s=[0.5, 0.5, 5.0])
@@ -506,7 +521,7 @@ class _Peaks:
 
     def take(self) -> int:
         step, self.calls = self.calls, self.calls + 1
-        profile = recompute._PROFILE
+        profile = PROFILE
         if step < len(profile):
             return self.by_kind[profile[step]]
         if isinstance(self.planned, list):  # (one per planned step)
@@ -529,8 +544,8 @@ class _Holds(list[bool]):
             self._held[0] = on
 
 
-_LEAN_PLAIN = {recompute._WHOLE_ALL: 300 << 20, recompute._OFFLOAD_ALL: 250 << 20}
-_LEAN_PLAIN |= {recompute._RECOMPUTE_ALL: 100 << 20, recompute._WHOLE_TIMED: 200 << 20}
+_LEAN_PLAIN = {WHOLE_ALL: 300 << 20, OFFLOAD_ALL: 250 << 20}
+_LEAN_PLAIN |= {RECOMPUTE_ALL: 100 << 20, WHOLE_TIMED: 200 << 20}
 
 
 @pytest.mark.usefixtures("no_interleave")
@@ -538,11 +553,11 @@ _LEAN_PLAIN |= {recompute._RECOMPUTE_ALL: 100 << 20, recompute._WHOLE_TIMED: 200
     ("whole_s", "peaks", "alone"),
     [
         (2.45, _LEAN_PLAIN, False),  # 2% faster, holding twice as much: plain
-        (2.45, {**_LEAN_PLAIN, recompute._RECOMPUTE_ALL: 195 << 20}, True),  # 2.5% less
+        (2.45, {**_LEAN_PLAIN, RECOMPUTE_ALL: 195 << 20}, True),  # 2.5% less
         (2.0, _LEAN_PLAIN, True),  # 20% faster: offload alone, whatever it holds
         (2.45, None, True),  # peaks unknown: the faster
-        (2.45, {**_LEAN_PLAIN, recompute._RECOMPUTE_ALL: 0}, True),  # (a failed sample)
-        (2.55, {**_LEAN_PLAIN, recompute._RECOMPUTE_ALL: 400 << 20}, True),  # 2% slower, leaner
+        (2.45, {**_LEAN_PLAIN, RECOMPUTE_ALL: 0}, True),  # (a failed sample)
+        (2.55, {**_LEAN_PLAIN, RECOMPUTE_ALL: 400 << 20}, True),  # 2% slower, leaner
     ],
 )
 def test_offload_alone_within_the_noise_of_plain_yields_to_the_leaner(
@@ -557,14 +572,14 @@ def test_offload_alone_within_the_noise_of_plain_yields_to_the_leaner(
     assert m["offload_alone"] == float(alone)
     assert m["wall_alone_s"] == pytest.approx(whole_s)
     text = str(decider.plan())
-    if peaks is not None and peaks[recompute._RECOMPUTE_ALL] == 100 << 20:
+    if peaks is not None and peaks[RECOMPUTE_ALL] == 100 << 20:
         assert (m["peak_plain_MiB"], m["peak_alone_MiB"]) == (100, 200)
     if not alone:
         assert "weighed: plain checkpointing 2.500 s a step at 100 MiB, offload alone " in text
         assert "2.450 s at 200 MiB" in text
     if whole_s > 2.5:  # chosen for its memory: the plan says so
         assert "offload alone measured within 5% of plain checkpointing and held less" in text
-    if peaks is not None and peaks[recompute._RECOMPUTE_ALL] == 195 << 20:  # not 5% less
+    if peaks is not None and peaks[RECOMPUTE_ALL] == 195 << 20:  # not 5% less
         assert "at 200 MiB, plain checkpointing 2.500 s at 195 MiB" in text
     if source is not None:
         assert not source.running  # a plan the profile ran: nothing tried, sampling ends
@@ -649,8 +664,8 @@ def test_the_plan_says_what_and_why() -> None:
 def _profile_rest(run: Any, whole_s: list[float], whole_moved: int = 0) -> None:
     """The profile's steps after the offload-all one: every output recomputed in 1.5 s,
     every block whole in ``whole_s``, moving ``whole_moved`` bytes."""
-    for kind in recompute._PROFILE[2:]:
-        if kind == recompute._RECOMPUTE_ALL:
+    for kind in PROFILE[2:]:
+        if kind == RECOMPUTE_ALL:
             run(step_s=1.5)  # every output recomputed
         else:  # every block whole again
             run(step_s=0.0, block_s=whole_s, bytes_offloaded=whole_moved)
@@ -726,42 +741,6 @@ def test_a_trial_that_replaces_its_plan_asks_for_a_trim_as_it_does(trial_s: floa
     assert len(trims) == (1 if trial_s > 2.5 else 0)
 
 
-_SLOW_PLAIN = (1.2, 300, 0)
-
-
-@pytest.mark.parametrize(
-    ("trial", "plain", "chosen", "why"),
-    [
-        ((0.9, 500, 900), _SLOW_PLAIN, "trial", ""),  # the fastest
-        ((1.04, 380, 900), _SLOW_PLAIN, "trial", ""),  # within 5%, 5% leaner
-        ((1.04, 400, 700), _SLOW_PLAIN, "trial", ""),  # within 5%, no fuller, 30% lighter
-        ((1.04, 400, 800), _SLOW_PLAIN, "alone", "ran faster than"),  # 20% lighter only
-        ((1.04, 420, 100), _SLOW_PLAIN, "trial", ""),  # 5% fuller: as lean, within the noise
-        ((1.04, 421, 100), _SLOW_PLAIN, "alone", "ran faster than"),  # over 5% fuller
-        ((1.06, 300, 0), _SLOW_PLAIN, "alone", "ran faster than"),  # over 5% slower
-        ((1.04, 390, 500), (1.03, 300, 0), "plain", "ran faster than"),  # leanest
-        ((0.99, 500, 0), (1.03, 300, 0), "plain", "ran within 5% of this plan's trial and"),
-        ((1.02, 280, 0), (1.03, 270, 0), "plain", "ran within 5% of the fastest plan"),
-    ],
-)
-def test_of_plans_within_the_noise_the_leaner_then_the_lighter_runs(
-    trial: tuple[float, int, int], plain: tuple[float, int, int], chosen: str, why: str
-) -> None:
-    """NOTE [plans within the noise]: offload alone took 1.0 s at 400 MiB moving 1000
-    bytes; the trial and plain checkpointing as given (seconds, MiB, bytes moved). The
-    plan that runs, and why it replaced the trial."""
-    plans = {
-        "trial": recompute._Weighed(*trial),
-        "plain": recompute._Weighed(*plain),
-        "alone": recompute._Weighed(1.0, 400, 1000),
-    }
-    got = recompute._leanest_of_the_fastest(plans)
-    assert got == chosen
-    if chosen != "trial":
-        text = recompute._why_chosen(plans, got, "trial", "this plan's trial")
-        assert text.startswith(why), text
-
-
 def test_a_tried_plan_that_ran_fastest_is_kept_judged_on_its_faster_step() -> None:
     """The first planned step (3 s: it learns the prefetch order) is not counted; of the
     next two, the faster (2 s) beats the profiled 2.455 s."""
@@ -803,8 +782,8 @@ def _alone_won(blocks: int, budget: int, trial_peak: int = 0) -> tuple[AutoDecid
     offload alone beat plain checkpointing. Planned steps hold ``trial_peak`` MiB. The
     decider, and a function that runs one step of the given seconds a block."""
     fake = _Fake()
-    by_kind = {recompute._WHOLE_ALL: 300, recompute._OFFLOAD_ALL: 300}
-    by_kind |= {recompute._RECOMPUTE_ALL: 500, recompute._WHOLE_TIMED: 400}
+    by_kind = {WHOLE_ALL: 300, OFFLOAD_ALL: 300}
+    by_kind |= {RECOMPUTE_ALL: 500, WHOLE_TIMED: 400}
     source = _Peaks({k: v << 20 for k, v in by_kind.items()}, trial_peak << 20)
     decider = AutoDecider(fake.snapshot, budget, clock=fake.clock, peaks=source)
     free = [(func, nbytes, 0.0) for func, nbytes, _ in _CHEAP]
@@ -976,7 +955,7 @@ def test_a_forward_one_rank_abandoned_in_the_profile_runs_the_step_again_on_ever
         fake = _Fake()
         d = AutoDecider(fake.snapshot, 0, clock=fake.clock, agreement=agreement)
         profiling = []
-        for step in range(len(recompute._PROFILE) + 3):
+        for step in range(len(PROFILE) + 3):
             if step == 3 and agreement.rank == 1:
                 d.mode("Block", 0)
                 d.entered("Block", 0)  # its forward raised: no exited, no backward
@@ -985,7 +964,7 @@ def test_a_forward_one_rank_abandoned_in_the_profile_runs_the_step_again_on_ever
             profiling.append(d.profiling)
         return profiling
 
-    expected = [True] * (len(recompute._PROFILE) + 1) + [False] * 2
+    expected = [True] * (len(PROFILE) + 1) + [False] * 2
     assert on_ranks(2, rank) == [expected, expected]
 
 
@@ -1010,7 +989,7 @@ def test_a_profiling_step_run_again_keeps_its_own_trim_class(abandoned: int) -> 
     moved = {"whole": 100, "stored": 300, "checkpointed": 10}
     last: dict[str, int] = {}
     before = None
-    for step in range(len(recompute._PROFILE) + 1):
+    for step in range(len(PROFILE) + 1):
         asked = len(trims)
         basis = decider.trim_basis(moved[before]) if before else None  # the first pack
         decider.mode("Block", 0)  # its first block: the step's own kind now
@@ -1047,13 +1026,13 @@ def test_a_step_s_peak_ends_with_its_backward() -> None:
         gauge[0] = between * MB
         source.sample()
     decider.mode("Block", 0)  # the fourth step begins: the third has ended
-    assert [decider._peaks[i] // MB for i in range(3)] == [100, 200, 300]
+    assert [decider._profile.peaks[i] // MB for i in range(3)] == [100, 200, 300]
     gauge[0] = 50 * MB
     source.sample()
     run()  # no backward end seen: to the next step's start
     gauge[0] = 40 * MB
     decider.mode("Block", 0)
-    assert decider._peaks[3] // MB == 50
+    assert decider._profile.peaks[3] // MB == 50
     decider.close()
     assert not source.running
 
@@ -1108,7 +1087,7 @@ def test_a_plan_that_moves_nothing_holds_trims_off_where_it_holds_no_more_than_a
     that verdict allows."""
     calls = _Holds()
     trims: list[int] = []
-    peaks = {**_LEAN_PLAIN, recompute._WHOLE_TIMED: alone << 20}
+    peaks = {**_LEAN_PLAIN, WHOLE_TIMED: alone << 20}
     source = _Peaks(peaks, planned=[trimmed << 20, *(p << 20 for p in untrimmed)])
     decider = _plan(
         3.0, 2.5, budget=budget, saved=saved * _MiB, dispatch_s=0.5, peaks=source,
@@ -1219,9 +1198,9 @@ def test_a_new_profile_sees_again_which_block_classes_draw_from_their_own_genera
     assert decider.mode("Block", 0) == SELECTIVE  # its draws stored
     run = functools.partial(_step, decider, decider.fake, _OPS, forward_s=0.5, saved=100)
     run(step_s=1.5, blocks=2)  # a block the profile did not see: profile again
-    for kind in recompute._PROFILE:
+    for kind in PROFILE:
         run(step_s=1.5, blocks=2)
-        if kind == recompute._OFFLOAD_ALL and still_draws:  # (the step's, as it ends)
+        if kind == OFFLOAD_ALL and still_draws:  # (the step's, as it ends)
             assert decider._phase == kind
             decider.decide(("Block", 0, bernoulli, 0), bernoulli, (), own, _out(400))
     assert decider.mode("Block", 0) == (SELECTIVE if still_draws else PLAIN)
@@ -1394,11 +1373,7 @@ def test_ranks_weighing_plain_without_trims_run_rank_0_s_choice() -> None:
         trimmed = 0 if agreement.rank == 3 else 100
         planned = [100 << 20, trimmed << 20] + [untrimmed << 20] * 2
         # (Rank 1's own profile: offload alone held 250 MiB there, 200 on rank 0.)
-        peaks = (
-            {**_LEAN_PLAIN, recompute._WHOLE_TIMED: 250 << 20}
-            if agreement.rank == 1
-            else _LEAN_PLAIN
-        )
+        peaks = {**_LEAN_PLAIN, WHOLE_TIMED: 250 << 20} if agreement.rank == 1 else _LEAN_PLAIN
         source = None if agreement.rank == 2 else _Peaks(peaks, planned=planned)
         calls = _Holds()
         d = _plan(
@@ -1669,7 +1644,7 @@ def test_auto_is_bit_identical_and_plans_once(
     # decides), four steps of plain checkpointing where offload alone or a tried plan
     # runs (NOTE [plain without trims]), four of a tried plan's own trims, one of the plan.
     weighing = 2 + recompute._UNTRIMMED_STEPS  # (a first step uncounted, one trimmed)
-    steps = len(recompute._PROFILE) + 1 + recompute._TRIAL_STEPS + 2 * weighing + 1
+    steps = len(PROFILE) + 1 + recompute._TRIAL_STEPS + 2 * weighing + 1
     # Another length: the same structure, no new plan.
     lengths = ([16, 16, 16, 12, 16, 20, 16, 12] * 3)[:steps]
     ref = _grads(_model(), steps, lengths)
@@ -1705,7 +1680,7 @@ def test_auto_is_bit_identical_and_plans_once(
         if "trial_choice" in m:
             assert m["trial_choice"] == 2  # (its tried plan replaced by offload alone)
         else:
-            assert m["wall_alone_s"] <= (1 + recompute._TIE) * m["wall_plain_s"]
+            assert m["wall_alone_s"] <= (1 + recompute_planner.TIE) * m["wall_plain_s"]
         return
     assert plan.bytes_recomputed > 0
     choices = {d.op: d.choice for d in plan.ops}
@@ -1719,7 +1694,7 @@ def test_a_step_s_time_ends_with_its_backward_not_at_the_next_step(tmp_path: Pat
     benchmark's other processes) is in no step's time: here 0.3 s after each backward."""
     model = _model()
     with offload_context("disk", tmp_path, model=model, recompute="auto") as engine:
-        for step in range(len(recompute._PROFILE) + 1):
+        for step in range(len(PROFILE) + 1):
             tokens, targets = make_batch(2, 16, vocab=64, seed=step)
             model(tokens, targets).backward()
             time.sleep(0.3)
@@ -1738,14 +1713,14 @@ def test_profile_and_trial_steps_wait_for_the_device_at_both_ends(
     calls: list[int] = []
     monkeypatch.setattr(recompute, "_sync_device", lambda: calls.append(len(steps)))
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
-    monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", 0.0)  # selective on a toy: tried
-    monkeypatch.setattr(recompute, "_SELECTIVE_MARGIN", 0.0)
+    monkeypatch.setattr(recompute_planner, "DISPATCH_SWITCH", 0.0)  # selective on a toy: tried
+    monkeypatch.setattr(recompute_planner, "SELECTIVE_MARGIN", 0.0)
     model = _model()
     steps: list[int] = []
     with offload_context(
         "disk", tmp_path, model=model, recompute="auto", min_offload_bytes=0
     ) as engine:
-        for step in range(len(recompute._PROFILE) + 6):
+        for step in range(len(PROFILE) + 6):
             tokens, targets = make_batch(2, 16, vocab=64, seed=step)
             model(tokens, targets).backward()
             steps.append(step)
@@ -1757,7 +1732,7 @@ def test_profile_and_trial_steps_wait_for_the_device_at_both_ends(
     # by the clock; NOTE [plain without trims].)
     weighs = "untrimmed_plain_s" in m or "weighing_plain" in m
     weighed = 2 + recompute._UNTRIMMED_STEPS if weighs else 0
-    timed = len(recompute._PROFILE) + tried + weighed  # steps whose time counts or could
+    timed = len(PROFILE) + tried + weighed  # steps whose time counts or could
     per_step = collections.Counter(calls)
     # Step k's backward end is counted at k (before the append), its start at k.
     assert all(per_step[k] == 2 for k in range(1, min(timed, len(steps)))), per_step
@@ -1779,11 +1754,11 @@ def test_a_trial_that_changes_the_plan_mid_training_stays_bit_identical(
     def make_plan(decider: AutoDecider) -> None:
         real_make_plan(decider)
         decider._trial_left = recompute._TRIAL_STEPS + 1
-        decider._trial_obs = dict(decider._obs)
+        decider._trial_obs = dict(decider._profile.obs)
         fast = {"plain": 0.0, "alone": math.inf} if to == "plain" else {"plain": math.inf}
         walls = {"alone": 0.0, **fast}
         decider._profiled_plans = {
-            name: recompute._Weighed(wall, 0, 0) for name, wall in walls.items()
+            name: recompute_planner.Weighed(wall, 0, 0) for name, wall in walls.items()
         }
 
     monkeypatch.setattr(AutoDecider, "_make_plan", make_plan)
@@ -1791,7 +1766,7 @@ def test_a_trial_that_changes_the_plan_mid_training_stays_bit_identical(
     warm_up_unary_ops()
     # The profile, the trial, three steps weighing heap trims (for offload alone, plain
     # checkpointing without them: NOTE [plain without trims]), two of the plan chosen.
-    steps = len(recompute._PROFILE) + 3 + 3 + 2
+    steps = len(PROFILE) + 3 + 3 + 2
     ref = _grads(_model(), steps)
     model = _model()
     with offload_context("disk", tmp_path, model=model, recompute="auto") as engine:
@@ -1816,13 +1791,13 @@ def test_the_trims_trial_holds_the_engine_s_trims_as_judged_and_stays_bit_identi
     is held off or runs as the judgement says, and every step's gradients match
     training without offload or checkpointing."""
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)  # the plan checkpoints
-    monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", math.inf)  # plainly
+    monkeypatch.setattr(recompute_planner, "DISPATCH_SWITCH", math.inf)  # plainly
     # The verdict: untrimmed <= max(trimmed, offload alone's) + _TRIMS_SLACK * saved,
     # with an infinite slack or a negative infinite one.
-    monkeypatch.setattr(recompute, "_TRIMS_SLACK", math.inf if held else -math.inf)
+    monkeypatch.setattr(recompute_trims, "TRIMS_SLACK", math.inf if held else -math.inf)
     warm_up_unary_ops()
     plain = _model()
-    ref = _grads(plain, len(recompute._PROFILE) + 2) + _grads(plain, 3)
+    ref = _grads(plain, len(PROFILE) + 2) + _grads(plain, 3)
     model = _model()
     # (Every saved tensor reaches the tiers: the whole step counts the bytes it saved.)
     with offload_context(
@@ -1831,7 +1806,7 @@ def test_the_trims_trial_holds_the_engine_s_trims_as_judged_and_stays_bit_identi
         heap = engine._heap
         if not heap.enabled:
             pytest.skip("no heap trims here (not glibc)")
-        got = _grads(model, len(recompute._PROFILE) + 2)
+        got = _grads(model, len(PROFILE) + 2)
         assert heap.held  # the second planned step runs without trims
         got += _grads(model, 3)
         plan = engine.recompute_plan()
@@ -1850,15 +1825,15 @@ def test_plain_weighed_without_trims_runs_as_judged_and_stays_bit_identical(
     alone; plain checkpointing runs four steps (the last two with the engine's trimmer
     held off), then the plan ``to`` runs, the trimmer held off only for plain, and every
     step's gradients match training without offload or checkpointing."""
-    monkeypatch.setattr(recompute, "_leanest_of_the_fastest", lambda plans: "alone")
+    monkeypatch.setattr(recompute_planner, "leanest_of_the_fastest", lambda plans: "alone")
     # what plain weighs against
-    rival = ("offload alone", recompute._Weighed(math.inf if to == "plain" else 0.0, 0, 0))
+    rival = ("offload alone", recompute_planner.Weighed(math.inf if to == "plain" else 0.0, 0, 0))
     monkeypatch.setattr(AutoDecider, "_rival", lambda d: rival if d.measured else None)
-    monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", math.inf)  # (not selective)
-    monkeypatch.setattr(recompute, "_TRIMS_SLACK", math.inf)  # the trims would be held off
+    monkeypatch.setattr(recompute_planner, "DISPATCH_SWITCH", math.inf)  # (not selective)
+    monkeypatch.setattr(recompute_trims, "TRIMS_SLACK", math.inf)  # the trims would be held off
     warm_up_unary_ops()
     plain = _model()
-    ref = _grads(plain, len(recompute._PROFILE) + 2) + _grads(plain, 1) + _grads(plain, 3)
+    ref = _grads(plain, len(PROFILE) + 2) + _grads(plain, 1) + _grads(plain, 3)
     model = _model()
     # (Every saved tensor reaches the tiers: the whole step counts the bytes it saved.)
     with offload_context(
@@ -1868,7 +1843,7 @@ def test_plain_weighed_without_trims_runs_as_judged_and_stays_bit_identical(
         if not heap.enabled:
             pytest.skip("no heap trims here (not glibc)")
         decider = engine._decider
-        got = _grads(model, len(recompute._PROFILE) + 2)
+        got = _grads(model, len(PROFILE) + 2)
         assert set(decider._modes.values()) == {PLAIN} and not heap.held  # under trims
         got += _grads(model, 1)
         assert set(decider._modes.values()) == {PLAIN} and heap.held
@@ -1895,10 +1870,13 @@ def test_an_interleaved_plan_moves_its_whole_blocks_only_and_stays_bit_identical
     step's gradients match training without offload or checkpointing. From the second
     planned step, the heap trims' bound follows what the profile's last step with every
     block whole moved, not the plan's own steps."""
-    monkeypatch.setattr(
-        recompute, "_leanest_of_the_fastest", lambda plans: "trial" if "trial" in plans else "alone"
-    )
-    monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", math.inf)  # (not selective)
+
+    def choose(plans: dict[str, recompute_planner.Weighed]) -> str:
+        return "trial" if "trial" in plans else "alone"
+
+    monkeypatch.setattr(recompute_planner, "leanest_of_the_fastest", choose)  # the profile's
+    monkeypatch.setattr(recompute, "leanest_of_the_fastest", choose)  # the trial's
+    monkeypatch.setattr(recompute_planner, "DISPATCH_SWITCH", math.inf)  # (not selective)
     moved: list[int] = []  # each step's, as the engine hands it over at the next step
     bases: list[int] = []
     real_basis = AutoDecider.trim_basis
@@ -1910,8 +1888,8 @@ def test_an_interleaved_plan_moves_its_whole_blocks_only_and_stays_bit_identical
 
     monkeypatch.setattr(AutoDecider, "trim_basis", basis)
     warm_up_unary_ops()
-    whole_step = recompute._PROFILE.index(recompute._WHOLE_TIMED)
-    steps = len(recompute._PROFILE) + 1 + recompute._TRIAL_STEPS + 1  # (judged, one more)
+    whole_step = PROFILE.index(WHOLE_TIMED)
+    steps = len(PROFILE) + 1 + recompute._TRIAL_STEPS + 1  # (judged, one more)
 
     ref = _grads(_model(), steps)
     got: list[list[torch.Tensor]] = []
@@ -1929,7 +1907,7 @@ def test_an_interleaved_plan_moves_its_whole_blocks_only_and_stays_bit_identical
 
         run(whole_step)
         alone = run(1)  # every block whole
-        run(len(recompute._PROFILE) - whole_step - 1)
+        run(len(PROFILE) - whole_step - 1)
         kind = type(model.blocks[0]).__name__
         assert [decider.mode(kind, b) for b in range(4)] == [PLAIN, WHOLE] * 2
         interleaved = run(1)
@@ -1937,10 +1915,8 @@ def test_an_interleaved_plan_moves_its_whole_blocks_only_and_stays_bit_identical
         run(steps - len(got))
         plan = engine.recompute_plan()
     assert 0 < interleaved < 0.75 * alone
-    last_whole = (
-        len(recompute._PROFILE) - 1 - recompute._PROFILE[::-1].index(recompute._WHOLE_TIMED)
-    )
-    planned = len(recompute._PROFILE)  # bases[i] is asked at the start of step i + 1
+    last_whole = len(PROFILE) - 1 - PROFILE[::-1].index(WHOLE_TIMED)
+    planned = len(PROFILE)  # bases[i] is asked at the start of step i + 1
     assert len(bases) == steps - 1 and moved[planned] == interleaved
     assert bases[planned:] == [moved[last_whole]] * (steps - 1 - planned)
     assert plan is not None and plan.measured["trial_choice"] == 0
@@ -2000,15 +1976,15 @@ def test_blocks_inside_the_model_s_own_checkpoint_replay_their_forward(
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
     monkeypatch.setattr(recompute, "TRIAL", False)  # the plan it made stays
     if how == "selective":
-        monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", 0.0)  # selective on a toy
-        monkeypatch.setattr(recompute, "_SELECTIVE_MARGIN", 0.0)
+        monkeypatch.setattr(recompute_planner, "DISPATCH_SWITCH", 0.0)  # selective on a toy
+        monkeypatch.setattr(recompute_planner, "SELECTIVE_MARGIN", 0.0)
     torch.manual_seed(0)
     ref_model = _CheckpointsItsLayers(reentrant=how.startswith("auto-reentrant"))
     model = copy.deepcopy(ref_model)
 
     def grads(m: nn.Module) -> list[list[torch.Tensor]]:
         out = []
-        for step in range(len(recompute._PROFILE) + 3):
+        for step in range(len(PROFILE) + 3):
             if step == 1 and how.endswith("eval"):
                 m.body(torch.randn(4, 32)).sum()  # (with grad, dropped)
             torch.manual_seed(100 + step)
@@ -2069,7 +2045,7 @@ def test_a_new_structure_is_planned_once_more_then_kept(tmp_path: Path) -> None:
             grads.append(x.grad)
         return grads
 
-    plan = len(recompute._PROFILE) + 1  # the profile and the step that plans
+    plan = len(PROFILE) + 1  # the profile and the step that plans
     extras = [False] * plan + [True] * plan + [False, True]
     ref = steps(ref_model, extras)
     with offload_context(
@@ -2091,7 +2067,7 @@ def test_a_budget_no_plan_can_reach_warns_once_and_runs_every_block_plain(
     """NOTE [a budget no plan reaches]: exact at every step, one warning, and every
     block checkpointed plainly from the first planned step on."""
     model = _model()
-    steps = len(recompute._PROFILE) + 3
+    steps = len(PROFILE) + 3
     ref = _grads(copy.deepcopy(model), steps)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -2160,7 +2136,7 @@ class _Routed(nn.Module):
 def test_auto_plans_when_a_blocks_first_output_gets_no_gradient(tmp_path: Path) -> None:
     """NOTE [block modes]: backward reaching a block is heard at whichever output that
     requires grad gets a gradient first, so the steps still end and the plan is made."""
-    steps = len(recompute._PROFILE) + 2
+    steps = len(PROFILE) + 2
 
     def grads(model: nn.Module) -> list[list[torch.Tensor]]:
         out = []
@@ -2210,7 +2186,7 @@ def test_an_interrupt_as_a_profiled_block_ends_leaves_no_dispatch_mode_on(
         return [p.grad.clone() for p in m.parameters()]
 
     warm_up_unary_ops()
-    steps = len(recompute._PROFILE) + 2
+    steps = len(PROFILE) + 2
     reference = _model()
     ref = [step(reference, seed) for seed in range(steps)]
     model = _model()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from engine_helpers import on_two_processes
 from torch.utils.checkpoint import CheckpointPolicy
 
-from prefetch_offload import OffloadError, offload_context
+from prefetch_offload import OffloadError, offload_context, recompute_planner, recompute_profile
 from prefetch_offload import recompute as recompute_module
 from prefetch_offload.testing import (
     TinyTransformer,
@@ -62,7 +62,7 @@ def _trainer_run(tmp: Path, recompute: Any, *, hf_checkpointing: bool = False) -
     args = transformers.TrainingArguments(
         output_dir=str(tmp),
         per_device_train_batch_size=4,
-        max_steps=len(recompute_module._PROFILE) + 2,  # auto profiles, then plans
+        max_steps=len(recompute_profile.PROFILE) + 2,  # auto profiles, then plans
         logging_steps=1,
         learning_rate=1e-3,
         report_to=[],
@@ -100,7 +100,7 @@ def test_trainer_with_recompute_is_bit_identical(
     ref_losses, ref_params = _trainer_run(tmp_path / "a", None)
     mode = matmuls_offloaded if recompute == "policy" else recompute
     losses, params = _trainer_run(tmp_path / "b", mode)
-    assert len(losses) == len(recompute_module._PROFILE) + 2 and losses == ref_losses
+    assert len(losses) == len(recompute_profile.PROFILE) + 2 and losses == ref_losses
     for a, b in zip(params, ref_params, strict=True):
         assert torch.equal(a, b)
 
@@ -243,7 +243,7 @@ def test_packed_sequences_train_as_without_the_cache(tmp_path: Path, recompute: 
             out.append([p.grad.clone() for p in model.parameters()])
         return out
 
-    steps = len(recompute_module._PROFILE) + 2 if recompute == "auto" else 2
+    steps = len(recompute_profile.PROFILE) + 2 if recompute == "auto" else 2
     ref = run(copy.deepcopy(base), steps)
     model = copy.deepcopy(base)
     with offload_context("disk", str(tmp_path), model=model, recompute=recompute):
@@ -360,7 +360,7 @@ def _dist_train(rank: int, wrap: str, save_dir: str | None) -> dict[str, Any]:
         else offload_context(None)
     )
     with ctx as engine:
-        for step in range(len(recompute_module._PROFILE) + 2):  # profile, then two planned
+        for step in range(len(recompute_profile.PROFILE) + 2):  # profile, then two planned
             tokens, targets = make_batch(4, 16, vocab=64, seed=100 * rank + step)
             opt.zero_grad(set_to_none=True)
             loss = model(tokens, targets)
@@ -430,7 +430,7 @@ def _collective_rank(rank: int, save_dir: str, out: str) -> None:
     # 1's recomputes would meet no all-reduce on rank 0.
     recompute_module.OFFLOAD_ALONE = rank == 1
     if rank == 1:
-        recompute_module._leanest_of_the_fastest = lambda plans: "alone"  # type: ignore[assignment]
+        recompute_planner.leanest_of_the_fastest = lambda plans: "alone"  # type: ignore[assignment]
     results = {}
     for target in (None, "disk"):
         torch.manual_seed(0)
@@ -438,7 +438,7 @@ def _collective_rank(rank: int, save_dir: str, out: str) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         kwargs: dict[str, Any] = {"model": model, "recompute": "auto"} if target else {}
         with offload_context(target, save_dir, min_offload_bytes=0, **kwargs) as engine:
-            for step in range(len(recompute_module._PROFILE) + 4):
+            for step in range(len(recompute_profile.PROFILE) + 4):
                 x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step))
                 opt.zero_grad(set_to_none=True)
                 model(x).square().mean().backward()

@@ -36,6 +36,8 @@ from prefetch_offload import (
     OffloadStats,
     offload_context,
     recompute,
+    recompute_planner,
+    recompute_profile,
 )
 from prefetch_offload.blocks import WHOLE
 from prefetch_offload.recompute import RecomputePlan
@@ -47,7 +49,7 @@ StepResult = list[torch.Tensor | None]
 Step = Callable[[nn.Module, int], StepResult]
 
 _MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
-_PROFILE_STEPS = len(recompute._PROFILE)
+_PROFILE_STEPS = len(recompute_profile.PROFILE)
 # "auto": the profile, the planned step and its trial, two steps of the plan chosen.
 _AUTO_STEPS = _PROFILE_STEPS + 3 + 2
 # "selective" (no trial): the profile, the planned step, two more.
@@ -84,8 +86,8 @@ QUICK = ["full", "selective", "matmuls-offloaded", "all-saved"]
 
 def _force_selective(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
-    monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", 0.0)  # selective on a toy
-    monkeypatch.setattr(recompute, "_SELECTIVE_MARGIN", 0.0)
+    monkeypatch.setattr(recompute_planner, "DISPATCH_SWITCH", 0.0)  # selective on a toy
+    monkeypatch.setattr(recompute_planner, "SELECTIVE_MARGIN", 0.0)
     monkeypatch.setattr(recompute, "TRIAL", False)  # the selective plan stays
 
 
@@ -276,7 +278,7 @@ def test_a_block_called_three_times_a_forward(
 def test_a_block_called_three_times_under_auto_at_device_budgets(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: int | str
 ) -> None:
-    """NOTE [a budget no plan reaches] in recompute.py: below what one call of a block
+    """NOTE [a budget no plan reaches] in recompute_planner.py: below what one call of a block
     holds (1536 bytes), one warning, every block checkpointed plainly and never
     offload alone; over both blocks' bytes, both whole; at no budget, the fastest plan.
     Every step exact."""
@@ -312,7 +314,7 @@ def test_a_block_called_several_times_counts_one_call_s_bytes_per_call(
     "full" does. The other block fits the budget whole; the plan is not tried, so it
     stays (a trial would keep it or not by the clock)."""
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)  # the plan checkpoints
-    monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", math.inf)  # plainly
+    monkeypatch.setattr(recompute_planner, "DISPATCH_SWITCH", math.inf)  # plainly
     monkeypatch.setattr(recompute, "TRIAL", False)
     block, x = _model(MLPBlock), _seeded(0, 8, 16)
     one = sum(saved_storage_bytes(block, lambda: block(x)))
@@ -1289,7 +1291,7 @@ def test_random_ops_on_a_generator_of_the_block_s_own(
     base = _model(lambda: nn.Sequential(*(OwnGeneratorBlock() for _ in range(3))))
     if mode == "plain":  # "auto" planning every block plain: these run selective
         monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
-        monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", 1e9)
+        monkeypatch.setattr(recompute_planner, "DISPATCH_SWITCH", 1e9)
         monkeypatch.setattr(recompute, "TRIAL", False)
     trained = _train_alike(tmp_path, monkeypatch, base, step, "auto" if mode == "plain" else mode)
     if mode in ("selective", "plain"):  # ("auto" runs these toys whole)
@@ -1498,7 +1500,7 @@ def test_auto_at_device_budgets(
     """NOTE [keep, offload, recompute] in recompute.py: the blocks whose saved bytes the
     budget keeps run whole (all three under a budget over them all); under one below a
     block's recompute, one warning and every block plain (NOTE [a budget no plan
-    reaches] in recompute.py). One plan, every step exact, batch lengths varying."""
+    reaches] in recompute_planner.py). One plan, every step exact, batch lengths varying."""
 
     def step(m: nn.Module, s: int) -> StepResult:
         tokens, targets = make_batch(2, 8 if s % 4 else 6, vocab=64, seed=s)
@@ -1533,7 +1535,7 @@ def test_engine_knobs_under_a_selective_plan(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, knobs: dict[str, Any]
 ) -> None:
     """A float64 model through checksummed writes, synchronous reads, mmap reads, and a
-    budget no plan reaches (NOTE [a budget no plan reaches] in recompute.py)."""
+    budget no plan reaches (NOTE [a budget no plan reaches] in recompute_planner.py)."""
     base = _model(lambda: Stack(3, w=32).double())
 
     def step(m: nn.Module, s: int) -> StepResult:
@@ -1661,8 +1663,8 @@ def test_a_profiling_step_with_an_abandoned_forward_runs_again(
     figures, as a clean profile: the step runs again, one step later."""
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
     monkeypatch.setattr(recompute, "TRIAL", False)
-    monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", math.inf)  # a plain plan
-    steps = len(recompute._PROFILE) + 3
+    monkeypatch.setattr(recompute_planner, "DISPATCH_SWITCH", math.inf)  # a plain plan
+    steps = len(recompute_profile.PROFILE) + 3
     base = _model(FlakyStack)
     one = sum(saved_storage_bytes(base.layers[0], lambda: base.layers[0](_seeded(0, 8, 16))))  # type: ignore[index]
     # Some blocks whole, the others plain (beside what the model saves outside them)
@@ -1701,7 +1703,7 @@ def test_a_plain_plan_counts_what_full_counts_after_the_batch_grows(
     per call signature, as "full" counts them: after the batch grows fourfold, both
     count the larger step's bytes alike."""
     monkeypatch.setattr(recompute, "OFFLOAD_ALONE", False)
-    monkeypatch.setattr(recompute, "_DISPATCH_SWITCH", math.inf)  # a plain plan
+    monkeypatch.setattr(recompute_planner, "DISPATCH_SWITCH", math.inf)  # a plain plan
     steps = _AUTO_STEPS + 2
     rows = _rows_step(lambda s: 8 if s < steps - 2 else 32)
     seen: dict[str, list[tuple[int, int, int]]] = {"auto": [], "full": []}
@@ -1834,7 +1836,7 @@ def test_two_forwards_whose_losses_come_before_each_backward_profile_as_one_step
         lengths.append(decider.profiling)
 
     _train_alike(tmp_path, monkeypatch, _model(Stack), step, "auto", after_step=after)
-    assert lengths.index(False) == len(recompute._PROFILE), lengths
+    assert lengths.index(False) == len(recompute_profile.PROFILE), lengths
 
 
 def _through(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
