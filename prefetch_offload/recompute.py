@@ -279,7 +279,6 @@ was decided, printed: recompute_plan.py).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import threading
@@ -294,7 +293,6 @@ from torch.utils.checkpoint import CheckpointPolicy
 from .agreement import AGREE_EVERY, RankAgreement
 from .blocks import PLAIN, SELECTIVE, WHOLE
 from .checkpointing import (
-    OFFLOAD,
     CheckpointStats,
     OpKey,
     draws_own_generator,
@@ -304,21 +302,14 @@ from .checkpointing import output_aliases as _aliases  # (storing one moves its 
 from .errors import OffloadFallbackWarning
 from .peak import PeakSampler
 from .recompute_plan import (
-    ALONE,
     OpDecision,
     Position,
     RecomputePlan,
     RecordingDecider,
-    summarize,
 )
 from .recompute_planner import (
-    TIE,
     Weighed,
-    leaner,
-    leanest_of_the_fastest,
-    lighter,
     make_plan,
-    why_chosen,
 )
 from .recompute_profile import (
     OFFLOAD_ALL,
@@ -327,16 +318,13 @@ from .recompute_profile import (
     RECOMPUTE_ALL,
     WHOLE_ALL,
     WHOLE_TIMED,
-    OpObs,
     Profile,
-    most,
 )
-from .recompute_trims import TrimsVerdict, ceiling_of, trims_verdict_of
+from .recompute_weighing import ActivePlan, Weighing
 from .stats import OffloadStats
 
 __all__ = ["AutoDecider", "OpDecision", "RecomputePlan", "RecordingDecider"]
 
-_MiB = 1 << 20
 # Whether a plan may run every block whole where offload alone measured fastest (tests
 # of the checkpointed paths turn it off, for a plan they can predict).
 OFFLOAD_ALONE = True
@@ -346,21 +334,6 @@ INTERLEAVE = True
 # Whether a plan the profile did not run as a whole is tried (NOTE [trial steps]); tests
 # that follow a selective or mixed plan step by step turn it off.
 TRIAL = True
-# NOTE [trial steps]: the planned steps timed before a tried plan is kept or replaced.
-_TRIAL_STEPS = 2
-# NOTE [trims a plan does without]: one planned step with heap trims, then these without.
-_UNTRIMMED_STEPS = 2
-# The measured figures that say a plan's blocks (:meth:`AutoDecider._switch` rewrites
-# them).
-_BLOCK_COUNTS = (
-    "blocks_whole",
-    "blocks_plain",
-    "blocks_selective",
-    "blocks_interleaved",
-    "whole_MiB",
-    "offload_alone",
-)
-
 # NOTE [profiling under trims]: steps alike in the bytes they move.
 _TRIM_CLASS = {
     WHOLE_ALL: "whole",
@@ -433,32 +406,6 @@ class AutoDecider:
         self._stats = stats
         self._agreement = agreement
         self._planned_steps = 0  # NOTE [ranks agree]: since the last plan, for the checks
-        self._trim_heap = trim_heap  # NOTE [a trim where the plan changes]
-        # NOTE [trims a plan does without]: holds the engine's heap trims off, or lets them
-        # run; the steps of the trims' trial left, their walls and peaks, what the plan
-        # keeps of the budget at the end of forward, what one block's recompute holds, and
-        # whether the trial runs plain checkpointing against offload alone (NOTE [plain
-        # without trims]).
-        self._hold_trims = hold_trims
-        self._trims_held = False
-        self._trims_held_now = trims_held
-        self._trim_trial_left = 0
-        self._trim_steps: list[Weighed] = []  # the trims' trial's steps, as measured
-        self._challenging = False
-        # A tried plan that moves nothing: whether its trial runs steps without trims, and
-        # the verdict on its trims there (_trims_verdict_of's; None: not judged).
-        self._trial_untrimmed = False
-        self._trial_trims: TrimsVerdict | None = None
-        self._trial_trimmed_s = math.inf  # its fastest trial step under trims
-        # Plain checkpointing's verdict and fastest step without trims, where it held
-        # within what they allow but lost to such a plan: the plan's stand-in should
-        # its trims come back (NOTE [plain without trims] in recompute_trims.py).
-        self._stand_in: tuple[TrimsVerdict, float] | None = None
-        # Once plain stands in: the plan's modes, share and block counts (its summary is
-        # printed from _trial_obs, kept meanwhile).
-        self._stood_for: tuple[dict[tuple[str, int], str], float, dict[str, float]] | None
-        self._stood_for = None
-        self._rival_modes: dict[tuple[str, int], str] = {}  # the plan plain runs in place of
         # NOTE [plans within the noise] in recompute_planner.py: sampled while the plan is
         # measured.
         self._peak_source = peaks
@@ -468,15 +415,25 @@ class AutoDecider:
         self._clock = clock
         self._ckpt_stats = checkpoint_stats
         self._lock = threading.RLock()
-        self._plan: dict[Position, CheckpointPolicy] = {}
-        self._reasons: dict[Position, tuple[str, float, float]] = {}
-        self._modes: dict[tuple[str, int], str] = {}  # per block, once planned
         # What the profiling steps measured (NOTE [keep, offload, recompute]).
         self._profile = Profile(stats, clock)
         # Block classes with an op that draws from a generator of the caller's own: their
         # blocks never run plainly (their recompute would draw again); those op positions.
         self._own_rng: set[str] = set()
         self._own_draws: set[Position] = set()
+        # The plan the blocks and ops follow, and the steps that still weigh it.
+        self._active = ActivePlan(self._own_draws)
+        self._weighing = Weighing(
+            self._active,
+            trim_heap=trim_heap,
+            hold_trims=hold_trims,
+            trims_held=trims_held,
+            weighs=hold_trims is not None and peaks is not None,
+            own_rng=self._own_rng,
+            stop_sampling=lambda: self._sample_peaks(False),
+            agreement=agreement,
+        )
+        self._trim_heap = trim_heap  # NOTE [a trim where the plan changes]
         self._step_no = 0  # the profiling step now (an index in PROFILE)
         self._phase = PROFILE[0]  # its kind, or PLANNED
         self._ended = PLANNED  # the kind of the step before this one
@@ -491,13 +448,7 @@ class AutoDecider:
         self._calls = [0, 0, 0]
         self._abandoned = False
         self._in_backward = False
-        self._step_saved = 0  # the bytes the blocks saved in the whole step (profiled)
-        self._peak_alone = 0  # the most offload alone held in this rank's profile (0: unknown)
         self._warned = False
-        # NOTE [trial steps]: the planned steps while a plan is tried, as measured, and the
-        # steps left.
-        self._trial_steps: list[Weighed] = []
-        self._trial_left = 0
         # The start of the step now, and the end of its last backward (NOTE [trial steps]).
         self._step_start: float | None = None
         self._backward_end: float | None = None
@@ -505,13 +456,6 @@ class AutoDecider:
         # NOTE [plans within the noise] in recompute_planner.py: the engine's
         # bytes_offloaded as the step now began.
         self._offloaded = 0
-        # The two plans the profile ran, by name (NOTE [trial steps]).
-        self._profiled_plans: dict[str, Weighed] = {}
-        self._trial_obs: dict[Position, OpObs] = {}  # the profile's, for the plan's summary
-        self._profiled: set[tuple[str, int]] = set()
-        self.plans_made = 0
-        self.measured: dict[str, float] = {}
-        self._last = RecomputePlan("auto")
 
     # -- BlockModes -------------------------------------------------------------------------
 
@@ -521,7 +465,7 @@ class AutoDecider:
                 self._step_started()
             if self._phase != PLANNED:
                 return _PHASE_MODE[self._phase]
-            how = self._modes.get((kind, index))
+            how = self._active.modes.get((kind, index))
             if how is None:  # a block the profile did not see: profile again
                 self._unplanned((kind, index))
                 how = PLAIN
@@ -586,7 +530,7 @@ class AutoDecider:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             if self._phase != PLANNED:
                 return CheckpointPolicy.PREFER_CPU_OFFLOAD
-            policy = self._plan.get(pos)
+            policy = self._active.plan.get(pos)
             if policy is None:  # NOTE [keep, offload, recompute]: profile again
                 self._unplanned(pos)
                 return CheckpointPolicy.PREFER_CPU_OFFLOAD
@@ -628,9 +572,7 @@ class AutoDecider:
         checkpointing ends unjudged (the plan made last is the plan)."""
         with self._lock:
             self._closed = True
-            if self._challenging:
-                self._modes = self._rival_modes
-                self._end_weighing()
+            self._weighing.close()
             self._sample_peaks(False)
 
     # -- the heap trims ---------------------------------------------------------------------
@@ -649,11 +591,11 @@ class AutoDecider:
                 ended, upcoming = self._ended, self._phase
             self._moved_by[_TRIM_CLASS[ended]] = moved
             if upcoming != PLANNED:  # a new profile: under trims, as every profile
-                self._hold(False)
+                self._weighing.hold(False)
             if _TRIM_CLASS[ended] != _TRIM_CLASS[upcoming]:
                 self._trim_heap()  # NOTE [a trim where the plan changes]
             default = 0 if _TRIM_CLASS[upcoming] == "checkpointed" else moved
-            if upcoming == PLANNED and self.measured.get("blocks_interleaved"):
+            if upcoming == PLANNED and self._active.measured.get("blocks_interleaved"):
                 # NOTE [interleaved blocks]: the bound offload alone ran under
                 return self._moved_by.get("whole", default)
             return self._moved_by.get(_TRIM_CLASS[upcoming], default)
@@ -687,19 +629,12 @@ class AutoDecider:
         again = self._runs_again()  # NOTE [abandoned forwards]
         self._abandoned, self._calls = self._abandoned_calls(), [0, 0, 0]
         if self._phase == PLANNED:
-            self._trims_released()
+            self._weighing.released()
             stale = self._agreed_stale()
-            if self._trial_left and not stale and not again:
-                self._trial_step_ended(Weighed(wall, peak, moved))
-            elif self._trim_trial_left and not stale and not again:
-                self._trim_step_ended(Weighed(wall, peak, moved))
+            if not stale and not again:
+                self._weighing.step_ended(Weighed(wall, peak, moved))
             if stale:
-                if self._challenging:  # (the plan made last runs no more: as it was)
-                    self._end_weighing()
-                self._trial_left, self._trial_obs, self._stand_in = 0, {}, None
-                self._stood_for = None
-                self._trim_trial_left, self._challenging = 0, False
-                self._hold(False)
+                self._weighing.stop()
                 self._profile.reset()
                 self._moved_by.clear()  # NOTE [profiling under trims]: a new profile
                 # (and its offload-all step sees again which classes draw their own)
@@ -718,8 +653,8 @@ class AutoDecider:
         self._make_plan()
         self._profile.reset()
         self._phase, self._planned_steps = PLANNED, 0
-        if not self._trial_left:
-            self._begin_trim_trial()
+        if not self._weighing.trial_left:
+            self._weighing.begin_trims_trial()
 
     def _abandoned_calls(self) -> bool:
         """Whether a block call of the step so far raised, or backward has not reached it
@@ -777,12 +712,12 @@ class AutoDecider:
         """Whether the step now is timed: a profiling step, a trial step (NOTE [trial
         steps]) or a step of plain checkpointing weighed against offload alone (NOTE
         [plain without trims])."""
-        return self._phase != PLANNED or bool(self._trial_left) or self._challenging
+        return self._phase != PLANNED or self._weighing.timing
 
     def _measuring(self) -> bool:
         """Whether the step now is measured: a profiling step, a trial step (NOTE [trial
         steps]) or a step of the trims' trial (NOTE [trims a plan does without])."""
-        return self._phase != PLANNED or bool(self._trial_left or self._trim_trial_left)
+        return self._phase != PLANNED or self._weighing.measuring
 
     def _sample_peaks(self, on: bool) -> None:
         """Sample memory while the plan is measured (not after the context exits)."""
@@ -809,46 +744,31 @@ class AutoDecider:
             may_run_alone=OFFLOAD_ALONE,
             may_interleave=INTERLEAVE,
         )
-        self._modes = planned.modes
-        self._plan.update(planned.plan)
-        self._reasons.update(planned.reasons)
-        self.plans_made += 1
-        self._step_saved = planned.step_saved
-        self._peak_alone = planned.peak_alone  # (this rank's: ranks that agree print rank 0's)
-        self.measured = planned.measured
-        self._profiled, self._share = planned.profiled, planned.share
-        self._profiled_plans = planned.profiled_plans
-        self._trial_left = _TRIAL_STEPS + 1 if TRIAL and planned.tried else 0
-        # NOTE [trims a plan does without]: a tried plan that moves nothing runs its last
-        # trial steps without trims.
-        weighs = self._hold_trims is not None and self._peak_source is not None
-        if self._trial_left and weighs and not self._moves():
-            self._trial_left += _UNTRIMMED_STEPS
-        self._trial_steps = []
+        self._active.adopt(planned)
+        self._weighing.plan_made(planned, tried=TRIAL and planned.tried)
         if self._agreement is not None:
             self._take_first_ranks_plan(self._agreement)
-        self._trial_untrimmed = self._trial_left > _TRIAL_STEPS + 1  # (rank 0's count)
-        self._trial_trims, self._trial_trimmed_s, self._stand_in = None, math.inf, None
-        self._stood_for = None
-        self._trial_obs = dict(self._profile.obs)  # (cleared once no trial can change it)
-        self._last = self._summarize(self._share, self._trial_obs)
+        self._weighing.trial_begins()
+        self._active.obs = dict(self._profile.obs)  # (cleared once no trial can change it)
+        self._active.summarize()
         self._warn_budget(planned.unreachable)
 
     def _take_first_ranks_plan(self, agreement: RankAgreement) -> None:
         """Run rank 0's plan (NOTE [ranks agree] in agreement.py): its block modes, its
         choice per op position with its reasons, its figures, and whether it is tried."""
-        mine = {(kind, str(func), n): (kind, func, n) for kind, func, n in self._plan}
+        active = self._active
+        mine = {(kind, str(func), n): (kind, func, n) for kind, func, n in active.plan}
         sent = agreement.first_rank(
             json.dumps(
                 {
-                    "modes": sorted([*key, how] for key, how in self._modes.items()),
+                    "modes": sorted([*key, how] for key, how in active.modes.items()),
                     "plan": sorted(
-                        [*name, self._plan[pos].name, *self._reasons[pos]]
+                        [*name, active.plan[pos].name, *active.reasons[pos]]
                         for name, pos in mine.items()
                     ),
-                    "measured": self.measured,
-                    "share": self._share,
-                    "trial_left": self._trial_left,
+                    "measured": active.measured,
+                    "share": active.share,
+                    "trial_left": self._weighing.trial_left,
                 }
             ).encode()
         )
@@ -856,9 +776,9 @@ class AutoDecider:
             return
         got = json.loads(sent)
         modes = {(kind, index): how for kind, index, how in got["modes"]}
-        if modes.keys() != self._modes.keys():
+        if modes.keys() != active.modes.keys():
             raise agreement.mismatch(
-                f"its blocks {sorted(modes)} are not this rank's {sorted(self._modes)}"
+                f"its blocks {sorted(modes)} are not this rank's {sorted(active.modes)}"
             )
         plan = {(kind, func, n): rest for kind, func, n, *rest in got["plan"]}
         if plan.keys() != mine.keys():
@@ -866,329 +786,13 @@ class AutoDecider:
                 f"its op positions ({len(plan)}) are not this rank's ({len(mine)}): "
                 f"{sorted(plan.keys() ^ mine.keys())[:4]} differ"
             )
-        self._modes = modes
+        active.modes = modes
         for name, (policy, why, seconds, move) in plan.items():
             pos = mine[name]
-            self._plan[pos] = CheckpointPolicy[policy]
-            self._reasons[pos] = (why, seconds, move)
-        self.measured = {**got["measured"], "ranks_agreeing": float(agreement.world)}
-        self._share, self._trial_left = got["share"], got["trial_left"]
-
-    def _trial_step_ended(self, step: Weighed) -> None:
-        """A planned step of a tried plan ended, as measured (NOTE [trial steps])."""
-        self._trial_steps.append(step)
-        self._trial_left -= 1
-        if self._trial_untrimmed and self._trial_left == _UNTRIMMED_STEPS:
-            self._hold(True)  # NOTE [trims a plan does without]: the last steps without
-        if self._trial_left == 0:
-            self._judge_trial()
-
-    def _judge_trial(self) -> None:
-        """Keep the tried plan or take a profiled one: the fastest of the three, unless
-        one within 5% of it held at least 5% less memory, or at most 5% more and moved
-        25% fewer bytes (NOTE [trial steps], NOTE [plans within the noise])."""
-        steps = self._trial_steps[1:]  # (the first planned step learns the order)
-        if self._trial_untrimmed:  # NOTE [trims a plan does without]: its trims, judged
-            n = _UNTRIMMED_STEPS
-            peaks = [step.peak for step in steps]
-            self._trial_trims = self._trims_verdict_of(most(peaks[:-n]), most(peaks[-n:]))
-            self._trial_trimmed_s = min(step.wall for step in steps[:-n])
-            # the steps without trims count where it may run without them
-            steps = steps[-n:] if self._trial_trims.held else steps[:-n]
-            self._hold(False)
-        tried = min(step.wall for step in steps)
-        trial_peak = most([step.peak for step in steps])
-        trial_moved = max(step.moved for step in steps)
-        # Without trims within what their verdict allows, the plan is weighed by time (NOTE
-        # [trims a plan does without]): the other plans' peaks were under trims.
-        untrimmed = self._trial_trims is not None and self._trial_trims.held
-        plans = {"trial": Weighed(tried, 0 if untrimmed else trial_peak, trial_moved)}
-        plans.update(self._profiled_plans)
-        chosen = leanest_of_the_fastest(plans)
-        choice = ("trial", "plain", "alone").index(chosen)
-        why = why_chosen(plans, chosen, "trial", "this plan's trial") if choice else ""
-        plain, alone = plans["plain"].wall, plans["alone"].wall
-        if self._agreement is not None:  # NOTE [ranks agree] in agreement.py: rank 0's
-            mine = [choice, why, tried, plain, alone, trial_peak, trial_moved]
-            got = json.loads(self._agreement.first_rank(json.dumps(mine).encode()))
-            choice, why, tried, plain, alone, trial_peak, trial_moved = got
-        if choice:
-            self._trial_trims = None  # (the tried plan's: another plan runs)
-            self._switch(PLAIN if choice == 1 else WHOLE, why)
-            self._trim_heap()  # NOTE [a trim where the plan changes]
-        self.measured.update(
-            trial_step_s=tried,
-            trial_plain_s=plain,
-            trial_alone_s=alone,
-            trial_choice=choice,
-            trial_peak_MiB=trial_peak / _MiB,
-            trial_moved_MiB=trial_moved / _MiB,
-        )
-        if untrimmed:
-            self.measured["trial_untrimmed"] = 1.0
-        self._last = self._summarize(self._share, self._trial_obs)
-        self._begin_trim_trial()
-
-    def _switch(self, how: str, than: str) -> None:
-        """Every profiled block checkpointed plainly (PLAIN) or whole (WHOLE), which
-        ``than`` says why."""
-        if how == PLAIN:
-            why = f"plain checkpointing of every block {than}"
-            m = self.measured  # (offload alone's reason, or the interleaving's, on every op)
-            alone = bool(m.get("offload_alone") or m.get("blocks_interleaved"))
-            moved = [
-                pos
-                for pos, policy in self._plan.items()
-                if (policy in OFFLOAD or alone) and pos not in self._own_draws
-            ]
-        else:
-            why = f"offload alone {than}"
-            moved = list(self._plan)
-        for pos in moved:
-            self._plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
-            self._reasons[pos] = (why, *self._reasons[pos][1:])
-        self._modes = dict.fromkeys(self._profiled, how)
-        n = len(self._profiled)
-        self.measured.update(
-            blocks_whole=n if how == WHOLE else 0,
-            blocks_plain=n if how == PLAIN else 0,
-            blocks_selective=0,
-            blocks_interleaved=0,
-            whole_MiB=0.0 if how == PLAIN else self.measured.get("whole_MiB", 0.0),
-            offload_alone=float(how == WHOLE),
-        )
-        self._share = 1.0 if how == PLAIN else 0.0
-
-    # -- the trims' trial (NOTE [trims a plan does without]) ---------------------------------
-
-    def _hold(self, on: bool, ceiling: int | None = None) -> None:
-        """Hold the engine's heap trims off (but where the process holds more than
-        ``ceiling`` bytes), or let them run."""
-        if self._hold_trims is not None and (self._trims_held != on or ceiling is not None):
-            self._hold_trims(on, ceiling)
-            self._trims_held = on
-
-    def _rival(self) -> tuple[str, Weighed] | None:
-        """The plan that plain checkpointing is weighed against without trims (NOTE
-        [plain without trims]): offload alone, or a tried plan its trial kept; its name
-        and its measured step (seconds, the most memory it held, 0: unknown, and the
-        bytes it moved). From the printed figures, which ranks that agree take from rank
-        0."""
-        m = self.measured
-        if m.get("offload_alone"):
-            peak, moved = m["peak_alone_MiB"], m.get("moved_alone_MiB", 0.0)
-            return ALONE, Weighed(m["wall_alone_s"], round(peak * _MiB), round(moved * _MiB))
-        if m.get("trial_choice") == 0 and "trial_step_s" in m:
-            peak, moved = m["trial_peak_MiB"], m.get("trial_moved_MiB", 0.0)
-            step = Weighed(m["trial_step_s"], round(peak * _MiB), round(moved * _MiB))
-            return "this plan's trial", step
-        return None
-
-    def _begin_trim_trial(self) -> None:
-        """The plan holds: where it is offload alone or a tried plan, weigh plain
-        checkpointing without trims against it (NOTE [plain without trims]); where it
-        moves nothing, weigh its heap trims; else stop sampling memory."""
-        weighs = self._hold_trims is not None and self._peak_source is not None
-        # (A block class that draws its own numbers is never plain.)
-        plain = math.isfinite(self.measured.get("wall_plain_s", math.inf)) and not self._own_rng
-        rival = self._rival() is not None
-        challenge = weighs and plain and rival
-        if self._agreement is not None and rival:  # NOTE [ranks agree]
-            challenge = json.loads(self._agreement.first_rank(json.dumps(challenge).encode()))
-        if challenge:
-            self._challenging, self._rival_modes = True, dict(self._modes)
-            self._modes = dict.fromkeys(self._profiled, PLAIN)
-            self.measured["weighing_plain"] = 1.0  # (the printed plan says so meanwhile)
-            self._last = self._summarize(self._share, self._trial_obs)
-            self._trim_heap()  # NOTE [a trim where the plan changes]
-            self._start_trim_steps(settling=True)
-        elif self._trial_trims is not None:  # its trims judged in its trial
-            self._apply_trims(self._trial_trims, record=True)
-            self._sample_peaks(False)
-            self._trial_obs = {}
-        elif weighs and not self._moves():  # (after a trial's steps without trims, their
-            self._start_trim_steps(settling=self._trial_untrimmed)  # heap settles first)
-        else:
-            self._sample_peaks(False)
-            self._trial_obs = {}
-
-    def _end_weighing(self) -> None:
-        """Plain checkpointing no longer runs in the plan's place unjudged: its steps end,
-        and the plan made last is printed as it was (NOTE [plain without trims])."""
-        self._challenging, self._trim_trial_left = False, 0
-        del self.measured["weighing_plain"]
-        self._last = self._summarize(self._share, self._trial_obs)
-
-    def _moves(self) -> bool:
-        """Whether the plan moves activations: selective blocks, whole blocks beyond the
-        budget (offload alone, or interleaved with plain ones)."""
-        m = self.measured
-        return any(m.get(k) for k in ("blocks_selective", "offload_alone", "blocks_interleaved"))
-
-    def _start_trim_steps(self, *, settling: bool) -> None:
-        """The trims' trial: one step under trims, then _UNTRIMMED_STEPS without; after
-        a first, uncounted step where ``settling`` (plain checkpointing in place of
-        another plan: its trim bound follows what that plan moved)."""
-        self._trim_trial_left = 1 + _UNTRIMMED_STEPS + settling
-        self._trim_steps = []
-
-    def _trim_step_ended(self, step: Weighed) -> None:
-        """A step of the trims' trial ended, as measured: the last but _UNTRIMMED_STEPS
-        ran under trims, those after it without."""
-        self._trim_steps.append(step)
-        self._trim_trial_left -= 1
-        if self._trim_trial_left == _UNTRIMMED_STEPS:
-            self._hold(True)
-        elif self._trim_trial_left == 0:
-            self._judge_trims()
-
-    def _judge_trims(self) -> None:
-        """Hold the trims off for good where the steps without them held no more than
-        the step under them or offload alone in the profile, whichever held more, and
-        5% of the bytes a step saves (NOTE [trims a plan does without]); else let them
-        run, with one trim now for what the steps without them left. Where plain
-        checkpointing ran in place of another plan, it stays only where its trims are
-        held off and :meth:`_weigh_plain` prefers it (NOTE [plain without trims])."""
-        under, *without = self._trim_steps[-1 - _UNTRIMMED_STEPS :]
-        trimmed, untrimmed = under.peak, most([step.peak for step in without])
-        verdict = self._trims_verdict_of(trimmed, untrimmed)
-        again, record = False, True  # again: the plan that ran again, its own trims' trial
-        challenged, self._challenging = self._challenging, False
-        if challenged:
-            del self.measured["weighing_plain"]
-            wall = min(step.wall for step in without)
-            moved = max(step.moved for step in without)
-            plain = self._weigh_plain(verdict.held, Weighed(wall, untrimmed, moved))
-            self.measured.update(
-                plain_trims_peak_MiB=trimmed / _MiB,
-                plain_untrimmed_peak_MiB=untrimmed / _MiB,
-                plain_allowed_MiB=verdict.allowed / _MiB,
-            )
-            if not plain and self._trial_trims is not None:  # the plan's, from its trial
-                held_off = self._trial_trims.held and self._agreement is None
-                if verdict.held and held_off:  # NOTE [plain without trims]: its stand-in
-                    self._stand_in = (verdict, wall)
-                verdict = self._trial_trims
-            else:  # (where the plan runs again, the other plan's trims go untried)
-                verdict, record = verdict._replace(held=plain), plain
-            again = not plain and not self._moves() and self._trial_trims is None
-        self._apply_trims(verdict, record=record)
-        self._last = self._summarize(self._share, self._trial_obs)
-        if again:
-            self._start_trim_steps(settling=True)  # (its bound follows plain's moves)
-            return
-        self._sample_peaks(False)
-        if self._stand_in is None:  # (a stand-in's plan is printed from them)
-            self._trial_obs = {}
-
-    def _trims_released(self) -> None:
-        """Where trims held off for good run again (the process passed their ceiling
-        twice within CEILING_STEPS steps), the plan says so (NOTE [trims a plan does
-        without]). Where they were a tried plan's and plain checkpointing stands in for
-        it, faster without trims than the plan with them, plain runs in its place, its
-        trims held off under their own ceiling; where plain's come back too, the faster
-        of the two under trims runs (NOTE [plain without trims] in recompute_trims.py)."""
-        now = self._trims_held_now
-        if not (self._trims_held and self.measured.get("trims_held") and now and not now()):
-            return
-        self._trims_held = False
-        stand_in, self._stand_in = self._stand_in, None
-        stood_for, self._stood_for = self._stood_for, None
-        obs, self._trial_obs = self._trial_obs, {}
-        self.measured.update(trims_held=0.0, trims_released=1.0)
-        if stand_in is not None and stand_in[1] < self._trial_trimmed_s:
-            verdict = stand_in[0]
-            self._stood_for = (dict(self._modes), self._share, self._block_counts())
-            self.measured.update(
-                stand_in=1.0,
-                plan_ceiling_MiB=self.measured.get("trims_ceiling_MiB", 0.0),
-                trial_trimmed_s=self._trial_trimmed_s,
-                trims_released=0.0,
-            )
-            self._switch(PLAIN, "standing in for the tried plan, heap trims held off")
-            self._apply_trims(verdict, record=True)
-            self._trial_obs = obs  # (until plain's own trims come back)
-            self._last = self._summarize(self._share, obs)
-            return
-        if stood_for is not None and self._trial_trims is not None:
-            plain = self._profiled_plans["plain"]
-            plan = Weighed(self._trial_trimmed_s, self._trial_trims.trimmed, 0)
-            chosen = leanest_of_the_fastest({"plain": plain, "plan": plan})
-            self.measured["stand_in_kept"] = float(chosen == "plain")
-            if chosen == "plan":
-                self._modes, self._share, counts = stood_for
-                self.measured.update(counts)
-            self._last = self._summarize(self._share, obs)
-            return
-        m = {**self._last.measured, "trims_held": 0.0, "trims_released": 1.0}
-        self._last = dataclasses.replace(self._last, measured=m)
-
-    def _block_counts(self) -> dict[str, float]:
-        """The plan's blocks as :meth:`_switch` rewrites them in ``measured``."""
-        return {k: self.measured[k] for k in _BLOCK_COUNTS if k in self.measured}
-
-    def _trims_verdict_of(self, trimmed: int, untrimmed: int) -> TrimsVerdict:
-        """Whether trims are held off where a step under them held ``trimmed`` bytes and
-        steps without them ``untrimmed`` at most: no more than that step or offload alone
-        in the profile, whichever held more, and 5% of the bytes a step saves (NOTE [trims
-        a plan does without]); with the two peaks and that allowance."""
-        return trims_verdict_of(trimmed, untrimmed, alone=self._peak_alone, saved=self._step_saved)
-
-    def _apply_trims(self, verdict: TrimsVerdict, *, record: bool) -> None:
-        """Hold the trims off for good, or let them run with one trim now for what steps
-        without them left; the plan prints the figures where held, or where ``record``.
-        Held off, one trim runs where the process passes the larger of the allowance and
-        105% of what the steps without them held (the latter alone where the step under
-        them is unknown; no ceiling where the untrimmed peak is unknown: held by rank
-        0's word), and the trims run again where it passes it twice within CEILING_STEPS
-        steps."""
-        held, trimmed, untrimmed, allowed = verdict
-        figures = {
-            "trims_held": float(held),
-            "trims_peak_MiB": trimmed / _MiB,
-            "untrimmed_peak_MiB": untrimmed / _MiB,
-            "trims_allowed_MiB": allowed / _MiB,
-        }
-        if held:
-            ceiling = ceiling_of(verdict)
-            self._hold(True, ceiling)
-            self.measured.update(figures, trims_ceiling_MiB=(ceiling or 0) / _MiB)
-        else:
-            self._hold(False)
-            self._trim_heap()
-            if record:
-                self.measured.update(figures)
-
-    def _weigh_plain(self, held: bool, step: Weighed) -> bool:
-        """Plain checkpointing ran in place of the plan (offload alone, or a tried plan),
-        as ``step`` measured its steps without trims, ``held``: it held no more without
-        them than the verdict allows. Keep it where it ran faster than the plan's
-        measured steps, or, where the plan moves activations, within 5% of them holding
-        5% less, or at most 5% more and moving 25% fewer bytes; else the plan runs again
-        (NOTE [plain without trims]). Whether plain runs (its trims held off: rank 0's
-        choice, where ranks agree)."""
-        name, theirs = self._rival() or ("", Weighed(math.inf, 0, 0))
-        wall, rival = step.wall, theirs.wall
-        close = wall <= (1 + TIE) * rival
-        # NOTE [plain without trims]: against a plan that moves nothing, time alone.
-        moves = name == ALONE or theirs.moved > 0
-        as_good = close and moves and (leaner(step, theirs) or lighter(step, theirs))
-        plain = held and (wall < rival or as_good)  # (held: within what the verdict allows)
-        if self._agreement is not None:  # NOTE [ranks agree] in agreement.py: rank 0's
-            plain = json.loads(self._agreement.first_rank(json.dumps(plain).encode()))
-        self.measured.update(
-            untrimmed_plain_s=wall,
-            untrimmed_choice=float(plain),
-            rival_s=rival,
-            rival_peak_MiB=theirs.peak / _MiB,
-            rival_alone=float(name == ALONE),
-        )
-        if plain:
-            why = why_chosen({"plain": step, name: theirs}, "plain", name, name)
-            self._switch(PLAIN, "with heap trims held off " + why)
-            return True
-        self._modes = self._rival_modes
-        return False
+            active.plan[pos] = CheckpointPolicy[policy]
+            active.reasons[pos] = (why, seconds, move)
+        active.measured = {**got["measured"], "ranks_agreeing": float(agreement.world)}
+        active.share, self._weighing.trial_left = got["share"], got["trial_left"]
 
     def _warn_budget(self, unreachable: tuple[int, str] | None) -> None:
         """Warn once where a budget no plan reaches (what :meth:`_unreachable` said)."""
@@ -1207,17 +811,22 @@ class AutoDecider:
                 stacklevel=2,
             )
 
-    def _summarize(self, share: float, obs: dict[Position, OpObs]) -> RecomputePlan:
-        """The plan as printed, from the profile's op measurements ``obs``, the blocks still
-        checkpointed taking ``share`` of their bytes."""
-        return summarize(obs, self._plan, self._reasons, share, self.measured, self.plans_made)
-
     def plan(self) -> RecomputePlan:
         """The last plan made (empty before the first profiling step has ended)."""
         with self._lock:
-            return self._last
+            return self._active.last
 
     @property
     def profiling(self) -> bool:
         """Whether the current step warms up or profiles (no plan acts yet)."""
         return self._phase != PLANNED
+
+    @property
+    def measured(self) -> dict[str, float]:
+        """The figures the plan now in force was made and weighed by."""
+        return self._active.measured
+
+    @property
+    def plans_made(self) -> int:
+        """Times the plan was made (a profile each)."""
+        return self._active.plans_made

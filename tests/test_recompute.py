@@ -30,6 +30,7 @@ from prefetch_offload import (
     recompute,
     recompute_planner,
     recompute_trims,
+    recompute_weighing,
 )
 from prefetch_offload.agreement import AGREE_EVERY
 from prefetch_offload.blocks import PLAIN, SELECTIVE, WHOLE
@@ -45,6 +46,7 @@ from prefetch_offload.recompute_profile import (
     WHOLE_TIMED,
     Profile,
 )
+from prefetch_offload.recompute_weighing import ActivePlan
 from prefetch_offload.testing import TinyTransformer, make_batch, warm_up_unary_ops
 
 P = CheckpointPolicy
@@ -830,8 +832,8 @@ def test_where_offload_alone_won_every_other_block_it_would_move_is_tried_plain(
     assert "every other block the budget does not keep checkpointed plainly" in str(plan)
     op_bytes = 6 * sum(nbytes for _, nbytes, _ in _CHEAP)  # every block's, a step
     assert plan.bytes_recomputed == pytest.approx(op_bytes * 2 / 6, rel=1e-6)  # two plain
-    assert plan.bytes_offloaded == 0 and decider._moves()
-    for _ in range(recompute._TRIAL_STEPS + 1):
+    assert plan.bytes_offloaded == 0 and decider._active.moves()
+    for _ in range(recompute_weighing.TRIAL_STEPS + 1):
         assert [decider.mode("Block", b) for b in range(6)] == interleaved
         run(step_s=trial_s, bytes_offloaded=trial_moved)
     modes = [decider.mode("Block", b) for b in range(6)]  # (the last trial step ends)
@@ -848,7 +850,7 @@ def test_where_offload_alone_won_every_other_block_it_would_move_is_tried_plain(
         assert "offload alone ran faster than this plan's trial" in str(decider.plan())
     else:
         assert modes == interleaved
-        assert m["trial_step_s"] == pytest.approx(6 * trial_s) and decider._moves()
+        assert m["trial_step_s"] == pytest.approx(6 * trial_s) and decider._active.moves()
 
 
 def test_where_offload_alone_won_with_one_block_to_move_none_is_interleaved() -> None:
@@ -862,11 +864,11 @@ def test_where_offload_alone_won_with_one_block_to_move_none_is_interleaved() ->
     assert decider.mode("Block", 0) == WHOLE
     m = decider.plan().measured
     assert m["offload_alone"] == 1.0 and m["blocks_interleaved"] == 0
-    assert decider._trial_left == 0  # nothing to try
+    assert decider._weighing.trial_left == 0  # nothing to try
     decider, _ = _alone_won(2, 100)
     assert [decider.mode("Block", b) for b in range(2)] == [PLAIN, WHOLE]
     m = decider.plan().measured
-    assert m["blocks_interleaved"] == 0 and decider._trial_left > 0
+    assert m["blocks_interleaved"] == 0 and decider._weighing.trial_left > 0
 
 
 def test_without_trials_or_for_a_profiled_plan_nothing_is_tried(
@@ -1044,7 +1046,7 @@ def test_memory_is_sampled_while_a_plan_is_measured_and_not_after_close() -> Non
     decider = _plan(3.0, 2.5, peaks=source, **_SLOW_LINK)
     assert decider.mode("Block", 0) == SELECTIVE and source.running  # on trial
     _planned_steps(decider, [3.0, 3.0, 3.0], 1)
-    assert not decider._trial_left and not source.running  # judged
+    assert not decider._weighing.trial_left and not source.running  # judged
     assert decider.mode("Block", 7) == PLAIN and decider._stale  # a block not profiled
     decider.backward("Block", 7)
     assert decider.mode("Block", 0) == WHOLE and decider.profiling and source.running
@@ -1342,7 +1344,7 @@ def test_a_new_structure_while_plain_is_weighed_profiles_again_under_trims() -> 
     assert decider.mode("Block", 7) == PLAIN and decider._stale
     decider.backward("Block", 7)
     assert decider.mode("Block", 0) == WHOLE and decider.profiling
-    assert calls == [True, False] and not decider._challenging
+    assert calls == [True, False] and not decider._weighing._challenging
     assert "weighing_plain" not in decider.plan().measured  # (the plan made last, as it was)
 
 
@@ -1643,8 +1645,8 @@ def test_auto_is_bit_identical_and_plans_once(
     # The profile, the trial (a plan it did not run as it is: which one the clock
     # decides), four steps of plain checkpointing where offload alone or a tried plan
     # runs (NOTE [plain without trims]), four of a tried plan's own trims, one of the plan.
-    weighing = 2 + recompute._UNTRIMMED_STEPS  # (a first step uncounted, one trimmed)
-    steps = len(PROFILE) + 1 + recompute._TRIAL_STEPS + 2 * weighing + 1
+    weighing = 2 + recompute_weighing.UNTRIMMED_STEPS  # (a first step uncounted, one trimmed)
+    steps = len(PROFILE) + 1 + recompute_weighing.TRIAL_STEPS + 2 * weighing + 1
     # Another length: the same structure, no new plan.
     lengths = ([16, 16, 16, 12, 16, 20, 16, 12] * 3)[:steps]
     ref = _grads(_model(), steps, lengths)
@@ -1671,7 +1673,7 @@ def test_auto_is_bit_identical_and_plans_once(
         assert len(bases) == steps - 1 and bases[1] == 0  # the first recompute-all step: floor
     assert _exact(ref, got)
     assert plan is not None and plan.mode == "auto" and plan.plans_made == 1
-    assert not decider._trial_left and not decider._trim_trial_left  # settled
+    assert not decider._weighing.trial_left and not decider._weighing._trim_trial_left  # settled
     assert "weighing_plain" not in plan.measured
     if plan.measured["offload_alone"]:  # every block whole: nothing checkpointed
         assert alone and plan.bytes_recomputed == stats.step_bytes_recomputed == 0
@@ -1731,7 +1733,7 @@ def test_profile_and_trial_steps_wait_for_the_device_at_both_ends(
     # (A tried plan kept, or offload alone: plain checkpointing weighed in its place,
     # by the clock; NOTE [plain without trims].)
     weighs = "untrimmed_plain_s" in m or "weighing_plain" in m
-    weighed = 2 + recompute._UNTRIMMED_STEPS if weighs else 0
+    weighed = 2 + recompute_weighing.UNTRIMMED_STEPS if weighs else 0
     timed = len(PROFILE) + tried + weighed  # steps whose time counts or could
     per_step = collections.Counter(calls)
     # Step k's backward end is counted at k (before the append), its start at k.
@@ -1753,11 +1755,11 @@ def test_a_trial_that_changes_the_plan_mid_training_stays_bit_identical(
 
     def make_plan(decider: AutoDecider) -> None:
         real_make_plan(decider)
-        decider._trial_left = recompute._TRIAL_STEPS + 1
-        decider._trial_obs = dict(decider._profile.obs)
+        decider._weighing.trial_left = recompute_weighing.TRIAL_STEPS + 1
+        decider._active.obs = dict(decider._profile.obs)
         fast = {"plain": 0.0, "alone": math.inf} if to == "plain" else {"plain": math.inf}
         walls = {"alone": 0.0, **fast}
-        decider._profiled_plans = {
+        decider._weighing.profiled_plans = {
             name: recompute_planner.Weighed(wall, 0, 0) for name, wall in walls.items()
         }
 
@@ -1773,7 +1775,7 @@ def test_a_trial_that_changes_the_plan_mid_training_stays_bit_identical(
         got = _grads(model, steps)
         plan = engine.recompute_plan()
         stats = engine.stats()
-        modes = set(engine._decider._modes.values())  # type: ignore[union-attr]
+        modes = set(engine._decider._active.modes.values())  # type: ignore[union-attr]
     assert plan is not None and plan.measured["trial_choice"] == (1 if to == "plain" else 2)
     assert modes == {PLAIN if to == "plain" else WHOLE}
     assert (stats.step_bytes_recomputed > 0) == (to == "plain")
@@ -1828,7 +1830,7 @@ def test_plain_weighed_without_trims_runs_as_judged_and_stays_bit_identical(
     monkeypatch.setattr(recompute_planner, "leanest_of_the_fastest", lambda plans: "alone")
     # what plain weighs against
     rival = ("offload alone", recompute_planner.Weighed(math.inf if to == "plain" else 0.0, 0, 0))
-    monkeypatch.setattr(AutoDecider, "_rival", lambda d: rival if d.measured else None)
+    monkeypatch.setattr(ActivePlan, "rival", lambda a: rival if a.measured else None)
     monkeypatch.setattr(recompute_planner, "DISPATCH_SWITCH", math.inf)  # (not selective)
     monkeypatch.setattr(recompute_trims, "TRIMS_SLACK", math.inf)  # the trims would be held off
     warm_up_unary_ops()
@@ -1844,14 +1846,14 @@ def test_plain_weighed_without_trims_runs_as_judged_and_stays_bit_identical(
             pytest.skip("no heap trims here (not glibc)")
         decider = engine._decider
         got = _grads(model, len(PROFILE) + 2)
-        assert set(decider._modes.values()) == {PLAIN} and not heap.held  # under trims
+        assert set(decider._active.modes.values()) == {PLAIN} and not heap.held  # under trims
         got += _grads(model, 1)
-        assert set(decider._modes.values()) == {PLAIN} and heap.held
+        assert set(decider._active.modes.values()) == {PLAIN} and heap.held
         got += _grads(model, 3)
         plan = engine.recompute_plan()
         stats = engine.stats()
         assert heap.held == (to == "plain")
-        assert set(decider._modes.values()) == {PLAIN if to == "plain" else WHOLE}
+        assert set(decider._active.modes.values()) == {PLAIN if to == "plain" else WHOLE}
     assert plan is not None and plan.measured["untrimmed_choice"] == float(to == "plain")
     assert plan.measured["blocks_whole"] == (0 if to == "plain" else 4)
     assert (stats.step_bytes_recomputed > 0) == (to == "plain") and plan.plans_made == 1
@@ -1875,7 +1877,7 @@ def test_an_interleaved_plan_moves_its_whole_blocks_only_and_stays_bit_identical
         return "trial" if "trial" in plans else "alone"
 
     monkeypatch.setattr(recompute_planner, "leanest_of_the_fastest", choose)  # the profile's
-    monkeypatch.setattr(recompute, "leanest_of_the_fastest", choose)  # the trial's
+    monkeypatch.setattr(recompute_weighing, "leanest_of_the_fastest", choose)  # the trial's
     monkeypatch.setattr(recompute_planner, "DISPATCH_SWITCH", math.inf)  # (not selective)
     moved: list[int] = []  # each step's, as the engine hands it over at the next step
     bases: list[int] = []
@@ -1889,7 +1891,7 @@ def test_an_interleaved_plan_moves_its_whole_blocks_only_and_stays_bit_identical
     monkeypatch.setattr(AutoDecider, "trim_basis", basis)
     warm_up_unary_ops()
     whole_step = PROFILE.index(WHOLE_TIMED)
-    steps = len(PROFILE) + 1 + recompute._TRIAL_STEPS + 1  # (judged, one more)
+    steps = len(PROFILE) + 1 + recompute_weighing.TRIAL_STEPS + 1  # (judged, one more)
 
     ref = _grads(_model(), steps)
     got: list[list[torch.Tensor]] = []

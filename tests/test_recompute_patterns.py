@@ -1738,7 +1738,7 @@ def test_a_step_of_whole_blocks_counts_nothing_once_its_backward_ended(
         if decider.profiling:
             phases.append(recompute._PHASE_MODE[decider._phase])
         else:
-            phases.append(decider._modes[("MLPBlock", 0)])
+            phases.append(decider._active.modes[("MLPBlock", 0)])
         s = engine.stats()
         counts.append((s.step_bytes_kept, s.step_bytes_offloaded, s.step_bytes_recomputed))
 
