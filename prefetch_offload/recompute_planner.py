@@ -255,118 +255,23 @@ def make_plan(
     offload, recompute] in recompute.py); ``may_run_alone``: offload alone (every block
     whole) may be the plan; ``may_interleave``: where offload alone beat plain
     checkpointing, the plan tried interleaves them (NOTE [interleaved blocks])."""
-    s0, s1 = profile.s0, profile.s1
-    assert s0 is not None and s1 is not None
-    f_off, b_off, n = profile.block_times(OFFLOAD_ALL)
-    # The recompute-all step next to the offload-all one: the two are differenced
-    # for the move cost, and the lower of two noisy steps would bias it upward.
-    f_rec, b_rec, _ = profile.step_block_times(profile.steps(RECOMPUTE_ALL)[0])
+    _, _, n = profile.block_times(OFFLOAD_ALL)  # (the blocks the step ran)
     # What the modes measured of themselves per block, forward and recompute (NOTE
     # [dispatch cost] in checkpointing.py), the median block.
     spent = [v for i in profile.steps(RECOMPUTE_ALL) for v in profile.dispatch.get(i, {}).values()]
     in_modes = statistics.median(spent) if spent else 0.0
     n = max(n, 1)
-    # Whole blocks: the newest whose saved bytes the budget keeps anyway, beside what
-    # the model saves outside the blocks and the inputs of the blocks it does not keep.
-    whole: list[tuple[str, int]] = []
-    held = 0
-    inputs = {key: max(span.saved, 0) for key, span in profile.spans.get(INPUTS_STEP, {}).items()}
-    beside = (profile.outside.nbytes if profile.outside else 0) + sum(inputs.values())
-    for key, span in sorted(
-        profile.spans.get(WHOLE_ALL_STEP, {}).items(), key=lambda kv: -kv[0][1]
-    ):
-        # A block whose saved tensors never reached the engine's tiers (nothing
-        # measured) is not known to fit.
-        others = beside - inputs.get(key, 0)
-        if span.saved <= 0 or held + span.saved + others > budget:
-            break
-        held += span.saved
-        beside = others
-        whole.append(key)
+    whole, held, beside = _whole_blocks(profile, budget)
     rest = n - len(whole)
     # The blocks the budget does not keep, whose plans the offload-alone test compares
     # (a kept block runs whole either way, and costs no moves).
     kept = set(whole)
-    # Of the profiled bytes and seconds, the share of the blocks still checkpointed:
-    # by their op output bytes (a block the model calls at two places counts both).
-    total = sum(profile.block_bytes.values())
-
-    def share_beside(run_whole: set[tuple[str, int]], count: int) -> float:
-        """The profiled op output bytes' share in the blocks not in ``run_whole``
-        (``count`` of the ``n``, where none were measured)."""
-        inside = sum(b for key, b in profile.block_bytes.items() if key not in run_whole)
-        return inside / total if total else count / n
-
-    share = share_beside(kept, rest)
+    share = _share_beside(profile, kept, rest, n)
     others = {key for key in profile.spans.get(WHOLE_ALL_STEP, {}) if key not in kept}
-    t_fwd, t_bwd = max(n * f_off, 1e-9), max(n * b_off, 1e-9)
-    step_offload, step_recompute = n * (f_off + b_off), n * (f_rec + b_rec)
     # The dispatch modes' own cost per block (NOTE [keep, offload, recompute] in recompute.py).
     overhead = DISPATCH_SWITCH * in_modes
-    moved = s1.bytes_offloaded - s0.bytes_offloaded
-    e_fwd = (s1.pack_wait_seconds - s0.pack_wait_seconds) + (
-        s1.copy_wait_seconds - s0.copy_wait_seconds
-    )
-    e_bwd = s1.stall_seconds - s0.stall_seconds
-    read = s1.bytes_read - s0.bytes_read
-    read_s = s1.read_seconds - s0.read_seconds
-    stored = sum(o.nbytes for o in profile.obs.values() if o.fixed is None)
-    # What the recompute-all step recomputed that the offload-all step read back.
-    recomputed_s = sum(o.total_s for o in profile.obs.values() if o.fixed is None and o.consumed)
-    write_bw = moved / t_fwd if moved else math.inf
-    read_bw = read / read_s if read and read_s > 0 else math.inf
-    # Moving `moved` bytes cost the offload-all step this much beyond the compute the
-    # recompute-all step spent instead, less the stalls the exposure terms model.
-    move_cost = step_offload - (step_recompute - recomputed_s)
-    per_byte = max(move_cost - e_fwd - e_bwd, 0.0) / moved if moved else 0.0
-    hide_f = max(t_fwd - e_fwd, 0.0)
-    hide_b = max(t_bwd - e_bwd, 0.0)
-    # The bytes the budget keeps of the outputs, less what the whole blocks take of it.
-    left_on_device = max(stored - moved - held, 0)
-
-    def cost(cut: float, recompute_s: float) -> float:
-        out = max(stored * share - cut - left_on_device, 0)
-        part = out / moved if moved else 0.0  # of the stalls step (2) measured
-        return (
-            per_byte * out
-            + max(part * e_fwd, out / write_bw - hide_f)
-            + max(part * e_bwd, out / read_bw - hide_b - recompute_s)
-        )
-
-    plan: dict[Position, CheckpointPolicy] = {}
-    reasons: dict[Position, tuple[str, float, float]] = {}
-    free = []
-    candidates = []
-    for pos, obs in profile.obs.items():
-        if obs.fixed == "generator":  # NOTE [random ops] in checkpointing.py
-            plan[pos] = CheckpointPolicy.PREFER_CPU_OFFLOAD
-            why = "draws from a generator of the caller's own, which no recompute restores"
-            reasons[pos] = (why, obs.total_s, 0.0)
-        elif obs.fixed is not None:
-            plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
-            why = "aliases another tensor" if obs.fixed == "alias" else "draws random numbers"
-            reasons[pos] = (why, obs.total_s, 0.0)
-        elif obs.consumed == 0 or obs.nbytes == 0:
-            plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
-            reasons[pos] = ("never needed by the recompute", 0.0, 0.0)
-            free.append(pos)
-        else:
-            candidates.append((obs.total_s / obs.nbytes, pos))
-    cut = sum(profile.obs[p].nbytes for p in free) * share
-    recompute_s = gain = 0.0
-    for _, pos in sorted(candidates, key=lambda c: c[0]):
-        obs = profile.obs[pos]
-        nbytes, seconds = obs.nbytes * share, obs.total_s * share
-        move = cost(cut, recompute_s) - cost(cut + nbytes, recompute_s + seconds)
-        if seconds < move:
-            plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
-            reasons[pos] = ("recompute is cheaper than moving", seconds, move)
-            cut += nbytes
-            recompute_s += seconds
-        else:
-            plan[pos] = CheckpointPolicy.PREFER_CPU_OFFLOAD
-            reasons[pos] = ("moving is cheaper than recompute", seconds, move)
-            gain += seconds - move
+    model = _MoveModel.of(profile, n, held)
+    plan, reasons, gain = _per_op(profile, share, model)
     # NOTE [a budget no plan reaches]: then the leanest plan, every block plain.
     unreachable = unreachable_budget(profile, budget)
     lean = unreachable is not None
@@ -420,7 +325,7 @@ def make_plan(
     )
     # NOTE [interleaved blocks]: where offload alone beat plain checkpointing, the
     # plan tried runs every other block the budget does not keep whole, the rest plain.
-    interleaved: list[tuple[str, int]] = []
+    interleaved: list[Block] = []
     if may_interleave and alone_won and not selective:
         interleaved = sorted(profiled - kept, key=lambda key: key[1])[1::2]
     tried = selective or bool(interleaved) or 0 < len(whole) < len(profiled)
@@ -440,7 +345,7 @@ def make_plan(
                 reasons[pos] = (why, reasons[pos][1], reasons[pos][2])
         whole += interleaved
         rest -= len(interleaved)
-        share = share_beside(set(whole), rest)
+        share = _share_beside(profile, set(whole), rest, n)
     if offload_alone:
         for pos in plan:
             plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
@@ -461,8 +366,6 @@ def make_plan(
         "dispatch_s_per_block": overhead,
         "dispatch_in_modes_s": in_modes,
         "selective_gain_s": gain,
-        "step_offload_all_s": step_offload,
-        "step_recompute_all_s": step_recompute,
         # The blocks' share of the step with every block whole, and with the blocks the
         # budget keeps whole and the rest checkpointed (estimates, from block medians).
         "step_whole_s": step_kept + checkpointed * block_whole,
@@ -476,15 +379,7 @@ def make_plan(
         "moved_plain_MiB": profiled_plans["plain"].moved / _MiB,
         "moved_alone_MiB": profiled_plans["alone"].moved / _MiB,
         "offload_alone": float(offload_alone),
-        "recompute_s": recomputed_s,
-        "move_s_per_GB": per_byte * 1e9,
-        "forward_s": t_fwd,
-        "backward_s": t_bwd,
-        "moved_MiB": moved / _MiB,
-        "forward_stall_s": e_fwd,
-        "backward_stall_s": e_bwd,
-        "write_GBps": write_bw / 1e9 if math.isfinite(write_bw) else math.inf,
-        "read_GBps": read_bw / 1e9 if math.isfinite(read_bw) else math.inf,
+        **model.figures(),
     }
     return Planned(
         plan,
@@ -499,6 +394,180 @@ def make_plan(
         step_saved,
         peak_alone,
     )
+
+
+def _whole_blocks(profile: Profile, budget: int) -> tuple[list[Block], int, int]:
+    """The blocks that run whole: the newest whose saved bytes the budget keeps anyway,
+    beside what the model saves outside the blocks and the inputs of the blocks it does
+    not keep; with the bytes they save, and the bytes saved beside them."""
+    whole: list[Block] = []
+    held = 0
+    inputs = {key: max(span.saved, 0) for key, span in profile.spans.get(INPUTS_STEP, {}).items()}
+    beside = (profile.outside.nbytes if profile.outside else 0) + sum(inputs.values())
+    for key, span in sorted(
+        profile.spans.get(WHOLE_ALL_STEP, {}).items(), key=lambda kv: -kv[0][1]
+    ):
+        # A block whose saved tensors never reached the engine's tiers (nothing
+        # measured) is not known to fit.
+        others = beside - inputs.get(key, 0)
+        if span.saved <= 0 or held + span.saved + others > budget:
+            break
+        held += span.saved
+        beside = others
+        whole.append(key)
+    return whole, held, beside
+
+
+def _share_beside(profile: Profile, run_whole: set[Block], count: int, n: int) -> float:
+    """Of the profiled op output bytes and seconds, the share of the blocks still
+    checkpointed (not in ``run_whole``): by their op output bytes (a block the model
+    calls at two places counts both); ``count`` of the ``n`` where none were measured."""
+    total = sum(profile.block_bytes.values())
+    inside = sum(b for key, b in profile.block_bytes.items() if key not in run_whole)
+    return inside / total if total else count / n
+
+
+@dataclass(frozen=True)
+class _MoveModel:
+    """What moving the op outputs cost the offload-all step beyond recomputing them
+    (NOTE [keep, offload, recompute] in recompute.py): its blocks' forward and backward
+    seconds, the bytes it moved and stored, the stalls it met, the write and read
+    bandwidths, the seconds per byte that compute did not hide, and what the budget keeps
+    of the outputs beyond the whole blocks."""
+
+    t_fwd: float
+    t_bwd: float
+    step_offload: float
+    step_recompute: float
+    recomputed_s: float
+    moved: int
+    stored: int
+    e_fwd: float
+    e_bwd: float
+    write_bw: float
+    read_bw: float
+    per_byte: float
+    left_on_device: int
+
+    @classmethod
+    def of(cls, profile: Profile, n: int, held: int) -> _MoveModel:
+        """The model a profile gives, ``n`` blocks, the whole ones saving ``held``."""
+        s0, s1 = profile.s0, profile.s1
+        assert s0 is not None and s1 is not None
+        f_off, b_off, _ = profile.block_times(OFFLOAD_ALL)
+        # The recompute-all step next to the offload-all one: the two are differenced
+        # for the move cost, and the lower of two noisy steps would bias it upward.
+        f_rec, b_rec, _ = profile.step_block_times(profile.steps(RECOMPUTE_ALL)[0])
+        t_fwd, t_bwd = max(n * f_off, 1e-9), max(n * b_off, 1e-9)
+        step_offload, step_recompute = n * (f_off + b_off), n * (f_rec + b_rec)
+        moved = s1.bytes_offloaded - s0.bytes_offloaded
+        e_fwd = (s1.pack_wait_seconds - s0.pack_wait_seconds) + (
+            s1.copy_wait_seconds - s0.copy_wait_seconds
+        )
+        e_bwd = s1.stall_seconds - s0.stall_seconds
+        read = s1.bytes_read - s0.bytes_read
+        read_s = s1.read_seconds - s0.read_seconds
+        stored = sum(o.nbytes for o in profile.obs.values() if o.fixed is None)
+        # What the recompute-all step recomputed that the offload-all step read back.
+        recomputed_s = sum(
+            o.total_s for o in profile.obs.values() if o.fixed is None and o.consumed
+        )
+        # Moving `moved` bytes cost the offload-all step this much beyond the compute the
+        # recompute-all step spent instead, less the stalls the exposure terms model.
+        move_cost = step_offload - (step_recompute - recomputed_s)
+        return cls(
+            t_fwd,
+            t_bwd,
+            step_offload,
+            step_recompute,
+            recomputed_s,
+            moved,
+            stored,
+            e_fwd,
+            e_bwd,
+            write_bw=moved / t_fwd if moved else math.inf,
+            read_bw=read / read_s if read and read_s > 0 else math.inf,
+            per_byte=max(move_cost - e_fwd - e_bwd, 0.0) / moved if moved else 0.0,
+            # The bytes the budget keeps of the outputs, less what the whole blocks take.
+            left_on_device=max(stored - moved - held, 0),
+        )
+
+    def cost(self, share: float, cut: float, recompute_s: float) -> float:
+        """Seconds a step spends moving the checkpointed blocks' op outputs (``share`` of
+        the stored bytes) but ``cut`` bytes recomputed in ``recompute_s`` seconds."""
+        out = max(self.stored * share - cut - self.left_on_device, 0)
+        part = out / self.moved if self.moved else 0.0  # of the stalls step (2) measured
+        hide_f = max(self.t_fwd - self.e_fwd, 0.0)
+        hide_b = max(self.t_bwd - self.e_bwd, 0.0)
+        return (
+            self.per_byte * out
+            + max(part * self.e_fwd, out / self.write_bw - hide_f)
+            + max(part * self.e_bwd, out / self.read_bw - hide_b - recompute_s)
+        )
+
+    def figures(self) -> dict[str, float]:
+        """The model's figures, as the plan prints them."""
+        finite = math.isfinite
+        return {
+            "step_offload_all_s": self.step_offload,
+            "step_recompute_all_s": self.step_recompute,
+            "recompute_s": self.recomputed_s,
+            "move_s_per_GB": self.per_byte * 1e9,
+            "forward_s": self.t_fwd,
+            "backward_s": self.t_bwd,
+            "moved_MiB": self.moved / _MiB,
+            "forward_stall_s": self.e_fwd,
+            "backward_stall_s": self.e_bwd,
+            "write_GBps": self.write_bw / 1e9 if finite(self.write_bw) else math.inf,
+            "read_GBps": self.read_bw / 1e9 if finite(self.read_bw) else math.inf,
+        }
+
+
+def _per_op(
+    profile: Profile, share: float, model: _MoveModel
+) -> tuple[dict[Position, CheckpointPolicy], dict[Position, tuple[str, float, float]], float]:
+    """Per op position, recompute or offload (NOTE [keep, offload, recompute] in
+    recompute.py): fixed positions as they must run, then the rest from the cheapest to
+    recompute per byte, each recomputed where that costs less than the moves it saves
+    (``model``, over the checkpointed blocks' ``share``); with each choice's reason,
+    seconds and modelled move seconds, and what the offloads save a step."""
+    plan: dict[Position, CheckpointPolicy] = {}
+    reasons: dict[Position, tuple[str, float, float]] = {}
+    free = []
+    candidates = []
+    for pos, obs in profile.obs.items():
+        if obs.fixed == "generator":  # NOTE [random ops] in checkpointing.py
+            plan[pos] = CheckpointPolicy.PREFER_CPU_OFFLOAD
+            why = "draws from a generator of the caller's own, which no recompute restores"
+            reasons[pos] = (why, obs.total_s, 0.0)
+        elif obs.fixed is not None:
+            plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
+            why = "aliases another tensor" if obs.fixed == "alias" else "draws random numbers"
+            reasons[pos] = (why, obs.total_s, 0.0)
+        elif obs.consumed == 0 or obs.nbytes == 0:
+            plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
+            reasons[pos] = ("never needed by the recompute", 0.0, 0.0)
+            free.append(pos)
+        else:
+            candidates.append((obs.total_s / obs.nbytes, pos))
+    cut = sum(profile.obs[p].nbytes for p in free) * share
+    recompute_s = gain = 0.0
+    for _, pos in sorted(candidates, key=lambda c: c[0]):
+        obs = profile.obs[pos]
+        nbytes, seconds = obs.nbytes * share, obs.total_s * share
+        move = model.cost(share, cut, recompute_s) - model.cost(
+            share, cut + nbytes, recompute_s + seconds
+        )
+        if seconds < move:
+            plan[pos] = CheckpointPolicy.PREFER_RECOMPUTE
+            reasons[pos] = ("recompute is cheaper than moving", seconds, move)
+            cut += nbytes
+            recompute_s += seconds
+        else:
+            plan[pos] = CheckpointPolicy.PREFER_CPU_OFFLOAD
+            reasons[pos] = ("moving is cheaper than recompute", seconds, move)
+            gain += seconds - move
+    return plan, reasons, gain
 
 
 def unreachable_budget(profile: Profile, budget: int) -> tuple[int, str] | None:
