@@ -1,7 +1,8 @@
 """The automatic keep / offload / recompute policy: it profiles, plans and weighs the plan
 for each op output of a checkpointed block (the profile: recompute_profile.py; the plan
-made from it: recompute_planner.py; the heap trims weighed: recompute_trims.py; what
-was decided, printed: recompute_plan.py).
+made from it: recompute_planner.py; the plan in force and the steps that still weigh
+it: recompute_weighing.py; the heap trims' verdict: recompute_trims.py; what was
+decided, printed: recompute_plan.py).
 
 # NOTE [keep, offload, recompute]
 # Each wrapped block runs whole (not checkpointed: what autograd saves goes to
@@ -84,17 +85,18 @@ was decided, printed: recompute_plan.py).
 #   [cache entry mutation]).
 # - Plain or selective: selective only when its offloads save more (compute
 #   time less move cost, summed) than the dispatch modes cost the blocks, by more
-#   than 5% of the recompute-all step (SELECTIVE_MARGIN: a trial tells no
-#   smaller difference, NOTE [plans within the noise] in recompute_planner.py); else every non-whole
-#   block is checkpointed plainly and its ops all recompute. (On the CPU
+#   than 5% of the recompute-all step (SELECTIVE_MARGIN in recompute_planner.py:
+#   a trial tells no smaller difference, NOTE [plans within the noise] there);
+#   else every non-whole block is checkpointed plainly and its ops all recompute. (On the CPU
 #   benchmarks of ``bench/recompute.py`` the net gain was at most 6 ms of a
 #   0.55-1.8 s step, and a selective plan moves the bytes the budget does not
 #   keep.)
-#   The cost per block is DISPATCH_SWITCH times the median block's time in the
-#   modes in the recompute-all steps, forward and recompute (their ``__torch_dispatch__``
-#   beyond the ops: NOTE [dispatch cost] in checkpointing.py); the factor adds
-#   the switch into Python that the span misses (a cheap op costs 8.8 us more
-#   under the forward mode, 5.9 us of it in ``__torch_dispatch__``). A sum of
+#   The cost per block is DISPATCH_SWITCH (recompute_planner.py) times the
+#   median block's time in the modes in the recompute-all steps, forward and
+#   recompute (their ``__torch_dispatch__`` beyond the ops: NOTE [dispatch cost]
+#   in checkpointing.py); the factor adds the switch into Python that the span
+#   misses (a cheap op costs 8.8 us more under the forward mode, 5.9 us of it
+#   in ``__torch_dispatch__``). A sum of
 #   many short spans is steady; the difference of two block times is not: a
 #   heap trim or another process lands in one block and not the other. Measured
 #   on the 8-layer Llama of ``bench/recompute.py --model llama`` (2 CPU threads;
@@ -795,7 +797,8 @@ class AutoDecider:
         active.share, self._weighing.trial_left = got["share"], got["trial_left"]
 
     def _warn_budget(self, unreachable: tuple[int, str] | None) -> None:
-        """Warn once where a budget no plan reaches (what :meth:`_unreachable` said)."""
+        """Warn once where a budget no plan reaches (what
+        :func:`~prefetch_offload.recompute_planner.unreachable_budget` said)."""
         if unreachable is not None and not self._warned:
             floor, what = unreachable
             self._warned = True

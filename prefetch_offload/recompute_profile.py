@@ -120,7 +120,7 @@ INPUTS_STEP = PROFILE.index(RECOMPUTE_ALL)
 
 
 def copied(obs: dict[Position, OpObs]) -> dict[Position, OpObs]:
-    """The measurements, each a copy of its own (NOTE [abandoned forwards] in recompute.py in
+    """The measurements, each a copy of its own (NOTE [abandoned forwards] in
     recompute.py)."""
     return {pos: dataclasses.replace(o, seconds=list(o.seconds)) for pos, o in obs.items()}
 

@@ -28,46 +28,43 @@ weighed without trims against the plan it may replace (NOTE [plain without trims
 # alone held 1012, and the timed steps then peaked at 882 MiB above their
 # start against the target's limit of 870. Where offload alone's peak is
 # unknown (not sampled), the step under trims alone is the measure. Held off,
-# where the process's anonymous resident memory passes the ceiling, the larger
-# of what the verdict allows and 105% of the most the steps without trims held
-# (the latter alone where the step under them is unknown; the engine reads it
-# at its packs), one trim runs and the trims stay held; where it passes it again
-# within CEILING_STEPS (4, heap.py) steps of that trim, the trims run again for
-# good (until a new profile), with one trim at once. The verdict's steps without
-# trims come right after a trim, on a heap that has not settled, and glibc's
-# heap may drift up later. Measured on the 8-layer Llama of ``bench/recompute.py
-# --model llama``, 60 steps in a process each (2 CPU threads), every layer plain
-# and held off from step 16: at 25% and 50% of the saved bytes the peak above
-# the start settled at 317 and 303 MiB by steps 19 and 25 and stayed there to
-# the end, passing no ceiling, 0.54-0.60 s a step (full checkpointing without
-# the engine: 239-303 MiB, 0.53-0.60 s; the profile's steps under trims 0.62-0.69
-# s); with the ceiling lowered to the allowance (548 MiB, 17 over the steps
-# without trims), the heap passed it at the third step held, the trim took that
-# step's peak from 282 to 265 MiB, and it passed again two steps later: the
-# trims ran again for good, 0.57-0.69 s a step at 192-227 MiB. Side by side
-# with ``full`` (``bench/recompute.py --model llama --modes none,full,auto25,
-# auto50 --warmup 25 --steps 35``), in one run plain checkpointing held off at 50%
-# passed no ceiling in 60 steps and ran 1.02x ``full``'s step; in another
-# three layers whole beside five plain, held off, passed theirs (635 MiB) twice
-# within 4 steps, and under the trims again ran 1.10x ``full``'s: the memory
-# bound comes first (there plain checkpointing ran 0.531 s a step without
-# trims against the plan's 0.516: it stands in for such a plan whose trims come
-# back, NOTE [plain without trims]). A heap still
-# settling passes twice within 4 steps and gets its trims back; one that drifts
-# past its ceiling after many steps pays a trim a pass, not the trims' page
-# faults every step (in a ``bench/recompute.py --model llama`` run at 25%, trims
-# for good after such a pass ran the timed steps at 1.05x ``full``'s). Trims
-# held off but run once a step past the ceiling are no substitute for the trims:
-# measured with ``bench/recompute.py --steps 8`` on the transformer at 25%, every
-# block plain, the timed steps peaked at 548-921 MiB above their start against
-# the target's limit of 652 (a trim a step gives back what the next backward's
-# recompute touches again). On the 8-layer Llama at 50%, three layers whole,
-# with a ceiling of 105% of the untrimmed peak (646 MiB), the heap passed it
-# after 22 steps held off, 32 MiB under what the verdict allowed; in another
-# run, with the allowance (629 MiB, 1 MiB over the untrimmed steps' peak) as the
-# ceiling, the trims ran again within the warm-up, and auto took 1.11x
-# ``full``'s step. Else (not held
-# off) the trims run again, with one trim at once for what the steps without
+# where the process's anonymous resident memory passes the ceiling, what the
+# verdict allows (105% of the most the steps without trims held where the step
+# under them is unknown, or where rank 0's word holds them off above this rank's
+# own allowance; the engine reads it at its packs), one trim runs and the trims
+# stay held; where it passes it again within CEILING_STEPS (4, heap.py) steps of
+# that trim, the trims run again for good (until a new profile), with one trim
+# at once. The verdict's steps without trims come right after a trim, on a heap
+# that has not settled, and glibc's heap may drift up later; a heap that drifts
+# past what the budget has been measured to take is over the budget, so the
+# ceiling is the allowance, not a drift above it. On the 8-layer Llama of
+# ``bench/recompute.py --model llama --modes none,full,auto25,auto50 --warmup 25
+# --steps 35`` at 50% (three layers whole beside five plain), a ceiling of 105%
+# of the untrimmed peak (655 MiB, 6 over the allowance) let the timed steps peak
+# at 415.6 MiB above their start against the target's limit of 412.3; at the
+# allowance (630 MiB, the untrimmed peak 628) the plan's heap passed it twice
+# in the warm-up and plain checkpointing stood in (NOTE [plain without trims]):
+# 348.7 MiB (limit 429.5), 1.00x ``full``'s step (per round 0.94-1.06), as in a
+# ``--steps 8`` run of the same model (363.6 MiB, limit 410.2, 1.00x ``full``).
+# Without a stand-in the memory bound still comes first: on the same model, 60
+# steps in a process each (2 CPU threads), every layer plain and held off from
+# step 16, at 25% and 50% of the saved bytes the peak above the start settled at
+# 317 and 303 MiB by steps 19 and 25 and stayed there to the end, 0.54-0.60 s a
+# step (full checkpointing without the engine: 239-303 MiB, 0.53-0.60 s; the
+# profile's steps under trims 0.62-0.69 s); with the ceiling at the allowance
+# (548 MiB, 17 over the steps without trims), the heap passed it at the third
+# step held, the trim took that step's peak from 282 to 265 MiB, and it passed
+# again two steps later: the trims ran again for good, 0.57-0.69 s a step at
+# 192-227 MiB. A heap still settling passes twice within 4 steps and gets its
+# trims back; one that drifts past its ceiling after many steps pays a trim a
+# pass, not the trims' page faults every step (in a ``bench/recompute.py
+# --model llama`` run at 25%, trims for good after such a pass ran the timed
+# steps at 1.05x ``full``'s). Trims held off but run once a step past the
+# ceiling are no substitute for the trims: measured with ``bench/recompute.py
+# --steps 8`` on the transformer at 25%, every block plain, the timed steps
+# peaked at 548-921 MiB above their start against the target's limit of 652 (a
+# trim a step gives back what the next backward's recompute touches again).
+# Else (not held off) the trims run again, with one trim at once for what the steps without
 # them left, at the bound as it is. A bound raised by what offload alone held
 # in the profile above the step under trims trades page faults for memory
 # (the 24-block transformer at 25% of the saved bytes, every block plain, one
@@ -188,8 +185,9 @@ __all__ = ["CEILING", "TRIMS_SLACK", "TrimsVerdict", "ceiling_of", "trims_verdic
 # NOTE [trims a plan does without]: the share of a step's saved bytes the heap may hold
 # without trims beyond the step under them or offload alone (the issue's peak slack).
 TRIMS_SLACK = 0.05
-# NOTE [trims a plan does without]: trims held off run again above this much over the
-# most the steps without them held, or above the allowance where that is more.
+# NOTE [trims a plan does without]: where the step under trims is unknown, or rank 0's
+# word holds them off above this rank's allowance, trims held off trim once this much
+# over the most the steps without them held.
 CEILING = 0.05
 
 
@@ -213,11 +211,13 @@ def trims_verdict_of(trimmed: int, untrimmed: int, *, alone: int, saved: int) ->
 
 
 def ceiling_of(verdict: TrimsVerdict) -> int | None:
-    """Where trims held off by ``verdict`` trim once: the larger of its allowance and
-    CEILING over what the steps without them held (the latter alone where the step under
-    them is unknown); None where the untrimmed peak is unknown (held by rank 0's word)."""
+    """Where trims held off by ``verdict`` trim once: what it allows (the peak the
+    budget has been measured to take); CEILING over what the steps without them held
+    where that is more (held by rank 0's word) or where the step under them is unknown;
+    None where the untrimmed peak is unknown (held by rank 0's word)."""
     if not verdict.untrimmed:
         return None
     drift = verdict.untrimmed * (1 + CEILING)
-    most = max(verdict.allowed, drift) if verdict.trimmed else drift
+    within = verdict.trimmed and verdict.untrimmed <= verdict.allowed
+    most = verdict.allowed if within else drift
     return int(most) if math.isfinite(most) else None

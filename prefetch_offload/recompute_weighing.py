@@ -490,11 +490,9 @@ class Weighing:
     def _apply_trims(self, verdict: TrimsVerdict, *, record: bool) -> None:
         """Hold the trims off for good, or let them run with one trim now for what steps
         without them left; the plan prints the figures where held, or where ``record``.
-        Held off, one trim runs where the process passes the larger of the allowance and
-        105% of what the steps without them held (the latter alone where the step under
-        them is unknown; no ceiling where the untrimmed peak is unknown: held by rank
-        0's word), and the trims run again where it passes it twice within CEILING_STEPS
-        steps."""
+        Held off, one trim runs where the process passes the verdict's ceiling
+        (:func:`~prefetch_offload.recompute_trims.ceiling_of`: its allowance), and the
+        trims run again where it passes it twice within CEILING_STEPS steps."""
         held, trimmed, untrimmed, allowed = verdict
         figures = {
             "trims_held": float(held),

@@ -1085,8 +1085,7 @@ def test_a_plan_that_moves_nothing_holds_trims_off_where_it_holds_no_more_than_a
     of the bytes the blocks saved (``saved`` MiB) in the profile's whole step; the
     budget the plan leaves unused does not count (the trims' allowance already let the
     trimmed step's heap fill it); else trims run again, with one trim at once. Held
-    off, a trim comes above the lower of 105% of the untrimmed steps' most and the most
-    that verdict allows."""
+    off, a trim comes above the most that verdict allows."""
     calls = _Holds()
     trims: list[int] = []
     peaks = {**_LEAN_PLAIN, WHOLE_TIMED: alone << 20}
@@ -1102,7 +1101,7 @@ def test_a_plan_that_moves_nothing_holds_trims_off_where_it_holds_no_more_than_a
     _planned_steps(decider, [3.0], 1)
     assert calls == [True, held] and not source.running
     allowed = (max(trimmed, alone) << 20) + 0.05 * saved * _MiB
-    ceiling = int(max(allowed, (max(untrimmed) << 20) * 1.05))  # (trims run again past it)
+    ceiling = int(allowed)  # (one trim past it; trims run again past it twice)
     assert calls.ceilings == [None, ceiling if held else None]
     assert trims == ([] if held else [1])
     m = decider.plan().measured
@@ -1262,7 +1261,7 @@ def test_where_offload_alone_runs_plain_checkpointing_is_weighed_without_trims(
     assert calls == [True, plain]
     # (Offload alone held 200 MiB in the profile; 5% of the two blocks' 400 MiB.)
     allowed = (max(trimmed, 200) << 20) + 0.05 * (400 << 20)
-    assert calls.ceilings[1] == (int(max(allowed, (untrimmed << 20) * 1.05)) if plain else None)
+    assert calls.ceilings[1] == (int(allowed) if plain else None)  # (its verdict's allowance)
     assert trims == ([1] if plain else [1, 1])
     plan = decider.plan()
     m = plan.measured
@@ -1388,9 +1387,9 @@ def test_ranks_weighing_plain_without_trims_run_rank_0_s_choice() -> None:
 
     got = on_ranks(4, rank)
     assert [g[:2] for g in got] == [(PLAIN, 1.0)] * 4 and all(g[2][-1] for g in got)
-    # (The ceiling: the larger of the most each rank's own verdict allows, offload
-    # alone's peak in its own profile (no saved bytes), and 105% of what it held without
-    # trims; the latter alone where the step under trims is unknown.)
+    # (The ceiling: what each rank's own verdict allows, offload alone's peak in its own
+    # profile (no saved bytes), where it held no more without trims; else, held by rank
+    # 0's word, or where the step under trims is unknown, 105% of what it held without.)
     ceilings = [200 << 20, int(1.05 * (300 << 20)), None, int(1.05 * (300 << 20))]
     assert [g[3][-1] for g in got] == ceilings
 
@@ -1435,7 +1434,7 @@ def test_a_tried_plan_that_moves_nothing_is_tried_without_trims_too(
     assert calls == [True, False, True, held] and not source.running
     allowed = (200 << 20) + 0.05 * 300 * unit
     if held:
-        assert calls.ceilings[-1] == int(max(allowed, (untrimmed_mib << 20) * 1.05))
+        assert calls.ceilings[-1] == int(allowed)
     assert trims == ([1] if held else [1, 1])
     plan = decider.plan()
     m = plan.measured

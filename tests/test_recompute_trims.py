@@ -38,14 +38,17 @@ def test_trims_are_held_off_where_the_steps_without_them_hold_no_more_than_allow
     assert (verdict.trimmed, verdict.untrimmed) == (trimmed * MB, untrimmed * MB)
 
 
-def test_the_ceiling_is_the_allowance_or_the_drift_over_the_untrimmed_peak() -> None:
-    """One trim runs where the process passes the larger of what the verdict allows and
-    CEILING over the most the steps without trims held; the drift alone where the step
-    under trims is unknown; no ceiling where the untrimmed peak is unknown."""
+def test_the_ceiling_is_what_the_verdict_allows() -> None:
+    """One trim runs where the process passes what the verdict allows, however close the
+    steps without trims came to it; CEILING over the most those steps held where the step
+    under trims is unknown, or where they held more than allowed (held by rank 0's word);
+    no ceiling where the untrimmed peak is unknown."""
     roomy = TrimsVerdict(True, 500 * MB, 520 * MB, 600.0 * MB)
     assert ceiling_of(roomy) == 600 * MB
     tight = TrimsVerdict(True, 500 * MB, 590 * MB, 600.0 * MB)
-    assert ceiling_of(tight) == int(590 * MB * (1 + CEILING))
+    assert ceiling_of(tight) == 600 * MB
+    over = TrimsVerdict(True, 500 * MB, 640 * MB, 600.0 * MB)  # rank 0 held them off
+    assert ceiling_of(over) == int(640 * MB * (1 + CEILING))
     unknown_step = TrimsVerdict(True, 0, 520 * MB, 9e18)
     assert ceiling_of(unknown_step) == int(520 * MB * (1 + CEILING))
     assert ceiling_of(TrimsVerdict(True, 500 * MB, 0, 600.0 * MB)) is None
