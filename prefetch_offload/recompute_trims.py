@@ -42,10 +42,11 @@ weighed without trims against the plan it may replace (NOTE [plain without trims
 # --steps 35`` at 50% (three layers whole beside five plain), a ceiling of 105%
 # of the untrimmed peak (655 MiB, 6 over the allowance) let the timed steps peak
 # at 415.6 MiB above their start against the target's limit of 412.3; at the
-# allowance (630 MiB, the untrimmed peak 628) the plan's heap passed it twice
-# in the warm-up and plain checkpointing stood in (NOTE [plain without trims]):
-# 348.7 MiB (limit 429.5), 1.00x ``full``'s step (per round 0.94-1.06), as in a
-# ``--steps 8`` run of the same model (363.6 MiB, limit 410.2, 1.00x ``full``).
+# allowance, in the run ``docs/benchmarks.md`` shows (642 MiB, the untrimmed
+# peak 603), the plan's heap never passed it twice within 4 steps: 355.8 MiB
+# (limit 402.5), 0.95x ``full``'s step; in another (630 MiB, the untrimmed peak
+# 628) it passed twice in the warm-up and plain checkpointing stood in (NOTE
+# [plain without trims]): 348.7 MiB (limit 429.5), 1.00x ``full``'s step.
 # Without a stand-in the memory bound still comes first: on the same model, 60
 # steps in a process each (2 CPU threads), every layer plain and held off from
 # step 16, at 25% and 50% of the saved bytes the peak above the start settled at
