@@ -8,21 +8,19 @@ import collections
 import dataclasses
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .checkpointing import OFFLOAD, RECOMPUTE, OpKey, PolicyDecider, op_kind, output_bytes
 from .heap import CEILING_STEPS
 
-if TYPE_CHECKING:
-    from .recompute_profile import OpObs
-
 __all__ = [
     "ALONE",
     "OpDecision",
+    "OpMeasured",
     "Position",
     "RecomputePlan",
     "RecordingDecider",
@@ -35,6 +33,16 @@ _MiB = 1 << 20
 Position = tuple[str, Any, int]
 # The name the printed plan and the weighings give offload alone (every block whole).
 ALONE = "offload alone"
+
+
+class OpMeasured(Protocol):
+    """What a summary reads of one op position's measurements (the profile's ``OpObs``):
+    its output bytes over a step, and its compute seconds over a step."""
+
+    nbytes: int
+
+    @property
+    def total_s(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -292,7 +300,7 @@ class _Recorded:
 
 
 def summarize(
-    obs: dict[Position, OpObs],
+    obs: Mapping[Position, OpMeasured],
     plan: dict[Position, CheckpointPolicy],
     reasons: dict[Position, tuple[str, float, float]],
     share: float,
