@@ -225,7 +225,7 @@ def why_chosen(plans: dict[str, Weighed], chosen: str, other: str, than: str) ->
     return f"ran within {TIE:.0%} of the fastest plan and held less memory than it"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Planned:
     """A plan made from a profile: per op position its policy and why (the reason, its
     compute seconds and its modelled move seconds), per block its mode, the figures it
@@ -255,7 +255,8 @@ def make_plan(
     offload, recompute] in recompute.py); ``may_run_alone``: offload alone (every block
     whole) may be the plan; ``may_interleave``: where offload alone beat plain
     checkpointing, the plan tried interleaves them (NOTE [interleaved blocks])."""
-    _, _, n = profile.block_times(OFFLOAD_ALL)  # (the blocks the step ran)
+    offload_all = profile.block_times(OFFLOAD_ALL)
+    n = offload_all[2]
     # What the modes measured of themselves per block, forward and recompute (NOTE
     # [dispatch cost] in checkpointing.py), the median block.
     spent = [v for i in profile.steps(RECOMPUTE_ALL) for v in profile.dispatch.get(i, {}).values()]
@@ -270,7 +271,7 @@ def make_plan(
     others = {key for key in profile.spans.get(WHOLE_ALL_STEP, {}) if key not in kept}
     # The dispatch modes' own cost per block (NOTE [keep, offload, recompute] in recompute.py).
     overhead = DISPATCH_SWITCH * in_modes
-    model = _MoveModel.of(profile, n, held)
+    model = _MoveModel.of(profile, offload_all, held)
     plan, reasons, gain = _per_op(profile, share, model)
     # NOTE [a budget no plan reaches]: then the leanest plan, every block plain.
     unreachable = unreachable_budget(profile, budget)
@@ -450,11 +451,14 @@ class _MoveModel:
     left_on_device: int
 
     @classmethod
-    def of(cls, profile: Profile, n: int, held: int) -> _MoveModel:
-        """The model a profile gives, ``n`` blocks, the whole ones saving ``held``."""
+    def of(cls, profile: Profile, offload_all: tuple[float, float, int], held: int) -> _MoveModel:
+        """The model a profile gives: ``offload_all`` is the offload-all step's median
+        block forward and backward seconds and the blocks it ran; the whole blocks save
+        ``held``."""
         s0, s1 = profile.s0, profile.s1
         assert s0 is not None and s1 is not None
-        f_off, b_off, _ = profile.block_times(OFFLOAD_ALL)
+        f_off, b_off, n = offload_all
+        n = max(n, 1)
         # The recompute-all step next to the offload-all one: the two are differenced
         # for the move cost, and the lower of two noisy steps would bias it upward.
         f_rec, b_rec, _ = profile.step_block_times(profile.steps(RECOMPUTE_ALL)[0])
