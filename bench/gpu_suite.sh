@@ -20,7 +20,7 @@
 #      (device_budget half the saved bytes) (90 s)
 #   4. keep / offload / recompute (75 s): the comparison of bench/recompute.py --gpu
 #      (a Hugging Face Llama in bf16 where transformers is installed, else the benchmark
-#      transformer), where its --help offers --gpu, else recorded as skipped
+#      transformer)
 #   5. disk, only if the preflight measured O_DIRECT through pinned memory at 1 GB/s or
 #      more (60 s): none and disk, bf16 at half the sequence (about 2.3 GB saved a step),
 #      one warm-up and two timed steps
@@ -218,14 +218,9 @@ if want bf16 gpu_bf16; then
 fi
 
 stage "keep / offload / recompute"
-if ! want recompute recompute; then
-  :
-elif [ -f bench/recompute.py ] && timeout 60 $py bench/recompute.py --help 2>/dev/null | grep -q -- --gpu; then
+if want recompute recompute; then
   step recompute 75 $py -X faulthandler bench/recompute.py --gpu "${recompute[@]}" \
     --json "$work/recompute.json"
-else
-  echo "skipped: issue 23's comparison (bench/recompute.py) does not run on a GPU yet"
-  record recompute "skipped (no GPU comparison yet)"
 fi
 
 stage "disk (only with O_DIRECT at 1 GB/s or more)"

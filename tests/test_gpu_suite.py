@@ -112,14 +112,19 @@ def test_twin_suite_returns_every_stage_in_at_most_8_files(tmp_path: Path) -> No
         "recompute",  # before disk: the stage the suite exists for goes first
         "gpu_disk",
     ]
-    assert statuses.pop("recompute") in ("0", "skipped (no GPU comparison yet)")
     assert set(statuses.values()) == {"0"}, statuses
     with tarfile.open(out / "results.tar.gz") as tar:
         names = {Path(n).name for n in tar.getnames()}
         preflight = json.load(tar.extractfile("./preflight.json"))  # type: ignore[arg-type]
-    for stage in ("preflight", "tests_cuda", "gpu_fp32", "gpu_bf16", "gpu_disk"):
+    for stage in ("preflight", "tests_cuda", "gpu_fp32", "gpu_bf16", "recompute", "gpu_disk"):
         assert f"{stage}.txt" in names, names
-    assert {"env.txt", "preflight.json", "gpu_fp32.json", "gpu_bf16.json"} <= names
+    assert {
+        "env.txt",
+        "preflight.json",
+        "gpu_fp32.json",
+        "gpu_bf16.json",
+        "recompute.json",
+    } <= names
     assert "finished" in preflight and "direct_io" in preflight
     summary = (out / "summary.txt").read_text()
     assert "stage: gpu_disk 0" in summary and "gpu_fp32 target PASS: final parameters" in summary
