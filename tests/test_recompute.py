@@ -10,6 +10,7 @@ import collections
 import copy
 import functools
 import math
+import re
 import threading
 import time
 import warnings
@@ -2082,6 +2083,18 @@ def test_a_budget_no_plan_can_reach_warns_once_and_runs_every_block_plain(
     assert plan is not None and plan.measured["blocks_plain"] == 4
     assert plan.measured["offload_alone"] == 0 and plan.bytes_offloaded == 0
     assert _exact(ref, got)
+    # The budget the warning names is one that a plan reaches: no warning there.
+    named = re.search(r"device_budget to at least (\d+) bytes", str(hits[0].message))
+    assert named is not None and int(named[1]) > 1024
+    model = _model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with offload_context(
+            "disk", str(tmp_path), model=model, recompute="auto", device_budget=int(named[1])
+        ) as engine:
+            _grads(model, steps)
+    assert not [w for w in caught if "smallest reachable" in str(w.message)]
+    assert engine.recompute_plan() is not None
 
 
 def test_the_dispatch_cost_is_the_median_block_s_own_time_in_the_modes() -> None:
