@@ -97,7 +97,7 @@ from .plan import PrefetchPlan, current_group_key
 from .policy import DEVICE, DISK, HOST, TierPolicy
 from .profiling import profiler_range
 from .reader import AUTO_WINDOW_MAX, AUTO_WINDOW_START, ReadPath
-from .recompute import AutoDecider, RecomputePlan, RecordingDecider
+from .recompute_plan import RecomputePlan, RecordingDecider, StepDecider
 from .records import DedupEntry, Handle, Kept, Record, Resident, Wrapped, is_dtensor
 from .slab import Extent, SlabStore, prepare_save_dir
 from .stats import OffloadStats, StatsCounter
@@ -268,7 +268,7 @@ class OffloadEngine:
         # NOTE [keep, offload, recompute] in recompute.py: what selective checkpoints
         # kept, offloaded and recomputed, and the decider recompute= installed (if any).
         self._ckpt_stats = CheckpointStats()
-        self._decider: AutoDecider | RecordingDecider | None = None
+        self._decider: StepDecider | None = None
         _ENGINES.add(self)  # NOTE [fork]
 
     # -- public -----------------------------------------------------------------------------
@@ -388,7 +388,7 @@ class OffloadEngine:
             self._reader.read_pool.new_period()  # NOTE [read buffer pool]
             moved = self._policy.demoted[DISK]  # NOTE [heap trim]: the bound follows it
             basis = moved - self._moved_before_step
-            if isinstance(self._decider, AutoDecider):  # NOTE [profiling under trims]
+            if self._decider is not None:  # NOTE [profiling under trims] in recompute.py
                 basis = self._decider.trim_basis(basis)
             self._heap.step_moved(basis)
             self._moved_before_step = moved
@@ -1078,8 +1078,8 @@ class OffloadEngine:
     def _finish_close(self, *, raise_errors: bool) -> None:
         """Close with the writes submitted: stop the IO threads (after what they have
         queued), release the buffers and slabs, report a stored error."""
-        if isinstance(self._decider, AutoDecider):
-            self._decider.close()  # NOTE [plans within the noise]: its sampling thread
+        if self._decider is not None:
+            self._decider.close()  # NOTE [plans within the noise]: auto's sampling thread
         with self._lock:
             self._closed = self._reader.closed = True
             self._plan.clear()

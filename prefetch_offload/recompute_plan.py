@@ -24,6 +24,7 @@ __all__ = [
     "Position",
     "RecomputePlan",
     "RecordingDecider",
+    "StepDecider",
     "choice_name",
     "summarize",
 ]
@@ -195,6 +196,24 @@ def choice_name(policy: CheckpointPolicy) -> str:
     return "keep"
 
 
+class StepDecider(Protocol):
+    """What the engine asks of the decider behind ``recompute=`` at its hooks: a
+    :class:`RecordingDecider` (a policy's) or ``recompute.AutoDecider``."""
+
+    def plan(self) -> RecomputePlan:
+        """What was decided, per op kind."""
+        ...
+
+    def trim_basis(self, moved: int) -> int:
+        """The bytes the heap trim bound follows in the step that begins now, the step
+        that ended having moved ``moved`` (NOTE [heap trim] in heap.py)."""
+        ...
+
+    def close(self) -> None:
+        """The context exits: stop any thread of its own."""
+        ...
+
+
 class RecordingDecider:
     """Keeps, per op kind, the bytes of each choice of users' policies in the last step.
 
@@ -266,6 +285,13 @@ class RecordingDecider:
             bytes_offloaded=totals["offload"],
             bytes_kept=totals["keep"],
         )
+
+    def trim_basis(self, moved: int) -> int:
+        """A policy's steps are all of one kind: the bound follows what the last moved."""
+        return moved
+
+    def close(self) -> None:
+        """Nothing runs beside a policy's steps."""
 
 
 class _Recorded:
