@@ -807,7 +807,7 @@ class AutoDecider:
                 f"block's recompute holds at once ({floor} bytes, {what}): no plan reaches "
                 f"it; the smallest reachable is about {floor} bytes plus the tensors saved "
                 "outside the blocks, which checkpointing every block plainly (but a smaller "
-                f"one the budget keeps whole) comes closest to, and runs. Raise "
+                "one the budget keeps whole) comes closest to, and runs. Raise "
                 f"device_budget to at least {floor} bytes, or split the blocks "
                 "(recompute_blocks=) finer.",
                 OffloadFallbackWarning,
