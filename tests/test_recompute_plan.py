@@ -1,6 +1,6 @@
 """recompute_plan.py: the printable plan per op kind, as the automatic policy summarizes
 it (the recorder of a user's policy is tested through offload_context in
-test_recompute.py and test_checkpointing.py)."""
+test_checkpointing.py and test_recompute_patterns.py)."""
 
 from __future__ import annotations
 
