@@ -230,7 +230,7 @@ class RecordingDecider:
 
     def for_policy(self, policy: Callable[..., Any]) -> _Recorded:
         """A decider that asks ``policy`` (PyTorch's signature) and records its answers."""
-        return _Recorded(self, PolicyDecider(policy))
+        return _Recorded(self, policy)
 
     def _record(self, key: OpKey, func: Any, policy: CheckpointPolicy, out: Any) -> None:
         kind = op_kind(func)
@@ -294,32 +294,20 @@ class RecordingDecider:
         """Nothing runs beside a policy's steps."""
 
 
-class _Recorded:
+class _Recorded(PolicyDecider):
     """One policy's decider, recording into a :class:`RecordingDecider`."""
 
-    def __init__(self, recorder: RecordingDecider, inner: PolicyDecider) -> None:
+    def __init__(self, recorder: RecordingDecider, policy: Callable[..., Any]) -> None:
+        super().__init__(policy)
         self._recorder = recorder
-        self._inner = inner
 
     def decide(self, key: OpKey, func: Any, args: Any, kwargs: Any, out: Any) -> CheckpointPolicy:
-        policy = self._inner.decide(key, func, args, kwargs, out)
+        policy = super().decide(key, func, args, kwargs, out)
         self._recorder._record(key, func, policy, out)
         return policy
 
-    def timing(self) -> bool:
-        return False
-
-    def observe(self, key: OpKey, func: Any, out: Any, seconds: float, policy: Any) -> None:
-        pass
-
     def recomputing(self) -> None:
         self._recorder._consumed()
-
-    def consumed(self, key: OpKey) -> None:
-        pass
-
-    def dispatched(self, block: tuple[str, int], seconds: float) -> None:
-        pass
 
     def overruled(self, key: OpKey, func: Any, out: Any, policy: CheckpointPolicy) -> None:
         self._recorder._overruled(func, policy, out)
